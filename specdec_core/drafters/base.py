@@ -1,0 +1,49 @@
+"""The drafter interface: a per-request session that proposes tokens and learns what was kept."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from ..sampling import SamplingParams
+from ..types import DraftBlock
+
+
+class DrafterParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Drafter(ABC):
+    """`reset(prompt)`, then per step `propose(max_tokens)` and `commit(new_tokens)` with the
+    tokens the verifier committed (accepted drafts + the correction/bonus token)."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[DrafterParams]] = DrafterParams
+
+    def __init__(self, params: DrafterParams | None = None):
+        self.params = params if params is not None else self.Params()
+        self.context: list[int] = []
+
+    def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams, generator: torch.Generator) -> None:
+        self.context = list(prompt_ids)
+        self.sampling = sampling
+        self.generator = generator
+
+    @abstractmethod
+    def propose(self, max_tokens: int) -> DraftBlock: ...
+
+    def commit(self, new_tokens: Sequence[int]) -> None:
+        self.context.extend(new_tokens)
+
+
+class NoDrafter(Drafter):
+    """Proposes nothing: every step is a plain one-token target step (target-only decoding
+    through the same loop)."""
+
+    name = "none"
+
+    def propose(self, max_tokens: int) -> DraftBlock:
+        return DraftBlock.empty()

@@ -1,0 +1,76 @@
+"""Per-request speculative metrics, named as vLLM's spec-decode counters (DESIGN.md section 10)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from .types import DraftBlock, Verdict
+
+POLICY_COUNTERS = ("penalized", "pardoned", "loose")
+
+
+@dataclass
+class SpecMetrics:
+    num_steps: int = 0  # target forwards after prefill
+    num_drafts: int = 0  # steps that verified >= 1 draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(POLICY_COUNTERS, 0))
+    draft_ms: list[float] = field(default_factory=list)
+    target_ms: list[float] = field(default_factory=list)
+    features_ms: list[float] = field(default_factory=list)
+    verify_ms: list[float] = field(default_factory=list)
+    prefill_ms: float = 0.0
+
+    def record(self, draft: DraftBlock, verdict: Verdict) -> None:
+        self.num_steps += 1
+        num_draft = draft.num_tokens
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += verdict.num_accepted
+        grow = num_draft - len(self.num_draft_tokens_per_pos)
+        if grow > 0:
+            self.num_draft_tokens_per_pos += [0] * grow
+            self.num_accepted_tokens_per_pos += [0] * grow
+        for position in range(num_draft):
+            self.num_draft_tokens_per_pos[position] += 1
+            self.num_accepted_tokens_per_pos[position] += int(position < verdict.num_accepted)
+        for name in POLICY_COUNTERS:
+            if name in verdict.trace:
+                self.counters[name] += int(verdict.trace[name].sum())
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / drafts (vLLM's definition: tokens per drafting step)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def summary(self) -> dict:
+        def p50(values: list[float]) -> float:
+            return round(statistics.median(values), 4) if values else 0.0
+
+        return {
+            "num_steps": self.num_steps,
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": self.num_accepted_tokens_per_pos,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "acceptance_rate": round(self.num_accepted_tokens / self.num_draft_tokens, 4)
+            if self.num_draft_tokens
+            else 0.0,
+            "acceptance_rate_per_pos": [
+                round(accepted / proposed, 4)
+                for accepted, proposed in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)
+            ],
+            **self.counters,
+            "prefill_ms": round(self.prefill_ms, 3),
+            "draft_ms_p50": p50(self.draft_ms),
+            "target_ms_p50": p50(self.target_ms),
+            "features_ms_p50": p50(self.features_ms),
+            "verify_ms_p50": p50(self.verify_ms),
+        }

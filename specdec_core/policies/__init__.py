@@ -1,0 +1,38 @@
+"""Acceptance policies, one file each, registered by name with validated parameters."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..errors import SpecdecError, validate_params
+from .base import AcceptancePolicy, PolicyParams
+from .dropmatch import DropMatchPolicy
+from .easd import EasdPolicy
+from .ears import EarsPolicy
+from .fly import FlyPolicy
+from .greedy import GreedyPolicy
+from .rejection import RejectionPolicy
+from .typical import TypicalPolicy
+
+POLICIES: dict[str, type[AcceptancePolicy]] = {
+    cls.name: cls
+    for cls in (GreedyPolicy, RejectionPolicy, TypicalPolicy, EasdPolicy, EarsPolicy, DropMatchPolicy, FlyPolicy)
+}
+
+
+class PolicyError(SpecdecError):
+    """Unknown policy name or invalid policy parameters."""
+
+
+def make_policy(name: str, params: Optional[dict[str, Any]] = None) -> AcceptancePolicy:
+    """Build a policy by registry name; raises PolicyError with a readable message."""
+    if name not in POLICIES:
+        raise PolicyError(f"unknown policy {name!r}; valid policies: {', '.join(sorted(POLICIES))}")
+    policy_cls = POLICIES[name]
+    try:
+        return policy_cls(validate_params(policy_cls.Params, params, f"policy {name!r}"))
+    except SpecdecError as error:
+        raise PolicyError(str(error)) from None
+
+
+__all__ = ["AcceptancePolicy", "PolicyParams", "POLICIES", "PolicyError", "make_policy"]

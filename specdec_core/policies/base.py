@@ -1,0 +1,123 @@
+"""The acceptance-policy interface and the lossless base rule every policy builds on.
+
+Base rule: at T = 0 accept while the draft token equals the target argmax and emit the target
+argmax at the first mismatch (bonus argmax after all K); at T > 0 standard speculative
+sampling (accept with prob min(1, p_t/p_d), resample from norm(max(0, p_t - p_d)), bonus from
+p_t). The random draws happen in a fixed order (one U per position, then one multinomial), so
+policies that reduce to the base rule at a neutral setting produce identical tokens under the
+same seed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from ..sampling import SamplingParams, sample, sampling_probs
+from ..types import DraftBlock, TargetBlock, Verdict
+
+
+class PolicyParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass
+class BaseDecision:
+    """Per-position quantities of the base rule, computed once and shared by policies."""
+
+    accepted: torch.Tensor  # [K] bool, base-rule accept flags
+    target_probs: Optional[torch.Tensor]  # [K+1, V] sampling distribution (None at T=0)
+    target_argmax: torch.Tensor  # [K+1]
+    ratio: Optional[torch.Tensor] = None  # [K] p_t(c)/p_d(c) at T > 0
+    uniform: Optional[torch.Tensor] = None  # [K] the U draws at T > 0
+
+
+class AcceptancePolicy(ABC):
+    """One acceptance rule. Subclasses set `name`, `Params` and implement `verify`."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[PolicyParams]] = PolicyParams
+    needs_hidden: ClassVar[bool] = False  # the target must return final hidden states + LM head
+    supports_sampling: ClassVar[bool] = True  # False: temperature must be 0
+
+    def __init__(self, params: Optional[PolicyParams] = None):
+        self.params = params if params is not None else self.Params()
+
+    def target_features(
+        self, target: TargetBlock, num_draft: int, sampling: SamplingParams, generator: torch.Generator
+    ) -> dict[str, torch.Tensor]:
+        """Extra per-position tensors computed where the target lives (next to its hidden
+        states and LM head), stored in `TargetBlock.features` before `verify` runs."""
+        return {}
+
+    @abstractmethod
+    def verify(
+        self,
+        draft: DraftBlock,
+        target: TargetBlock,
+        sampling: SamplingParams,
+        generator: torch.Generator,
+    ) -> Verdict: ...
+
+    def __repr__(self) -> str:
+        return f"{self.name}({self.params.model_dump()})"
+
+
+def first_false(flags: torch.Tensor) -> int:
+    """Index of the first False in `flags [K]` (K when all are True)."""
+    return int(flags.to(torch.int64).cumprod(0).sum())
+
+
+def base_decision(
+    draft: DraftBlock,
+    target: TargetBlock,
+    sampling: SamplingParams,
+    generator: torch.Generator,
+    target_probs: Optional[torch.Tensor] = None,
+) -> BaseDecision:
+    """Base-rule accept flags for every draft position (vectorized over K).
+    `target_probs` overrides the target's sampling distribution (EASD's penalty)."""
+    num_draft = draft.num_tokens
+    target_argmax = target.logits.argmax(-1)
+    if sampling.greedy and target_probs is None:
+        return BaseDecision(draft.tokens == target_argmax[:num_draft], None, target_argmax)
+    if target_probs is None:
+        target_probs = sampling_probs(target.logits, sampling)
+    draft_token_probs = draft.token_probs(sampling)
+    target_token_probs = target_probs[:num_draft].gather(-1, draft.tokens[:, None]).squeeze(-1)
+    ratio = target_token_probs / draft_token_probs.clamp_min(1e-10)
+    uniform = torch.rand(num_draft, generator=generator)
+    return BaseDecision(uniform <= ratio, target_probs, target_argmax, ratio, uniform)
+
+
+def recover_token(
+    position: int,
+    draft: DraftBlock,
+    decision: BaseDecision,
+    sampling: SamplingParams,
+    generator: torch.Generator,
+    residual: bool = True,
+) -> int:
+    """The token emitted at `position`: the bonus when position == K, else the correction after
+    a rejection there (target argmax at T = 0; a residual sample at T > 0, or a plain sample of
+    the target distribution when `residual` is False)."""
+    if decision.target_probs is None:
+        return int(decision.target_argmax[position])
+    target_row = decision.target_probs[position]
+    if position < draft.num_tokens and residual:
+        draft_row = draft.probs(sampling, target_row.shape[-1], rows=position)
+        residual_row = (target_row - draft_row).clamp_min(0)
+        # p_t == p_d leaves no residual mass; p_t itself is then the right law
+        if float(residual_row.sum()) > 0:
+            target_row = residual_row
+    return int(sample(target_row[None] / target_row.sum(), generator)[0])
+
+
+def accepted_prefix(flags: torch.Tensor, num_accepted: int) -> torch.Tensor:
+    prefix = torch.zeros_like(flags, dtype=torch.bool)
+    prefix[:num_accepted] = True
+    return prefix

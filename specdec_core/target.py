@@ -1,0 +1,70 @@
+"""Target scorer: chain verification of `[last committed, d_1..d_K]` in one forward, with a KV
+cache that always holds exactly the committed tokens but the last one. Rollback of rejected
+positions crops the DynamicCache."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .types import TargetBlock
+
+
+def make_cache(model: torch.nn.Module):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def crop_cache(cache, keep: int) -> None:
+    """Drop cached positions beyond `keep` (negative crop works in transformers 4.x and 5.x)."""
+    surplus = cache.get_seq_length() - keep
+    if surplus > 0:
+        cache.crop(-surplus)
+
+
+class TargetScorer:
+    """One request's target state. `score` appends the scored tokens to the cache; `commit(n)`
+    keeps the first n of them."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.cache = None
+        self.committed_len = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @torch.inference_mode()
+    def reset(self, prompt_ids: Sequence[int]) -> None:
+        """Prefill all prompt tokens but the last (which the first `score` call feeds)."""
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt must contain at least one token")
+        self.cache = make_cache(self.model)
+        self.committed_len = 0
+        if len(prompt_ids) > 1:
+            self.model.model(input_ids=torch.tensor([list(prompt_ids[:-1])]), past_key_values=self.cache, use_cache=True)
+            self.committed_len = len(prompt_ids) - 1
+
+    @torch.inference_mode()
+    def score(self, tokens: Sequence[int], with_hidden: bool = False) -> TargetBlock:
+        """Logits `[len(tokens), V]` (fp32) for the tokens appended after the committed prefix."""
+        crop_cache(self.cache, self.committed_len)
+        output = self.model.model(input_ids=torch.tensor([list(tokens)]), past_key_values=self.cache, use_cache=True)
+        hidden = output.last_hidden_state[0]
+        logits = self.model.lm_head(hidden).float()
+        if not with_hidden:
+            return TargetBlock(logits=logits)
+        return TargetBlock(logits=logits, hidden=hidden, lm_head=self.model.lm_head)
+
+    def commit(self, num_keep: int) -> None:
+        """Keep the first `num_keep` scored tokens; the rest are rolled back on the next call."""
+        self.committed_len += num_keep
+        crop_cache(self.cache, self.committed_len)
+
+    @torch.inference_mode()
+    def full_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits of a fresh forward over `token_ids` (no cache): the rollback reference."""
+        return self.model(input_ids=torch.tensor([list(token_ids)])).logits[0].float()

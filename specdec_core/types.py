@@ -1,0 +1,69 @@
+"""The tensors that travel between drafter, target and policy (DESIGN.md section 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .sampling import SamplingParams, sampling_probs
+
+
+@dataclass
+class DraftBlock:
+    """K proposed tokens. `logits [K, V]` are the draft model's raw (T=1) logits when a model
+    produced them; `sampled` says the tokens were drawn from the warped logits. Otherwise the
+    proposal is a deterministic function of the context, i.e. a one-hot draft distribution."""
+
+    tokens: torch.Tensor  # [K] int64
+    logits: Optional[torch.Tensor] = None  # [K, V]
+    sampled: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def probs(self, sampling: SamplingParams, vocab_size: int, rows=slice(None)) -> torch.Tensor:
+        """The distribution the tokens were proposed from, `[K, V]` (or the selected rows)."""
+        if self.sampled:
+            return sampling_probs(self.logits[rows], sampling)
+        return torch.nn.functional.one_hot(self.tokens[rows], vocab_size).float()
+
+    def token_probs(self, sampling: SamplingParams) -> torch.Tensor:
+        """p_d(c_i) for each proposed token, `[K]`, without materializing one-hot rows."""
+        if self.sampled:
+            probs = sampling_probs(self.logits, sampling)
+            return probs.gather(-1, self.tokens[:, None]).squeeze(-1)
+        return torch.ones(self.num_tokens)
+
+    @staticmethod
+    def empty() -> "DraftBlock":
+        return DraftBlock(tokens=torch.zeros(0, dtype=torch.long))
+
+
+@dataclass
+class TargetBlock:
+    """Target scores for `[last committed, d_1..d_K]`: row i scores draft token i, row K the bonus.
+    `hidden [K+1, H]` is the final (post-norm) hidden state and `lm_head` maps it to logits;
+    both are present when the scorer was asked for them (DropMatch)."""
+
+    logits: torch.Tensor  # [K+1, V] float32
+    hidden: Optional[torch.Tensor] = None
+    lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    features: dict[str, torch.Tensor] = field(default_factory=dict)  # policy.target_features
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.logits.shape[-1])
+
+
+@dataclass
+class Verdict:
+    """Outcome of one verification: the first `num_accepted` draft tokens are kept, then
+    `next_token` (a correction at the first rejection or the bonus after all K). `trace` holds
+    per-position bool flags `[K]` ("accepted" always, plus the policy's own counters)."""
+
+    num_accepted: int
+    next_token: int
+    trace: dict[str, torch.Tensor] = field(default_factory=dict)

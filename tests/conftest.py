@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random Llama pairs (fixed seeds) and the real SmolLM2 target."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY_VOCAB = 512
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def perturbed_copy(model, scale: float, seed: int = 1):
+    """A draft made by adding seeded Gaussian noise to the target's weights: `scale` sets how
+    often the two agree."""
+    draft = type(model)(model.config).eval()
+    draft.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
+    return draft
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_target):
+    from specdec_core import SpeculativeEngine
+
+    return SpeculativeEngine(tiny_target, None, perturbed_copy(tiny_target, 0.002))
+
+
+@pytest.fixture(scope="session")
+def smol_engine():
+    """SmolLM2-135M-Instruct target (fp32) with the default bf16 draft; converted once per
+    machine into the specdec cache."""
+    from specdec_core import SpeculativeEngine
+    from specdec_core.models import DEFAULT_DRAFT, ModelSpec
+
+    return SpeculativeEngine.from_specs(ModelSpec(), DEFAULT_DRAFT)
+
+
+def repeating_prompt(seed: int, length: int = 24, vocab_size: int = TINY_VOCAB) -> list[int]:
+    """A prompt with repeats, so prompt lookup finds matches."""
+    generator = torch.Generator().manual_seed(seed)
+    block = torch.randint(0, vocab_size, (length // 2,), generator=generator).tolist()
+    return block + block

@@ -1,0 +1,184 @@
+"""The speculative loop on tiny random Llama pairs: greedy identity, KV rollback, determinism,
+stopping rules and input validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, perturbed_copy, repeating_prompt, tiny_llama
+
+from specdec_core import GenerationRequest, SpecdecError, SpeculativeEngine
+from specdec_core.drafters import DrafterError, make_drafter
+from specdec_core.drafters.pld import PromptLookupParams, lookup_continuation
+from specdec_core.policies import POLICIES
+from specdec_core.sampling import SamplingParams
+from specdec_core.target import TargetScorer
+
+
+def request(prompt_ids, policy="greedy", drafter="pld", k=6, **sampling):
+    sampling.setdefault("max_tokens", 40)
+    return GenerationRequest(
+        prompt_ids=prompt_ids,
+        policy={"name": policy},
+        drafter={"name": drafter},
+        num_draft_tokens=k,
+        sampling=sampling,
+    )
+
+
+@pytest.mark.parametrize("drafter", ["pld", "model", "mla"])
+@pytest.mark.parametrize("k", [1, 4, 15])
+def test_greedy_speculation_is_token_identical_to_target_only(tiny_engine, drafter, k):
+    for seed in range(3):
+        prompt = repeating_prompt(seed)
+        reference = tiny_engine.complete(request(prompt, drafter="none"))
+        speculative = tiny_engine.complete(request(prompt, drafter=drafter, k=k))
+        assert speculative.token_ids == reference.token_ids
+        assert len(reference.token_ids) == 40 and reference.finish_reason == "length"
+
+
+def test_speculation_actually_accepts_drafts(tiny_engine):
+    """Guards the identity test against a drafter that never proposes anything."""
+    metrics = tiny_engine.complete(request(repeating_prompt(0), drafter="model", k=4)).metrics
+    assert metrics["spec_decode_num_drafts"] > 0
+    assert metrics["mean_acceptance_length"] > 2.0
+    assert metrics["num_steps"] < 40
+
+
+def test_reference_decoding_matches_transformers_generate(tiny_engine):
+    prompt = repeating_prompt(4)
+    ours = tiny_engine.complete(request(prompt, drafter="none", max_tokens=20)).token_ids
+    theirs = tiny_engine.target_model.generate(
+        torch.tensor([prompt]), max_new_tokens=20, do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
+    )[0, len(prompt):].tolist()
+    assert ours == theirs
+
+
+def test_kv_rollback_matches_a_fresh_forward(tiny_target):
+    scorer = TargetScorer(tiny_target)
+    prompt = repeating_prompt(1)
+    scorer.reset(prompt)
+    committed = list(prompt)
+    generator = torch.Generator().manual_seed(0)
+    for num_keep in (3, 1, 5, 2):
+        draft = torch.randint(0, TINY_VOCAB, (6,), generator=generator).tolist()
+        block = scorer.score([committed[-1], *draft])
+        fresh = scorer.full_logits(committed + draft)
+        torch.testing.assert_close(block.logits, fresh[len(committed) - 1 :], atol=1e-5, rtol=1e-5)
+        scorer.commit(num_keep)  # keep the last token + num_keep - 1 drafts, roll back the rest
+        correction = int(block.logits[num_keep - 1].argmax())
+        committed += draft[: num_keep - 1] + [correction]
+        next_block = scorer.score([committed[-1]])
+        torch.testing.assert_close(next_block.logits[0], scorer.full_logits(committed)[-1], atol=1e-5, rtol=1e-5)
+        scorer.commit(0)
+
+
+def test_draft_model_cache_rolls_back_to_committed_prefix(tiny_engine):
+    prompt = repeating_prompt(2)
+    sampling = SamplingParams()
+    drafter = make_drafter("model", {}, tiny_engine.draft_model)
+    fresh = make_drafter("model", {}, tiny_engine.draft_model)
+    drafter.reset(prompt, sampling, torch.Generator())
+    first = drafter.propose(6).tokens.tolist()
+    committed = first[:2] + [(first[2] + 1) % TINY_VOCAB]  # accept 2, then a correction
+    drafter.commit(committed)
+    fresh.reset(prompt + committed, sampling, torch.Generator())
+    second = drafter.propose(6)
+    expected = fresh.propose(6)
+    assert second.tokens.tolist() == expected.tokens.tolist()
+    torch.testing.assert_close(second.logits, expected.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_mla_uses_fewer_draft_forwards_than_the_plain_draft(tiny_engine):
+    prompt = repeating_prompt(0, length=40)
+    counts = {}
+    for name in ("model", "mla"):
+        drafter = make_drafter(name, {}, tiny_engine.draft_model)
+        drafter.reset(prompt, SamplingParams(), torch.Generator())
+        tokens = drafter.propose(12).tokens.tolist()
+        counts[name] = (drafter.forwards, tokens)
+    assert counts["mla"][1] == counts["model"][1]
+    assert counts["mla"][0] < counts["model"][0]
+
+
+def test_prompt_lookup_matches_longest_ngram_first():
+    params = PromptLookupParams(max_ngram=3, min_ngram=1, num_pred_tokens=4)
+    context = [1, 2, 3, 9, 9, 7, 2, 3, 5, 6, 1, 2, 3]
+    assert lookup_continuation(context, params, 10) == [9, 9, 7, 2]  # earliest 3-gram match
+    assert lookup_continuation(context, params.model_copy(update={"match": "latest"}), 10) == [9, 9, 7, 2]
+    assert lookup_continuation(context, params, 2) == [9, 9]
+    assert lookup_continuation([5, 6, 7, 8], params, 10) == []
+    assert lookup_continuation([4, 8, 1, 4], params, 10) == [8, 1, 4]  # falls back to a 1-gram
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupParams(max_ngram=1, min_ngram=2)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_sampled_generation_is_reproducible_under_a_seed(tiny_engine, policy):
+    if not POLICIES[policy].supports_sampling:
+        pytest.skip("greedy-only policy")
+    prompt = repeating_prompt(3)
+    runs = [
+        tiny_engine.complete(request(prompt, policy=policy, drafter="model", temperature=0.8, top_p=0.95, seed=seed)).token_ids
+        for seed in (11, 11, 12)
+    ]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_eos_and_max_tokens_finish_the_request():
+    target = tiny_llama(seed=3)
+    engine = SpeculativeEngine(target, None, None)
+    prompt = repeating_prompt(5)
+    free_run = engine.complete(request(prompt, drafter="pld", max_tokens=30)).token_ids
+    eos = free_run[10]
+    engine.eos_ids = {eos}
+    stopped = engine.complete(request(prompt, drafter="pld", max_tokens=30))
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free_run[: free_run.index(eos)]
+    ignoring = engine.complete(request(prompt, drafter="pld", max_tokens=30, ignore_eos=True))
+    assert ignoring.token_ids == free_run and ignoring.finish_reason == "length"
+
+
+def test_bad_requests_raise_clear_errors(tiny_engine):
+    prompt = repeating_prompt(0)
+    cases = [
+        (dict(prompt_ids=[]), "must not be empty"),
+        (dict(prompt=""), "must not be empty"),
+        (dict(), "exactly one of prompt"),
+        (dict(prompt_ids=prompt, num_draft_tokens=0), "greater than or equal to 1"),
+        (dict(prompt_ids=prompt, sampling={"temperature": -0.5}), "greater than or equal to 0"),
+        (dict(prompt_ids=prompt, sampling={"top_p": 0.0}), "greater than 0"),
+        (dict(prompt_ids=prompt, sampling={"max_tokens": 0}), "greater than or equal to 1"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(ValueError, match=message):
+            GenerationRequest(**fields)
+    engine_cases = [
+        (request(prompt, policy="nope"), "unknown policy 'nope'"),
+        (request(prompt, drafter="nope"), "unknown drafter 'nope'"),
+        (request(prompt, policy="greedy", temperature=0.7), "needs temperature 0"),
+        (request([TINY_VOCAB + 5]), r"prompt_ids must lie in \[0, 512\)"),
+        (request(prompt, max_tokens=2000), "prompt has 24 tokens"),
+        (GenerationRequest(prompt="hi"), "this engine has no tokenizer"),
+    ]
+    for bad, message in engine_cases:
+        with pytest.raises(SpecdecError, match=message):
+            tiny_engine.complete(bad)
+    with pytest.raises(DrafterError, match="needs a draft model"):
+        SpeculativeEngine(tiny_engine.target_model).complete(request(prompt, drafter="model"))
+    with pytest.raises(DrafterError, match="num_pred_tokens"):
+        tiny_engine.complete(
+            GenerationRequest(prompt_ids=prompt, drafter={"name": "pld", "params": {"num_pred_tokens": 0}})
+        )
+
+
+def test_metrics_count_drafts_and_policy_counters(tiny_target):
+    engine = SpeculativeEngine(tiny_target, None, perturbed_copy(tiny_target, 0.02))
+    metrics = engine.complete(request(repeating_prompt(0), policy="fly", drafter="model", k=15)).metrics
+    assert metrics["spec_decode_num_draft_tokens"] >= metrics["spec_decode_num_accepted_tokens"]
+    assert sum(metrics["spec_decode_num_accepted_tokens_per_pos"]) == metrics["spec_decode_num_accepted_tokens"]
+    assert metrics["mean_acceptance_length"] == pytest.approx(
+        1 + metrics["spec_decode_num_accepted_tokens"] / metrics["spec_decode_num_drafts"], abs=1e-3
+    )
+    assert metrics["completion_tokens"] == 40 and metrics["loose"] >= 0

@@ -1,0 +1,441 @@
+"""Acceptance policies on hand-built distributions: base rules, neutral settings, and where each
+lossy rule fires."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec_core.policies import POLICIES, PolicyError, make_policy
+from specdec_core.policies.base import first_false
+from specdec_core.policies.easd import calibrate_tau_h
+from specdec_core.policies.fly import top3_entropy
+from specdec_core.sampling import SamplingParams
+from specdec_core.types import DraftBlock, TargetBlock
+
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLE = SamplingParams(temperature=1.0)
+
+
+def rng(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def logits_of(probs: torch.Tensor) -> torch.Tensor:
+    return probs.clamp_min(1e-12).log()
+
+
+def random_case(seed: int, num_draft: int = 6, vocab: int = 32, sharp: float = 3.0, sampled: bool = True):
+    """Random target/draft logits with draft tokens drawn from the draft (correlated pair)."""
+    generator = rng(seed)
+    target_logits = sharp * torch.randn(num_draft + 1, vocab, generator=generator)
+    draft_logits = target_logits[:num_draft] + 0.7 * sharp * torch.randn(num_draft, vocab, generator=generator)
+    tokens = torch.multinomial(draft_logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    return DraftBlock(tokens=tokens, logits=draft_logits, sampled=sampled), TargetBlock(logits=target_logits)
+
+
+def greedy_case(target_argmax: list[int], draft_tokens: list[int], vocab: int = 16, confidence: float = 5.0):
+    """Target rows peaked at the given argmax tokens; draft tokens as given (one-hot)."""
+    logits = torch.zeros(len(target_argmax), vocab)
+    logits[torch.arange(len(target_argmax)), torch.tensor(target_argmax)] = confidence
+    return DraftBlock(tokens=torch.tensor(draft_tokens)), TargetBlock(logits=logits)
+
+
+def verdict_tuple(verdict):
+    return verdict.num_accepted, verdict.next_token
+
+
+# ---------------------------------------------------------------- registry and base rules
+
+
+def test_registry_lists_all_policies():
+    assert set(POLICIES) == {"greedy", "rejection", "typical", "easd", "ears", "dropmatch", "fly"}
+
+
+@pytest.mark.parametrize(
+    "name, params, message",
+    [
+        ("nope", {}, "unknown policy 'nope'; valid policies: dropmatch, ears, easd, fly, greedy, rejection, typical"),
+        ("ears", {"beta": -1}, "beta"),
+        ("ears", {"gamma": 1}, "gamma"),
+        ("fly", {"window": "six"}, "window"),
+        ("dropmatch", {"dropout": 1.0}, "dropout"),
+        ("easd", {"tau_o": 2}, "tau_o"),
+        ("typical", [1, 2], "must be an object"),
+    ],
+)
+def test_bad_policy_names_and_params_raise_clear_errors(name, params, message):
+    with pytest.raises(PolicyError, match=message):
+        make_policy(name, params)
+
+
+def test_greedy_accepts_matching_prefix_and_emits_target_argmax():
+    draft, target = greedy_case([3, 4, 5, 6], [3, 4, 9])
+    verdict = make_policy("greedy").verify(draft, target, GREEDY, rng())
+    assert verdict_tuple(verdict) == (2, 5)
+    assert verdict.trace["accepted"].tolist() == [True, True, False]
+    all_match = make_policy("greedy").verify(*greedy_case([3, 4, 5, 6], [3, 4, 5]), GREEDY, rng())
+    assert verdict_tuple(all_match) == (3, 6)  # bonus argmax
+
+
+@pytest.mark.parametrize(
+    "target_probs, draft_probs",
+    [
+        ([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.1, 0.1, 0.2, 0.2, 0.2, 0.2]),
+        ([0.05, 0.05, 0.1, 0.1, 0.2, 0.5], [0.5, 0.2, 0.1, 0.1, 0.05, 0.05]),
+        ([0.3, 0.3, 0.2, 0.1, 0.1, 0.0], [0.0, 0.1, 0.1, 0.2, 0.3, 0.3]),
+        ([0.9, 0.02, 0.02, 0.02, 0.02, 0.02], [0.9, 0.02, 0.02, 0.02, 0.02, 0.02]),
+    ],
+)
+def test_rejection_sampling_reproduces_target_distribution(target_probs, draft_probs):
+    """Chi-square goodness of fit of the first emitted token against p_t: 20,000 draws with a
+    fixed seed; the test fails if p < 1e-3 (a correct sampler fails this 0.1% of the time for a
+    random seed; with the fixed seed the outcome is deterministic)."""
+    target_probs, draft_probs = torch.tensor(target_probs), torch.tensor(draft_probs)
+    policy = make_policy("rejection")
+    generator = rng(1234)
+    target = TargetBlock(logits=logits_of(torch.stack([target_probs, target_probs])))
+    num_draws = 20_000
+    draft_tokens = torch.multinomial(draft_probs, num_draws, replacement=True, generator=generator)
+    counts = torch.zeros(6)
+    for token in draft_tokens.tolist():
+        draft = DraftBlock(tokens=torch.tensor([token]), logits=logits_of(draft_probs)[None], sampled=True)
+        verdict = policy.verify(draft, target, SAMPLE, generator)
+        counts[token if verdict.num_accepted == 1 else verdict.next_token] += 1
+    support = target_probs > 0
+    assert counts[~support].sum() == 0
+    result = chisquare(counts[support].numpy(), (num_draws * target_probs[support]).numpy())
+    assert result.pvalue > 1e-3, (counts, result)
+
+
+def test_rejection_at_temperature_zero_is_greedy():
+    for seed in range(20):
+        draft, target = random_case(seed, sampled=False)
+        draft.tokens = torch.where(torch.arange(6) < 3, target.logits[:6].argmax(-1), draft.tokens)
+        assert verdict_tuple(make_policy("rejection").verify(draft, target, GREEDY, rng())) == verdict_tuple(
+            make_policy("greedy").verify(draft, target, GREEDY, rng())
+        )
+
+
+# ---------------------------------------------------------------- neutral settings reduce exactly
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLE, SamplingParams(temperature=0.7, top_p=0.9, top_k=10)])
+def test_ears_beta_zero_is_rejection(sampling):
+    for seed in range(40):
+        draft, target = random_case(seed)
+        ears = make_policy("ears", {"beta": 0.0}).verify(draft, target, sampling, rng(seed))
+        base = make_policy("rejection").verify(draft, target, sampling, rng(seed))
+        assert verdict_tuple(ears) == verdict_tuple(base)
+        assert not ears.trace["pardoned"].any()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLE])
+def test_easd_infinite_tau_is_base_rule(sampling):
+    for seed in range(40):
+        draft, target = random_case(seed, sharp=0.3)  # flat: high entropy, would be penalized
+        easd = make_policy("easd", {"tau_h": math.inf}).verify(draft, target, sampling, rng(seed))
+        base = make_policy("rejection").verify(draft, target, sampling, rng(seed))
+        assert verdict_tuple(easd) == verdict_tuple(base)
+
+
+def test_typical_at_temperature_zero_is_greedy():
+    for seed in range(40):
+        draft, target = random_case(seed, sampled=False)
+        draft.tokens[:2] = target.logits[:2].argmax(-1)
+        assert verdict_tuple(make_policy("typical").verify(draft, target, GREEDY, rng())) == verdict_tuple(
+            make_policy("greedy").verify(draft, target, GREEDY, rng())
+        )
+
+
+def dropmatch_case(seed: int, num_draft: int = 6, vocab: int = 40, hidden: int = 16):
+    generator = rng(seed)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden, generator=generator))
+    hidden_states = torch.randn(num_draft + 1, hidden, generator=generator)
+    with torch.no_grad():
+        logits = head(hidden_states)
+    draft_logits = logits[:num_draft] + 2.0 * torch.randn(num_draft, vocab, generator=generator)
+    tokens = draft_logits.argmax(-1)
+    tokens[: num_draft // 2] = logits[: num_draft // 2].argmax(-1)
+    draft = DraftBlock(tokens=tokens, logits=draft_logits)
+    return draft, TargetBlock(logits=logits, hidden=hidden_states, lm_head=head)
+
+
+def run_policy(policy, draft, target, sampling, seed=0):
+    generator = rng(seed)
+    with torch.no_grad():
+        target.features = policy.target_features(target, draft.num_tokens, sampling, generator)
+    return policy.verify(draft, target, sampling, generator)
+
+
+def test_dropmatch_zero_dropout_is_greedy():
+    for seed in range(30):
+        draft, target = dropmatch_case(seed)
+        verdict = run_policy(make_policy("dropmatch", {"dropout": 0.0}), draft, target, GREEDY, seed)
+        assert verdict_tuple(verdict) == verdict_tuple(make_policy("greedy").verify(draft, target, GREEDY, rng()))
+        naive = run_policy(make_policy("dropmatch", {"dropout": 0.0, "criterion": "naive"}), draft, target, GREEDY)
+        assert verdict_tuple(naive) == verdict_tuple(verdict)
+
+
+def test_fly_closed_gate_is_greedy():
+    for seed in range(30):
+        draft, target = random_case(seed, num_draft=15, vocab=8, sharp=0.5, sampled=False)
+        verdict = make_policy("fly", {"theta": math.inf}).verify(draft, target, GREEDY, rng())
+        assert verdict_tuple(verdict) == verdict_tuple(make_policy("greedy").verify(draft, target, GREEDY, rng()))
+
+
+# ---------------------------------------------------------------- EARS pardon band
+
+
+def ears_case(ratio: float, max_prob: float, vocab: int = 10):
+    """One draft position, one-hot draft (p_d(c) = 1) so R = p_t(c) = ratio; token 1 holds max_prob."""
+    probs = torch.full((vocab,), (1.0 - ratio - max_prob) / (vocab - 2))
+    probs[0], probs[1] = ratio, max_prob
+    return DraftBlock(tokens=torch.tensor([0])), TargetBlock(logits=logits_of(torch.stack([probs, probs])))
+
+
+def test_ears_pardons_exactly_inside_the_tolerance_band():
+    beta, max_prob = 0.5, 0.4
+    tolerance = beta * (1 - max_prob)  # 0.3
+    uniform = float(torch.rand(1, generator=rng(7))[0])  # the U the policy will draw
+    policy = make_policy("ears", {"beta": beta})
+    inside = policy.verify(*ears_case(max(uniform - tolerance / 2, 1e-4), max_prob), SAMPLE, rng(7))
+    assert inside.num_accepted == 1 and inside.trace["pardoned"].tolist() == [True]
+    if uniform - 2 * tolerance > 0:
+        outside = policy.verify(*ears_case(uniform - 2 * tolerance, max_prob), SAMPLE, rng(7))
+        assert outside.num_accepted == 0 and not outside.trace["pardoned"].any()
+    plain = policy.verify(*ears_case(min(uniform + 0.05, 0.55), max_prob), SAMPLE, rng(7))
+    assert plain.num_accepted == 1 and not plain.trace["pardoned"].any()  # R >= U: ordinary accept
+
+
+def test_ears_clamps_threshold_at_zero():
+    """U - tolerance < 0 makes the threshold 0: even a tiny ratio is pardoned."""
+    beta = 1.0
+    uniform = float(torch.rand(1, generator=rng(3))[0])
+    max_prob = max(0.0, 1 - (uniform + 0.1))  # tolerance > U
+    if max_prob > 0.05:
+        verdict = make_policy("ears", {"beta": beta}).verify(*ears_case(1e-6, max_prob), SAMPLE, rng(3))
+        assert verdict.trace["pardoned"].tolist() == [True]
+
+
+# ---------------------------------------------------------------- EASD trigger
+
+
+def easd_rows(vocab: int = 64, flat_tokens: int = 40, order=None):
+    """A high-entropy row (mass spread over `flat_tokens` tokens, ordered by `order`)."""
+    order = order if order is not None else list(range(flat_tokens))
+    row = torch.full((vocab,), -30.0)
+    for rank, token in enumerate(order):
+        row[token] = 1.0 - 0.01 * rank
+    return row
+
+
+def test_easd_penalizes_when_both_entropies_high_and_top_n_overlap():
+    target_row = easd_rows()
+    draft_row = easd_rows(order=[0, 1, 2, 3, 50] + list(range(5, 40)))  # top-5 overlap 4/5 = 0.8
+    target = TargetBlock(logits=torch.stack([target_row, target_row]))
+    draft = DraftBlock(tokens=torch.tensor([0]), logits=draft_row[None])
+    verdict = make_policy("easd", {"tau_h": 2.0, "tau_o": 0.8}).verify(draft, target, GREEDY, rng())
+    assert verdict.num_accepted == 0 and verdict.trace["penalized"].tolist() == [True]
+    assert verdict.next_token == 1  # argmax of the penalized target distribution
+    # overlap 0.8 < 0.9: no penalty, the draft token (the target argmax) is accepted
+    relaxed = make_policy("easd", {"tau_h": 2.0, "tau_o": 0.9}).verify(draft, target, GREEDY, rng())
+    assert relaxed.num_accepted == 1 and not relaxed.trace["penalized"].any()
+
+
+def test_easd_needs_both_entropies_high():
+    high, low = easd_rows(), torch.zeros(64)
+    low[0] = 30.0  # confident row, entropy ~0
+    for target_row, draft_row in ((high, low), (low, high)):
+        target = TargetBlock(logits=torch.stack([target_row, target_row]))
+        draft = DraftBlock(tokens=torch.tensor([0]), logits=draft_row[None])
+        verdict = make_policy("easd", {"tau_h": 2.0, "tau_o": 0.0}).verify(draft, target, GREEDY, rng())
+        assert verdict.num_accepted == 1 and not verdict.trace["penalized"].any()
+    prompt_lookup_draft = DraftBlock(tokens=torch.tensor([0]))  # no distribution: entropy 0
+    target = TargetBlock(logits=torch.stack([high, high]))
+    assert make_policy("easd", {"tau_o": 0.0}).verify(prompt_lookup_draft, target, GREEDY, rng()).num_accepted == 1
+
+
+def test_easd_penalty_at_temperature_samples_from_penalized_target():
+    target_row = easd_rows()
+    target = TargetBlock(logits=torch.stack([target_row, target_row]))
+    draft = DraftBlock(tokens=torch.tensor([0]), logits=target_row[None], sampled=True)
+    policy = make_policy("easd", {"tau_h": 2.0, "tau_o": 0.8})
+    emitted = {policy.verify(draft, target, SAMPLE, rng(seed)).next_token for seed in range(200)}
+    assert 0 not in emitted and len(emitted) > 10
+
+
+def test_easd_calibration_is_mean_of_top_fraction():
+    entropies = torch.arange(1, 101, dtype=torch.float32)  # top 5% = 96..100
+    assert calibrate_tau_h(entropies, 0.05) == pytest.approx(98.0)
+    assert calibrate_tau_h(torch.tensor([1.0, 2.0, 3.0]), 0.05) == pytest.approx(3.0)  # ceil(0.15) = 1
+
+
+# ---------------------------------------------------------------- FLy gate and window
+
+
+def fly_case(exact: list[bool], fuzzy: bool = True, vocab: int = 16):
+    """Draft of len(exact) tokens matching the target argmax where `exact` says so. Target rows
+    are fuzzy (top-3 entropy well above 0.3) or sharp (well below)."""
+    num_draft = len(exact)
+    argmax = torch.arange(num_draft) % 5
+    logits = torch.full((num_draft + 1, vocab), -20.0 if not fuzzy else 0.0)
+    logits[torch.arange(num_draft + 1), torch.arange(num_draft + 1) % 5] = 2.0 if fuzzy else 20.0
+    if fuzzy:  # a clear runner-up so the top-3 entropy is well above 0.3
+        logits[torch.arange(num_draft + 1), 10] = 1.5
+    tokens = torch.where(torch.tensor(exact), argmax, torch.full_like(argmax, 10))
+    return DraftBlock(tokens=tokens), TargetBlock(logits=logits)
+
+
+def test_fly_top3_entropy_matches_reference_definition():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    probs = logits.softmax(-1)[0]
+    top3 = probs.topk(3).values
+    assert float(top3_entropy(logits)[0]) == pytest.approx(float(-(top3 * top3.log()).sum()), rel=1e-6)
+
+
+def test_fly_window_pass_accepts_the_mismatch_loosely():
+    exact = [True, False] + [True] * 13  # K = 15, mismatch at 1, window 2..6 clean
+    draft, target = fly_case(exact)
+    verdict = make_policy("fly").verify(draft, target, GREEDY, rng())
+    assert verdict.num_accepted == 15 and verdict.trace["loose"].tolist() == [i == 1 for i in range(15)]
+    assert verdict.next_token == 15 % 5  # bonus argmax
+    assert int(draft.tokens[1]) == 10  # the loosely accepted position keeps the draft token
+
+
+def test_fly_window_broken_rejects():
+    exact = [True, False, True, True, False] + [True] * 10  # second mismatch inside j=1's window
+    draft, target = fly_case(exact)
+    verdict = make_policy("fly").verify(draft, target, GREEDY, rng())
+    assert verdict.num_accepted == 1 and verdict.next_token == 1  # target argmax at position 1
+    assert not verdict.trace["loose"].any()
+
+
+def test_fly_reference_window_counts_the_mismatch_itself():
+    # W = 6: positions j+1..j+5 must match. A mismatch at j+6 does not break j's window.
+    exact = [False, True, True, True, True, True, False] + [True] * 8
+    verdict = make_policy("fly").verify(*fly_case(exact), GREEDY, rng())
+    assert verdict.trace["loose"][0] and verdict.num_accepted == 15  # j=6 also has a clean window
+    paper = make_policy("fly", {"window_convention": "paper"}).verify(*fly_case(exact), GREEDY, rng())
+    assert paper.num_accepted == 0  # paper convention: j+1..j+6 must match, j+6 does not
+
+
+def test_fly_last_w_positions_are_strict():
+    # K = 15, W = 6: a mismatch at 9 (the first of the last 6) stays rejected even if 10.. match
+    exact = [True] * 9 + [False] + [True] * 5
+    verdict = make_policy("fly").verify(*fly_case(exact), GREEDY, rng())
+    assert verdict.num_accepted == 9 and not verdict.trace["loose"].any()
+    # a mismatch at 8 with 9..13 clean is the last loose-able position
+    exact = [True] * 8 + [False] + [True] * 6
+    assert make_policy("fly").verify(*fly_case(exact), GREEDY, rng()).num_accepted == 15
+    # blocks shorter than or equal to W never loosen
+    assert make_policy("fly").verify(*fly_case([False] + [True] * 5), GREEDY, rng()).num_accepted == 0
+
+
+def test_fly_gate_keeps_deterministic_positions_strict():
+    exact = [True, False] + [True] * 13
+    verdict = make_policy("fly").verify(*fly_case(exact, fuzzy=False), GREEDY, rng())
+    assert verdict.num_accepted == 1 and not verdict.trace["loose"].any()
+    gate_off = make_policy("fly", {"theta": 0.0}).verify(*fly_case(exact, fuzzy=False), GREEDY, rng())
+    assert gate_off.num_accepted == 15 and gate_off.trace["loose"].sum() == 1
+
+
+def test_fly_window_zero_accepts_every_gated_mismatch():
+    exact = [True, False, False, True, False] + [True] * 10
+    no_window = make_policy("fly", {"window": 0}).verify(*fly_case(exact), GREEDY, rng())
+    assert no_window.num_accepted == 15 and no_window.trace["loose"].sum() == 3
+    still_gated = make_policy("fly", {"window": 0}).verify(*fly_case(exact, fuzzy=False), GREEDY, rng())
+    assert still_gated.num_accepted == 1
+    everything = make_policy("fly", {"window": 0, "theta": 0.0}).verify(*fly_case(exact, fuzzy=False), GREEDY, rng())
+    assert everything.num_accepted == 15  # gate off and W = 0: every draft token is kept
+
+
+# ---------------------------------------------------------------- DropMatch criteria
+
+
+def test_dropmatch_majority_criterion_accepts_collapsed_paths():
+    """All paths agree on a token the base rule rejects at T = 0? Impossible with p > 0 only if
+    the paths move the argmax: build a target whose argmax is fragile (two near-tied logits)."""
+    hidden = torch.zeros(2, 4)
+    hidden[:, 0] = 1.0
+    head = torch.nn.Linear(4, 6, bias=False)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.weight[0, 0] = 1.0  # token 0: logit h0
+        head.weight[1, 0] = 1.0  # token 1: logit h0 + h1 ... tied with token 0 at h1 = 0
+        head.weight[1, 1] = 0.0
+    with torch.no_grad():
+        logits = head(hidden)
+    logits[:, 1] -= 1e-4  # target argmax is token 0, token 1 a hair below
+    target = TargetBlock(logits=logits, hidden=hidden, lm_head=lambda h: head(h) - torch.tensor([0, 1e-4, 0, 0, 0, 0]))
+    draft = DraftBlock(tokens=torch.tensor([1]))
+    policy = make_policy("dropmatch", {"dropout": 0.5, "num_paths": 5})
+    generator = rng(0)
+    target.features = policy.target_features(target, 1, GREEDY, generator)
+    # force the majority path token to be the draft's token
+    target.features["path_tokens"] = torch.tensor([[1], [1], [1], [0], [2]])
+    target.features["max_path_js"] = torch.tensor([0.0])
+    verdict = policy.verify(draft, target, GREEDY, generator)
+    assert verdict.num_accepted == 1 and verdict.trace["loose"].tolist() == [True]
+    target.features["path_tokens"] = torch.tensor([[0], [0], [0], [1], [2]])
+    assert policy.verify(draft, target, GREEDY, rng()).num_accepted == 0
+
+
+def test_dropmatch_js_criterion_accepts_draft_inside_the_path_cloud():
+    policy = make_policy("dropmatch")
+    centroid = torch.tensor([[0.40, 0.35, 0.25]]).log()
+    target = TargetBlock(logits=centroid.repeat(2, 1))
+    target.features = {"path_tokens": torch.tensor([[0], [0], [0]]), "centroid_log_probs": centroid}
+    close = DraftBlock(tokens=torch.tensor([1]), logits=torch.tensor([[0.38, 0.37, 0.25]]).log())
+    far = DraftBlock(tokens=torch.tensor([1]), logits=torch.tensor([[0.05, 0.90, 0.05]]).log())
+    target.features["max_path_js"] = torch.tensor([0.01])
+    assert policy.verify(close, target, GREEDY, rng()).num_accepted == 1
+    assert policy.verify(far, target, GREEDY, rng()).num_accepted == 0
+
+
+def test_dropmatch_naive_accepts_any_path_token():
+    policy = make_policy("dropmatch", {"criterion": "naive"})
+    target = TargetBlock(logits=torch.tensor([[3.0, 0.0, 0.0], [3.0, 0.0, 0.0]]))
+    target.features = {"path_tokens": torch.tensor([[0], [0], [2]])}
+    assert policy.verify(DraftBlock(tokens=torch.tensor([2])), target, GREEDY, rng()).num_accepted == 1
+    assert policy.verify(DraftBlock(tokens=torch.tensor([1])), target, GREEDY, rng()).num_accepted == 0
+
+
+def test_dropmatch_paths_come_from_one_batched_head_call():
+    draft, target = dropmatch_case(0)
+    calls = []
+    head = target.lm_head
+
+    def counting_head(hidden):
+        calls.append(hidden.shape)
+        return head(hidden)
+
+    target.lm_head = counting_head
+    run_policy(make_policy("dropmatch", {"num_paths": 7}), draft, target, GREEDY)
+    assert calls == [torch.Size([7, 6, 16])]
+
+
+# ---------------------------------------------------------------- shared invariants
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLE])
+def test_every_policy_is_deterministic_under_a_seed_and_handles_empty_drafts(name, sampling):
+    policy = make_policy(name)
+    if not sampling.greedy and not policy.supports_sampling:
+        pytest.skip("greedy-only policy")
+    draft, target = dropmatch_case(5)
+    draft.sampled = not sampling.greedy
+    first = run_policy(policy, draft, target, sampling, seed=9)
+    second = run_policy(policy, draft, target, sampling, seed=9)
+    assert verdict_tuple(first) == verdict_tuple(second)
+    assert first.num_accepted == first_false(first.trace["accepted"])
+    empty = DraftBlock.empty()
+    target_one = TargetBlock(logits=target.logits[:1], hidden=target.hidden[:1], lm_head=target.lm_head)
+    verdict = run_policy(policy, empty, target_one, sampling)
+    assert verdict.num_accepted == 0 and 0 <= verdict.next_token < target.vocab_size
