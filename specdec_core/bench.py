@@ -48,6 +48,7 @@ class BenchConfig:
     pld_min_ngram: int
     pld_tokens: int
     policy_params: dict[str, dict[str, Any]]
+    drafter_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     endpoint: Optional[str] = None
 
 
@@ -81,13 +82,14 @@ def score_continuation(model: torch.nn.Module, prompt_ids: list[int], output_ids
     return nll, entropy(log_probs.exp())
 
 
-def parse_specdec_method(method: str) -> tuple[str, str]:
-    """`specdec:<policy>+<drafter>` (or `endpoint:...`) -> (policy, drafter)."""
+def parse_specdec_method(method: str) -> tuple[str, str, Optional[int]]:
+    """`specdec:<policy>+<drafter>[@K]` (or `endpoint:...`) -> (policy, drafter, K or None)."""
     body = method.split(":", 1)[1]
-    if "+" not in body:
-        raise ValueError(f"method {method!r} must look like specdec:<policy>+<drafter>")
+    body, _, draft_tokens = body.partition("@")
+    if "+" not in body or (draft_tokens and not draft_tokens.isdigit()):
+        raise ValueError(f"method {method!r} must look like specdec:<policy>+<drafter>[@K]")
     policy, drafter = body.split("+", 1)
-    return policy, drafter
+    return policy, drafter, int(draft_tokens) if draft_tokens else None
 
 
 class Runner:
@@ -110,14 +112,14 @@ class Runner:
 
             self.client = SpecdecHttpClient(config.endpoint)
 
-    def request(self, prompt_ids: list[int], policy: str, drafter: str) -> GenerationRequest:
-        drafter_params = self.pld_params if drafter in ("pld", "mla") else {}
+    def request(self, prompt_ids: list[int], policy: str, drafter: str, num_draft_tokens: Optional[int] = None) -> GenerationRequest:
+        drafter_params = {**(self.pld_params if drafter in ("pld", "mla") else {}), **self.config.drafter_params.get(drafter, {})}
         return GenerationRequest(
             prompt_ids=prompt_ids,
             sampling=self.sampling,
             policy=ComponentSpec(name=policy, params=self.config.policy_params.get(policy, {})),
             drafter=ComponentSpec(name=drafter, params=drafter_params),
-            num_draft_tokens=self.config.num_draft_tokens,
+            num_draft_tokens=num_draft_tokens or self.config.num_draft_tokens,
         )
 
     def run(self, method: str, prompt_ids: list[int]) -> MethodRun:

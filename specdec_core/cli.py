@@ -17,7 +17,7 @@ from .errors import SpecdecError
 from .models import DEFAULT_DRAFT, EMBEDDED, ModelSpec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Speculative decoding for large LMs.")
-console = Console()
+console = Console(width=None if __import__("sys").stdout.isatty() else 200)
 
 TargetOpt = typer.Option(EMBEDDED, "--target", help="target: local dir, hub id, .gguf path or " + EMBEDDED)
 TargetDtypeOpt = typer.Option("float32", "--target-dtype")
@@ -45,6 +45,17 @@ def parse_params(pairs: list[str]) -> dict[str, Any]:
         key, value = pair.split("=", 1)
         params[key.strip()] = parse_value(value.strip())
     return params
+
+
+def parse_scoped_params(pairs: list[str], option: str) -> dict[str, dict[str, Any]]:
+    """`name.key=value` pairs -> {name: {key: value}} (per-policy or per-drafter settings)."""
+    scoped: dict[str, dict[str, Any]] = {}
+    for scoped_key, value in parse_params(pairs).items():
+        if "." not in scoped_key:
+            raise typer.BadParameter(f"{option} needs name.key=value, got {scoped_key!r}")
+        name, key = scoped_key.split(".", 1)
+        scoped.setdefault(name, {})[key] = value
+    return scoped
 
 
 def build_engine(target: str, target_dtype: str, draft: str, draft_dtype: str, draft_layers: Optional[int]):
@@ -120,7 +131,10 @@ def generate(
 
 @app.command()
 def bench(
-    methods: str = typer.Option("target,hf:prompt_lookup,specdec:greedy+pld", "--methods", help="comma list"),
+    methods: str = typer.Option(
+        "target,hf:prompt_lookup,specdec:greedy+pld", "--methods",
+        help="comma list: target, hf:prompt_lookup, hf:assisted, specdec:<policy>+<drafter>[@K], endpoint:<policy>+<drafter>[@K]",
+    ),
     categories: str = typer.Option("all", "--categories", help="comma list or 'all'"),
     per_category: int = typer.Option(5, "--per-category"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
@@ -133,6 +147,7 @@ def bench(
     pld_min_ngram: int = typer.Option(1, "--pld-min-ngram"),
     pld_tokens: int = typer.Option(10, "--pld-tokens"),
     policy_param: list[str] = typer.Option([], "--policy-param", help="policy.k=v, repeatable (e.g. ears.beta=0.2)"),
+    drafter_param: list[str] = typer.Option([], "--drafter-param", help="drafter.k=v, repeatable"),
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="base URL of a running specdec service"),
     target: str = TargetOpt,
     target_dtype: str = TargetDtypeOpt,
@@ -145,12 +160,6 @@ def bench(
 
     from .bench import DEFAULT_QUESTIONS, BenchConfig, run_bench, write_report
 
-    policy_params: dict[str, dict[str, Any]] = {}
-    for policy_name_key, value in parse_params(policy_param).items():
-        if "." not in policy_name_key:
-            raise typer.BadParameter(f"--policy-param needs policy.key=value, got {policy_name_key!r}")
-        policy_name, key = policy_name_key.split(".", 1)
-        policy_params.setdefault(policy_name, {})[key] = value
     config = BenchConfig(
         questions=questions or DEFAULT_QUESTIONS,
         methods=[method.strip() for method in methods.split(",") if method.strip()],
@@ -163,7 +172,8 @@ def bench(
         pld_max_ngram=pld_max_ngram,
         pld_min_ngram=pld_min_ngram,
         pld_tokens=pld_tokens,
-        policy_params=policy_params,
+        policy_params=parse_scoped_params(policy_param, "--policy-param"),
+        drafter_params=parse_scoped_params(drafter_param, "--drafter-param"),
         endpoint=endpoint,
     )
     engine = build_engine(target, target_dtype, draft, draft_dtype, draft_layers)

@@ -122,7 +122,37 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(resolve_source(spec.source), dtype=DTYPES[spec.dtype])
     if spec.num_layers is not None:
         truncate_layers(model, spec.num_layers)
+    use_skinny_matmul(model)
     return model.eval()
+
+
+class SkinnyLinear(torch.nn.Linear):
+    """nn.Linear whose fp32 CPU forward for a few rows (decode and verify steps) computes
+    `W @ x^T`. Measured on this project's 2-core AVX-512 CPUs (torch 2.13, MKL): the SmolLM2
+    LM head takes 15.4 ms for 2 rows through F.linear and 2.7 ms as W @ x^T; a full 1-token
+    target step drops from ~41 ms to ~26 ms. One row is duplicated so MKL does not pick its
+    (slower) matrix-vector path. Same weights, same math; only the kernel choice differs."""
+
+    max_rows = 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        num_rows = rows.shape[0]
+        if num_rows > self.max_rows or x.dtype != torch.float32 or x.device.type != "cpu":
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        if num_rows == 1:
+            rows = torch.cat([rows, rows])
+        # contiguous rows: downstream kernels (CPU flash attention) need a unit-stride last dim
+        out = torch.mm(self.weight, rows.t()).t()[:num_rows].contiguous()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def use_skinny_matmul(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = SkinnyLinear
 
 
 def truncate_layers(model: torch.nn.Module, num_layers: int) -> None:

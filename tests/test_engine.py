@@ -104,11 +104,13 @@ def test_mla_uses_fewer_draft_forwards_than_the_plain_draft(tiny_engine):
 def test_prompt_lookup_matches_longest_ngram_first():
     params = PromptLookupParams(max_ngram=3, min_ngram=1, num_pred_tokens=4)
     context = [1, 2, 3, 9, 9, 7, 2, 3, 5, 6, 1, 2, 3]
-    assert lookup_continuation(context, params, 10) == [9, 9, 7, 2]  # earliest 3-gram match
-    assert lookup_continuation(context, params.model_copy(update={"match": "latest"}), 10) == [9, 9, 7, 2]
-    assert lookup_continuation(context, params, 2) == [9, 9]
-    assert lookup_continuation([5, 6, 7, 8], params, 10) == []
-    assert lookup_continuation([4, 8, 1, 4], params, 10) == [8, 1, 4]  # falls back to a 1-gram
+    assert lookup_continuation(context, params, 10) == (3, [9, 9, 7, 2])  # earliest 3-gram match
+    latest = params.model_copy(update={"match": "latest"})
+    assert lookup_continuation(context + [9, 1, 2, 3], latest, 10) == (3, [9, 1, 2, 3])
+    assert lookup_continuation(context + [9, 1, 2, 3], params, 10) == (3, [9, 9, 7, 2])
+    assert lookup_continuation(context, params, 2) == (3, [9, 9])
+    assert lookup_continuation([5, 6, 7, 8], params, 10) == (0, [])
+    assert lookup_continuation([4, 8, 1, 4], params, 10) == (1, [8, 1, 4])  # falls back to a 1-gram
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookupParams(max_ngram=1, min_ngram=2)
 
@@ -182,3 +184,25 @@ def test_metrics_count_drafts_and_policy_counters(tiny_target):
         1 + metrics["spec_decode_num_accepted_tokens"] / metrics["spec_decode_num_drafts"], abs=1e-3
     )
     assert metrics["completion_tokens"] == 40 and metrics["loose"] >= 0
+
+
+def test_block_length_follows_acceptance_and_cost():
+    from specdec_core.drafters.pld import best_block_length
+
+    assert best_block_length(0.95, 10, 0.03) == 10  # cheap verify, reliable lookups: full block
+    assert best_block_length(0.05, 10, 0.1) == 0  # unreliable lookups do not pay for a verify
+    assert best_block_length(0.6, 10, 0.0) == 10  # free verification: always the longest block
+    assert 0 < best_block_length(0.6, 10, 0.2) < 10
+
+
+def test_adaptive_prompt_lookup_learns_from_commits():
+    drafter = make_drafter("pld", {"verify_cost_per_token": 0.3})
+    drafter.reset([1, 2, 3, 1], SamplingParams(), torch.Generator())
+    assert drafter.propose(10).tokens.tolist() == [2]  # 1-gram match; prior a = 1/2 pays for k = 1
+    drafter.commit([3])  # rejected at its first token: a = 1/3
+    assert drafter.propose(10).tokens.tolist() == [1]
+    drafter.commit([2])  # rejected again: a = 1/4 no longer pays for a verify at this cost
+    assert drafter.propose(10).num_tokens == 0
+    fixed = make_drafter("pld", {"adaptive": False})
+    fixed.reset([1, 2, 3, 1, 3, 2], SamplingParams(), torch.Generator())
+    assert fixed.propose(10).tokens.tolist() == [3, 1, 3, 2]

@@ -106,4 +106,4 @@ class MultiLevelDrafter(ModelDrafter):
     deterministic = True
 
     def lookup(self, context: Sequence[int], max_tokens: int) -> list[int]:
-        return lookup_continuation(context, self.params, max_tokens)
+        return lookup_continuation(context, self.params, max_tokens)[1]

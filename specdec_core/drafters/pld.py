@@ -1,7 +1,12 @@
 """Prompt lookup decoding: match the last n tokens (n = max_ngram .. min_ngram) in prompt +
-output and propose what followed. A miss proposes nothing, so the step costs one target token
-and no verification padding. FLy's reference uses n = 4..1 and 6 tokens; transformers uses
-max n = 2 (`prompt_lookup_num_tokens`); the original PLD n = 3, 10 tokens."""
+output and propose what followed. A miss proposes nothing, so the step costs one target token.
+FLy's reference uses n = 4..1 and 6 tokens; transformers uses max n = 2
+(`prompt_lookup_num_tokens`); the original PLD n = 3, 10 tokens.
+
+On CPU a longer verify block costs real time, so by default the proposal length follows what
+lookups of that n-gram size actually earned in this request: each n keeps a Beta(1, 1)
+estimate of the per-token acceptance rate a_n, and the drafter proposes the k that maximizes
+expected tokens per unit of target cost, (1 + a + .. + a^k) / (1 + cost_per_token * k)."""
 
 from __future__ import annotations
 
@@ -27,11 +32,18 @@ class PromptLookupParams(DrafterParams):
         return self
 
 
-def lookup_continuation(context: Sequence[int], params: PromptLookupParams, max_tokens: int) -> list[int]:
-    """The continuation of the first (or last) earlier occurrence of the longest matching
-    suffix n-gram, at most `max_tokens` long; [] when nothing matches."""
+class AdaptiveLookupParams(PromptLookupParams):
+    adaptive: bool = Field(True, description="choose the proposal length from acceptance so far")
+    verify_cost_per_token: float = Field(
+        0.15, ge=0.0, le=10.0, description="extra target cost per scored draft token, in 1-token steps"
+    )
+
+
+def lookup_continuation(context: Sequence[int], params: PromptLookupParams, max_tokens: int) -> tuple[int, list[int]]:
+    """(n, continuation): the continuation of the first (or last) earlier occurrence of the
+    longest matching suffix n-gram, at most `max_tokens` long; (0, []) when nothing matches."""
     if max_tokens <= 0:
-        return []
+        return 0, []
     ids = torch.as_tensor(context)
     length = ids.shape[0]
     limit = min(max_tokens, params.num_pred_tokens)
@@ -42,14 +54,48 @@ def lookup_continuation(context: Sequence[int], params: PromptLookupParams, max_
         if hits.numel() == 0:
             continue
         start = int(hits[0] if params.match == "earliest" else hits[-1]) + ngram
-        return ids[start : start + limit].tolist()
-    return []
+        return ngram, ids[start : start + limit].tolist()
+    return 0, []
+
+
+def best_block_length(acceptance_rate: float, max_length: int, cost_per_token: float) -> int:
+    """argmax_k (1 + a + .. + a^k) / (1 + cost_per_token * k) over k = 0 .. max_length."""
+    best_length, best_value = 0, 1.0
+    expected_tokens, term = 1.0, 1.0
+    for length in range(1, max_length + 1):
+        term *= acceptance_rate
+        expected_tokens += term
+        value = expected_tokens / (1.0 + cost_per_token * length)
+        if value > best_value:
+            best_length, best_value = length, value
+    return best_length
 
 
 class PromptLookupDrafter(Drafter):
     name = "pld"
-    Params = PromptLookupParams
+    Params = AdaptiveLookupParams
+
+    def reset(self, prompt_ids, sampling, generator) -> None:
+        super().reset(prompt_ids, sampling, generator)
+        size = self.params.max_ngram + 1
+        self.accepted = [1.0] * size  # Beta(1, 1) prior per n-gram size
+        self.rejected = [1.0] * size
+        self.last_proposal: tuple[int, list[int]] = (0, [])
 
     def propose(self, max_tokens: int) -> DraftBlock:
-        continuation = lookup_continuation(self.context, self.params, max_tokens)
+        ngram, continuation = lookup_continuation(self.context, self.params, max_tokens)
+        if self.params.adaptive and continuation:
+            rate = self.accepted[ngram] / (self.accepted[ngram] + self.rejected[ngram])
+            continuation = continuation[: best_block_length(rate, len(continuation), self.params.verify_cost_per_token)]
+        self.last_proposal = (ngram, continuation)
         return DraftBlock(tokens=torch.tensor(continuation, dtype=torch.long))
+
+    def commit(self, new_tokens: Sequence[int]) -> None:
+        ngram, proposal = self.last_proposal
+        if proposal:
+            kept = 0
+            while kept < min(len(proposal), len(new_tokens) - 1) and proposal[kept] == new_tokens[kept]:
+                kept += 1
+            self.accepted[ngram] += kept
+            self.rejected[ngram] += int(kept < len(proposal))
+        super().commit(new_tokens)

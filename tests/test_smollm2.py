@@ -1,0 +1,104 @@
+"""The embedded default (real SmolLM2-135M-Instruct weights): greedy identity, the CLI and the
+benchmark command end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec_core import GenerationRequest
+from specdec_core.cli import app
+
+PROMPTS = [
+    "Repeat this sentence twice: the cat sat on the mat.",
+    "List the planets of the solar system.",
+    "Write a Python function that returns the sum of a list.",
+]
+
+
+@pytest.mark.parametrize("drafter", ["pld", "model", "mla"])
+def test_greedy_speculation_is_identical_to_target_only_on_smollm2(smol_engine, drafter):
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        reference = smol_engine.complete(
+            GenerationRequest(messages=messages, drafter={"name": "none"}, sampling={"max_tokens": 48})
+        )
+        speculative = smol_engine.complete(
+            GenerationRequest(messages=messages, drafter={"name": drafter}, sampling={"max_tokens": 48}, num_draft_tokens=6)
+        )
+        assert speculative.token_ids == reference.token_ids
+        assert speculative.text == reference.text and reference.text.strip()
+
+
+def test_stop_strings_truncate_text_and_stream_consistently(smol_engine):
+    request = GenerationRequest(
+        messages=[{"role": "user", "content": PROMPTS[1]}], sampling={"max_tokens": 64}, drafter={"name": "pld"}
+    )
+    full = smol_engine.complete(request).text
+    stop = full.split()[3]
+    request.sampling.stop = [stop]
+    chunks = list(smol_engine.stream(request))
+    text = "".join(chunk.text for chunk in chunks)
+    assert text == full[: full.index(stop)]
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].metrics is not None
+
+
+def test_cli_generate_prints_text_and_metrics():
+    result = CliRunner().invoke(
+        app, ["generate", "-p", PROMPTS[0], "--max-tokens", "16", "--drafter", "pld", "--policy", "fly", "--policy-param", "theta=0.5"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "mean_accept_len=" in result.output and "tokens=" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--policy", "nope"], "unknown policy 'nope'"),
+        (["--policy", "ears", "--policy-param", "beta=-1"], "beta"),
+        (["-k", "0"], "num_draft_tokens"),
+        (["--temperature", "-1"], "temperature"),
+        (["--drafter", "nope"], "unknown drafter"),
+        (["--policy-param", "novalue"], "expected key=value"),
+    ],
+)
+def test_cli_rejects_bad_input_with_a_clear_message(args, message):
+    result = CliRunner().invoke(app, ["generate", "-p", "hi", "--max-tokens", "4", *args])
+    assert result.exit_code != 0
+    assert message in result.output
+
+
+def test_cli_rejects_empty_prompt():
+    result = CliRunner().invoke(app, ["generate", "-p", "", "--no-chat"])
+    assert result.exit_code == 2 and "must not be empty" in result.output
+
+
+def test_bench_writes_json_and_plot(tmp_path):
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench", "--methods", "target,hf:prompt_lookup,hf:assisted,specdec:greedy+pld,specdec:fly+mla",
+            "--categories", "summarization,math_reasoning", "--per-category", "1", "--max-new-tokens", "12",
+            "--out", str(tmp_path),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    rows = {(row["method"], row["category"]): row for row in report["results"]}
+    assert len(rows) == 5 * 3
+    keys = {"method", "category", "questions", "new_tokens", "tok_per_s", "speedup", "mean_accept_len",
+            "identical_to_target", "target_nll", "verify_ms_p50"}
+    assert all(keys <= set(row) for row in report["results"])
+    assert rows[("target", "overall")]["speedup"] == 1.0
+    assert rows[("specdec:greedy+pld", "overall")]["identical_to_target"] == 1.0
+    assert rows[("hf:prompt_lookup", "overall")]["identical_to_target"] == 1.0
+    assert rows[("specdec:fly+mla", "overall")]["mean_accept_len"] >= 1.0
+    assert report["config"]["max_new_tokens"] == 12
+
+
+def test_bench_rejects_unknown_category(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "--categories", "poetry", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown categories" in result.output
