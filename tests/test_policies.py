@@ -439,3 +439,23 @@ def test_every_policy_is_deterministic_under_a_seed_and_handles_empty_drafts(nam
     target_one = TargetBlock(logits=target.logits[:1], hidden=target.hidden[:1], lm_head=target.lm_head)
     verdict = run_policy(policy, empty, target_one, sampling)
     assert verdict.num_accepted == 0 and 0 <= verdict.next_token < target.vocab_size
+
+
+def test_compact_wire_rows_give_the_same_verdicts():
+    """Policies that declare `wire_top_k` decide identically on the compact rows that travel
+    (top-k log-probs + uniform tail) as on the full rows."""
+    from specdec_core.compact import compact_rows, expand_rows
+
+    for name in sorted(POLICIES):
+        for params in ({}, {"theta": 0.0}) if name == "fly" else ({},):
+            policy = make_policy(name, params)
+            top_k = policy.wire_top_k(GREEDY)
+            if top_k is None:
+                continue
+            for seed in range(25):
+                draft, target = random_case(seed, num_draft=15, vocab=64, sharp=1.0, sampled=False)
+                draft.tokens[:8] = target.logits[:8].argmax(-1)
+                compact = TargetBlock(logits=expand_rows(*compact_rows(target.logits, top_k), 64))
+                full_verdict = policy.verify(draft, target, GREEDY, rng(seed))
+                assert verdict_tuple(policy.verify(draft, compact, GREEDY, rng(seed))) == verdict_tuple(full_verdict)
+    assert make_policy("easd").wire_top_k(GREEDY) is None and make_policy("rejection").wire_top_k(SAMPLE) is None

@@ -54,6 +54,16 @@ class AcceptancePolicy(ABC):
         states and LM head), stored in `TargetBlock.features` before `verify` runs."""
         return {}
 
+    def needs_draft_logits(self) -> bool:
+        """Whether verify reads the draft's logits beyond p_d of sampled drafts (EASD's draft
+        entropy, DropMatch's JS criterion); otherwise only draft tokens need to travel."""
+        return False
+
+    def wire_top_k(self, sampling: SamplingParams) -> Optional[int]:
+        """How many top log-probs per target row this policy reads (see compact.py); None
+        means it needs the full rows. The base rule at T = 0 reads only the argmax."""
+        return 1 if sampling.greedy else None
+
     @abstractmethod
     def verify(
         self,

@@ -41,6 +41,12 @@ class DropMatchPolicy(AcceptancePolicy):
     Params = DropMatchParams
     needs_hidden = True
 
+    def needs_draft_logits(self) -> bool:
+        return self.params.criterion == "js"
+
+    def wire_top_k(self, sampling):
+        return 1 if sampling.greedy and self.params.criterion == "naive" else None
+
     def target_features(self, target, num_draft, sampling, generator):
         hidden = target.hidden[:num_draft].float()  # [K, H]
         keep = 1.0 - self.params.dropout

@@ -29,6 +29,12 @@ class EasdPolicy(AcceptancePolicy):
     name = "easd"
     Params = EasdParams
 
+    def wire_top_k(self, sampling):
+        return None  # full-vocab entropies
+
+    def needs_draft_logits(self) -> bool:
+        return True
+
     def penalized_positions(self, draft, target) -> torch.Tensor:
         num_draft = draft.num_tokens
         if draft.logits is None or math.isinf(self.params.tau_h) or num_draft == 0:

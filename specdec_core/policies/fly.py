@@ -44,6 +44,9 @@ class FlyPolicy(AcceptancePolicy):
     name = "fly"
     Params = FlyParams
 
+    def wire_top_k(self, sampling):
+        return 3 if sampling.greedy and self.params.entropy == "top3" else None
+
     def gate_entropy(self, logits: torch.Tensor) -> torch.Tensor:
         if self.params.entropy == "top3":
             return top3_entropy(logits)

@@ -1,0 +1,53 @@
+"""Conversions between torch/pydantic objects and protobuf messages (no pickle anywhere)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from protos import specdec_pb2 as pb
+from specdec_core.engine import ComponentSpec
+from specdec_core.sampling import SamplingParams
+
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32, "bool": np.bool_}
+
+
+def tensor_to_proto(tensor: torch.Tensor) -> pb.Tensor:
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.float()
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return pb.Tensor(dtype=dtype, shape=list(tensor.shape), data=tensor.numpy().tobytes())
+
+
+def tensor_from_proto(message: pb.Tensor) -> torch.Tensor:
+    if message.dtype not in _NUMPY_DTYPES:
+        raise ValueError(f"unsupported tensor dtype on the wire: {message.dtype!r}")
+    array = np.frombuffer(message.data, dtype=_NUMPY_DTYPES[message.dtype]).reshape(tuple(message.shape))
+    return torch.from_numpy(array.copy())
+
+
+def sampling_to_proto(sampling: SamplingParams) -> pb.Sampling:
+    return pb.Sampling(**sampling.model_dump())
+
+
+def sampling_from_proto(message: pb.Sampling) -> SamplingParams:
+    return SamplingParams(
+        temperature=message.temperature,
+        top_p=message.top_p,
+        top_k=message.top_k,
+        max_tokens=message.max_tokens,
+        stop=list(message.stop),
+        seed=message.seed,
+        ignore_eos=message.ignore_eos,
+    )
+
+
+def component_to_proto(spec: ComponentSpec) -> pb.Component:
+    return pb.Component(name=spec.name, params_json=json.dumps(spec.params))
+
+
+def component_from_proto(message: pb.Component) -> ComponentSpec:
+    return ComponentSpec(name=message.name, params=json.loads(message.params_json or "{}"))

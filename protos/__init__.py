@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf stubs for specdec.proto (built by `make protos`)."""
