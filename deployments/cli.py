@@ -1,11 +1,131 @@
-"""The `specdec` console script: the in-process commands of specdec_core plus serving."""
+"""The `specdec` console script: specdec_core's in-process commands plus `serve` and `client`."""
 
 from __future__ import annotations
 
-from specdec_core.cli import app
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specdec_core.cli import app, console, fail, parse_params
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "cluster" / "local.yaml"
+
+
+def load_serve_config(path: Path) -> tuple[dict, dict]:
+    """(app args, serve options) from a Serve config YAML (first application)."""
+    import yaml
+
+    if not path.exists():
+        fail(f"config not found: {path}")
+    document = yaml.safe_load(path.read_text()) or {}
+    applications = document.get("applications") or [{}]
+    return applications[0].get("args") or {}, document
+
+
+@app.command()
+def serve(
+    config: Path = typer.Option(DEFAULT_CONFIG, "--config", help="Serve config YAML (cluster/*.yaml)"),
+    host: Optional[str] = typer.Option(None, "--host", help="bind address (default: the config's)"),
+    port: Optional[int] = typer.Option(None, "--port", help="HTTP port"),
+    grpc_port: Optional[int] = typer.Option(None, "--grpc-port"),
+    address: Optional[str] = typer.Option(None, "--address", help="existing Ray cluster (default: start one)"),
+):
+    """Start the specdec Ray Serve app (OpenAI HTTP + gRPC) and block until Ctrl-C."""
+    import ray
+    from pydantic import ValidationError
+    from ray import serve as ray_serve
+    from ray.serve.config import gRPCOptions
+
+    from .app import apply_serve_env_defaults, build_app
+    from .config import AppConfig
+
+    start = time.perf_counter()
+    args, document = load_serve_config(config)
+    args.update({key: value for key, value in (("host", host), ("http_port", port), ("grpc_port", grpc_port)) if value is not None})
+    try:
+        app_config = AppConfig(**args)
+    except ValidationError as error:
+        fail(f"bad config {config}: {error}")
+    from specdec_core.models import resolve_source
+
+    for spec in filter(None, (app_config.target, app_config.draft)):
+        resolve_source(spec.source)  # convert GGUF checkpoints once, here, with a progress bar
+    apply_serve_env_defaults()
+    ray.init(address=address, namespace="specdec", log_to_driver=False)
+    servicers = (document.get("grpc_options") or {}).get("grpc_servicer_functions") or [
+        "protos.specdec_pb2_grpc.add_SpecdecServicer_to_server"
+    ]
+    ray_serve.start(
+        http_options={"host": app_config.host, "port": app_config.http_port},
+        grpc_options=gRPCOptions(port=app_config.grpc_port, grpc_servicer_functions=servicers),
+    )
+    ray_serve.run(build_app(app_config.model_dump()), name="specdec", route_prefix="/")
+    url = f"http://{app_config.host}:{app_config.http_port}"
+    console.print(f"[green]specdec ready[/green] in {time.perf_counter() - start:.1f}s: {url} (gRPC {app_config.host}:{app_config.grpc_port})")
+    example = json.dumps({"model": app_config.model_name, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 32, "temperature": 0})
+    console.print(f"try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{example}'", markup=False, soft_wrap=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ray_serve.shutdown()
+        ray.shutdown()
+
+
+@app.command()
+def client(
+    prompt: str = typer.Option(..., "--prompt", "-p"),
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="HTTP endpoint"),
+    grpc_address: Optional[str] = typer.Option(None, "--grpc", help="use gRPC at host:port instead of HTTP"),
+    policy: Optional[str] = typer.Option(None, "--policy"),
+    policy_param: list[str] = typer.Option([], "--policy-param"),
+    drafter: Optional[str] = typer.Option(None, "--drafter"),
+    num_draft_tokens: int = typer.Option(8, "-k"),
+    max_tokens: int = typer.Option(128, "--max-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    seed: int = typer.Option(0, "--seed"),
+):
+    """Send one chat request to a running service and print the reply and its metrics."""
+    from pydantic import ValidationError
+
+    from specdec_core.engine import GenerationRequest
+
+    from .client import SpecdecGrpcClient, SpecdecHttpClient
+
+    try:
+        request = GenerationRequest(
+            messages=[{"role": "user", "content": prompt}],
+            sampling={"max_tokens": max_tokens, "temperature": temperature, "seed": seed},
+            policy={"name": policy or ("greedy" if temperature == 0 else "rejection"), "params": parse_params(policy_param)},
+            drafter={"name": drafter or "pld"},
+            num_draft_tokens=num_draft_tokens,
+        )
+    except ValidationError as error:
+        fail(str(error))
+    start = time.perf_counter()
+    try:
+        result = (SpecdecGrpcClient(grpc_address) if grpc_address else SpecdecHttpClient(url)).generate(request)
+    except Exception as error:  # noqa: BLE001 - report any transport error to the user, then exit non-zero
+        fail(f"{type(error).__name__}: {error}")
+    console.print(result["text"], markup=False, highlight=False, soft_wrap=True)
+    metrics = result["speculative"]
+    console.print(
+        f"[dim]tokens={len(result['token_ids'])} time={time.perf_counter() - start:.2f}s "
+        f"mean_accept_len={metrics.get('mean_acceptance_length')} wire_bytes_per_step={metrics.get('wire_bytes_per_step')}[/dim]"
+    )
 
 
 def main() -> None:
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
     app()
 
 

@@ -20,8 +20,12 @@ class Coordinator:
     def __init__(self, frontend: Frontend, draft_address: str, target_address: str, deadline_s: float = 30.0):
         self.frontend = frontend
         self.deadline_s = deadline_s
-        self.draft_stub = pb_grpc.DrafterStub(grpc.insecure_channel(draft_address, options=CHANNEL_OPTIONS))
+        self.connect_draft(draft_address)
         self.target_stub = pb_grpc.TargetStub(grpc.insecure_channel(target_address, options=CHANNEL_OPTIONS))
+
+    def connect_draft(self, draft_address: str) -> None:
+        """(Re)connect to a draft worker, e.g. after it was restarted on a new port."""
+        self.draft_stub = pb_grpc.DrafterStub(grpc.insecure_channel(draft_address, options=CHANNEL_OPTIONS))
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise SpecdecError for a bad request before any session is opened."""

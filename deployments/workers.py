@@ -76,11 +76,26 @@ def invalid_argument(context: grpc.ServicerContext, call: Callable[[], Any]) -> 
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
 
-class DraftServicer(pb_grpc.DrafterServicer):
-    def __init__(self, draft_model: Optional[torch.nn.Module], idle_timeout_s: float = 120.0):
-        self.draft_model = draft_model
+class SessionServicer:
+    """What both workers share: the session table, Release, Stats, and a lock that keeps one
+    forward at a time on the shared model (sessions interleave step by step)."""
+
+    def __init__(self, idle_timeout_s: float):
         self.table = SessionTable(idle_timeout_s)
-        self.with_logits: dict[str, bool] = {}
+        self.lock = threading.Lock()
+
+    def Release(self, request, context):
+        self.table.release(request.session_id)
+        return pb.Empty()
+
+    def Stats(self, request, context):
+        return self.table.stats()
+
+
+class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
+    def __init__(self, draft_model: Optional[torch.nn.Module], idle_timeout_s: float = 120.0):
+        super().__init__(idle_timeout_s)
+        self.draft_model = draft_model
 
     def Reset(self, request, context):
         spec = component_from_proto(request.drafter)
@@ -92,7 +107,8 @@ class DraftServicer(pb_grpc.DrafterServicer):
 
     def Propose(self, request, context):
         drafter, with_logits = self.table.get(request.session_id, context)
-        block = drafter.propose(request.max_tokens)
+        with self.lock:
+            block = drafter.propose(request.max_tokens)
         reply = pb.DraftReply(tokens=block.tokens.tolist(), sampled=block.sampled)
         if block.logits is not None and (with_logits or block.sampled):
             reply.logits.CopyFrom(tensor_to_proto(block.logits))
@@ -103,19 +119,11 @@ class DraftServicer(pb_grpc.DrafterServicer):
         drafter.commit(list(request.new_tokens))
         return pb.Empty()
 
-    def Release(self, request, context):
-        self.table.release(request.session_id)
-        return pb.Empty()
 
-    def Stats(self, request, context):
-        return self.table.stats()
-
-
-class TargetServicer(pb_grpc.TargetServicer):
+class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
     def __init__(self, target_model: torch.nn.Module, idle_timeout_s: float = 120.0):
+        super().__init__(idle_timeout_s)
         self.target_model = target_model
-        self.table = SessionTable(idle_timeout_s)
-        self.lock = threading.Lock()  # one forward at a time: the model is shared by sessions
 
     def Reset(self, request, context):
         spec = component_from_proto(request.policy)
@@ -145,13 +153,6 @@ class TargetServicer(pb_grpc.TargetServicer):
     def Commit(self, request, context):
         self.table.get(request.session_id, context).commit(request.num_keep)
         return pb.Empty()
-
-    def Release(self, request, context):
-        self.table.release(request.session_id)
-        return pb.Empty()
-
-    def Stats(self, request, context):
-        return self.table.stats()
 
 
 def start_server(servicer: Any, add_to_server: Callable, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.Server, int]:

@@ -181,10 +181,6 @@ class SpeculativeEngine:
     def eos_ids(self) -> set[int]:
         return self.frontend.eos_ids
 
-    @eos_ids.setter
-    def eos_ids(self, value: set[int]) -> None:
-        self.frontend.eos_ids = value
-
     @classmethod
     def from_specs(cls, target: ModelSpec, draft: Optional[ModelSpec] = None) -> "SpeculativeEngine":
         return cls(load_model(target), load_tokenizer(target), load_model(draft) if draft else None)

@@ -134,7 +134,7 @@ def test_eos_and_max_tokens_finish_the_request():
     prompt = repeating_prompt(5)
     free_run = engine.complete(request(prompt, drafter="pld", max_tokens=30)).token_ids
     eos = free_run[10]
-    engine.eos_ids = {eos}
+    engine.frontend.eos_ids = {eos}
     stopped = engine.complete(request(prompt, drafter="pld", max_tokens=30))
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free_run[: free_run.index(eos)]

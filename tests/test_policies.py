@@ -358,29 +358,16 @@ def test_fly_window_zero_accepts_every_gated_mismatch():
 # ---------------------------------------------------------------- DropMatch criteria
 
 
-def test_dropmatch_majority_criterion_accepts_collapsed_paths():
-    """All paths agree on a token the base rule rejects at T = 0? Impossible with p > 0 only if
-    the paths move the argmax: build a target whose argmax is fragile (two near-tied logits)."""
-    hidden = torch.zeros(2, 4)
-    hidden[:, 0] = 1.0
-    head = torch.nn.Linear(4, 6, bias=False)
-    with torch.no_grad():
-        head.weight.zero_()
-        head.weight[0, 0] = 1.0  # token 0: logit h0
-        head.weight[1, 0] = 1.0  # token 1: logit h0 + h1 ... tied with token 0 at h1 = 0
-        head.weight[1, 1] = 0.0
-    with torch.no_grad():
-        logits = head(hidden)
-    logits[:, 1] -= 1e-4  # target argmax is token 0, token 1 a hair below
-    target = TargetBlock(logits=logits, hidden=hidden, lm_head=lambda h: head(h) - torch.tensor([0, 1e-4, 0, 0, 0, 0]))
-    draft = DraftBlock(tokens=torch.tensor([1]))
-    policy = make_policy("dropmatch", {"dropout": 0.5, "num_paths": 5})
-    generator = rng(0)
-    target.features = policy.target_features(target, 1, GREEDY, generator)
-    # force the majority path token to be the draft's token
+def test_dropmatch_majority_criterion_accepts_the_paths_majority_token():
+    """The target argmax is token 0, but most dropout paths pick token 1 (a near tie): a draft
+    of token 1 is accepted through the majority rule even though the JS rule rejects it."""
+    policy = make_policy("dropmatch")
+    target = TargetBlock(logits=torch.tensor([[2.0, 1.999, -3.0], [2.0, 1.999, -3.0]]))
+    draft = DraftBlock(tokens=torch.tensor([1]))  # one-hot draft: JS to the centroid is large
+    centroid = target.logits[:1].log_softmax(-1)
+    target.features = {"centroid_log_probs": centroid, "max_path_js": torch.tensor([1e-4])}
     target.features["path_tokens"] = torch.tensor([[1], [1], [1], [0], [2]])
-    target.features["max_path_js"] = torch.tensor([0.0])
-    verdict = policy.verify(draft, target, GREEDY, generator)
+    verdict = policy.verify(draft, target, GREEDY, rng())
     assert verdict.num_accepted == 1 and verdict.trace["loose"].tolist() == [True]
     target.features["path_tokens"] = torch.tensor([[0], [0], [0], [1], [2]])
     assert policy.verify(draft, target, GREEDY, rng()).num_accepted == 0

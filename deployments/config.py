@@ -1,0 +1,42 @@
+"""The whole app's configuration (pydantic), loadable from a Serve config YAML's `args`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec_core.engine import MAX_DRAFT_TOKENS, ComponentSpec
+from specdec_core.models import DEFAULT_DRAFT, ModelSpec
+
+
+class WorkerResources(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str = "specdec-smollm2-135m"
+    target: ModelSpec = Field(default_factory=ModelSpec)
+    draft: Optional[ModelSpec] = DEFAULT_DRAFT
+    default_policy: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="greedy"))
+    default_sampling_policy: ComponentSpec = Field(
+        default_factory=lambda: ComponentSpec(name="rejection"), description="used when temperature > 0"
+    )
+    default_drafter: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="pld"))
+    default_num_draft_tokens: int = Field(8, ge=1, le=MAX_DRAFT_TOKENS)
+    max_tokens_limit: int = Field(2048, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    coordinator_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(16, ge=1)
+    draft_worker: WorkerResources = Field(default_factory=WorkerResources)
+    target_worker: WorkerResources = Field(default_factory=WorkerResources)
+    host: str = "127.0.0.1"
+    http_port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int = Field(9000, ge=0, le=65535)
+    rpc_deadline_s: float = Field(30.0, gt=0)
+    session_idle_timeout_s: float = Field(120.0, gt=0)
+    torch_threads: Optional[int] = Field(None, ge=1, description="per worker; default: its CPUs")

@@ -1,0 +1,238 @@
+"""The Ray Serve app on a simulated two-node local Ray cluster (CPU), with tiny random models
+saved as real checkpoints next to SmolLM2's tokenizer. HTTP, the official openai client and
+gRPC are compared with the in-process engine; bad input, concurrency, worker death and client
+disconnects are exercised. One cluster for the whole module."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+httpx = pytest.importorskip("httpx")
+
+from conftest import perturbed_copy, tiny_llama  # noqa: E402
+
+from specdec_core import GenerationRequest, SpeculativeEngine  # noqa: E402
+from specdec_core.models import ModelSpec, load_model, load_tokenizer  # noqa: E402
+from specdec_core.policies import POLICIES  # noqa: E402
+
+HTTP_PORT, GRPC_PORT = 18431, 19431
+URL = f"http://127.0.0.1:{HTTP_PORT}"
+MODEL = "tiny-test"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Tiny target + perturbed draft over SmolLM2's 49,152-token vocabulary."""
+    tokenizer = load_tokenizer(ModelSpec())
+    root = tmp_path_factory.mktemp("models")
+    target = tiny_llama(seed=11, vocab_size=len(tokenizer))
+    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    draft = perturbed_copy(target, 0.002)
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return str(root / "target"), str(root / "draft")
+
+
+@pytest.fixture(scope="module")
+def local_engine(checkpoints):
+    target_dir, draft_dir = checkpoints
+    return SpeculativeEngine(load_model(ModelSpec(source=target_dir)), load_tokenizer(ModelSpec(source=target_dir)), load_model(ModelSpec(source=draft_dir)))
+
+
+@pytest.fixture(scope="module")
+def service(checkpoints):
+    from ray import serve
+    from ray.cluster_utils import Cluster
+    from ray.serve.config import gRPCOptions
+
+    from deployments.app import apply_serve_env_defaults, build_app
+
+    target_dir, draft_dir = checkpoints
+    apply_serve_env_defaults()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=2)  # a second (simulated) node for the workers
+    ray.init(address=cluster.address, namespace="specdec")
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": HTTP_PORT},
+        grpc_options=gRPCOptions(port=GRPC_PORT, grpc_servicer_functions=["protos.specdec_pb2_grpc.add_SpecdecServicer_to_server"]),
+    )
+    config = {
+        "model_name": MODEL,
+        "target": {"source": target_dir},
+        "draft": {"source": draft_dir},
+        "default_num_draft_tokens": 6,
+        "session_idle_timeout_s": 4.0,
+        "rpc_deadline_s": 10.0,
+        "torch_threads": 1,
+        "http_port": HTTP_PORT,
+        "grpc_port": GRPC_PORT,
+    }
+    serve.run(build_app(config), name="specdec", route_prefix="/")
+    yield config
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def completion(body: dict, path: str = "/v1/completions") -> httpx.Response:
+    return httpx.post(URL + path, json={"model": MODEL, **body}, timeout=120)
+
+
+def body_for(policy: str, temperature: float, drafter: str = "model") -> dict:
+    return {
+        "prompt": "The capital of France is Paris. The capital of France is",
+        "max_tokens": 24,
+        "temperature": temperature,
+        "seed": 3,
+        "policy": {"name": policy, "params": {}},
+        "drafter": drafter,
+        "num_draft_tokens": 5,
+    }
+
+
+def local_tokens(engine, body: dict) -> list[int]:
+    request = GenerationRequest(
+        prompt=body["prompt"],
+        sampling={"max_tokens": body["max_tokens"], "temperature": body["temperature"], "seed": body["seed"]},
+        policy=body["policy"],
+        drafter={"name": body["drafter"]},
+        num_draft_tokens=body["num_draft_tokens"],
+    )
+    return engine.complete(request).token_ids
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_http_output_equals_in_process_engine_for_every_policy(service, local_engine, policy):
+    for temperature in (0.0, 0.9):
+        if temperature > 0 and not POLICIES[policy].supports_sampling:
+            continue
+        body = body_for(policy, temperature)
+        response = completion(body)
+        assert response.status_code == 200, response.text
+        payload = response.json()
+        assert payload["choices"][0]["token_ids"] == local_tokens(local_engine, body)
+        assert payload["usage"]["completion_tokens"] == len(payload["choices"][0]["token_ids"])
+        assert "mean_acceptance_length" in payload["speculative"]
+
+
+def test_grpc_output_equals_http(service):
+    from deployments.client import SpecdecGrpcClient, SpecdecHttpClient
+
+    request = GenerationRequest(
+        messages=[{"role": "user", "content": "Name three colors."}],
+        sampling={"max_tokens": 20},
+        policy={"name": "fly"},
+        drafter={"name": "mla"},
+        num_draft_tokens=6,
+    )
+    over_grpc = SpecdecGrpcClient(f"127.0.0.1:{GRPC_PORT}").generate(request)
+    over_http = SpecdecHttpClient(URL).generate(request)
+    assert over_grpc["token_ids"] == over_http["token_ids"] and over_grpc["text"] == over_http["text"]
+    streamed = list(SpecdecGrpcClient(f"127.0.0.1:{GRPC_PORT}").stream(request))
+    assert [t for chunk in streamed for t in chunk.token_ids] == over_http["token_ids"]
+
+
+def test_official_openai_client_streaming_and_not(service):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=URL + "/v1", api_key="unused")
+    assert [model.id for model in client.models.list().data] == [MODEL]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0)
+    streamed_chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed_chat) == chat.choices[0].message.content
+    text = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    streamed = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == text.choices[0].text
+    assert text.usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize(
+    "raw, status, message",
+    [
+        ('{"prompt": "hi", ', 400, "malformed JSON"),
+        ("[1, 2]", 400, "JSON object"),
+        ('{"max_tokens": 4}', 400, "prompt"),
+        ('{"prompt": 5}', 400, "prompt"),
+        ('{"prompt": ""}', 400, "must not be empty"),
+        ('{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+        ('{"prompt": "hi", "max_tokens": 100000}', 400, "max_tokens must be <= 2048"),
+        ('{"prompt": "hi", "temperature": -1}', 400, "temperature"),
+        ('{"prompt": "hi", "top_p": 0}', 400, "top_p"),
+        ('{"prompt": "hi", "top_p": 1.5}', 400, "top_p"),
+        ('{"prompt": "hi", "policy": {"name": "nope"}}', 400, "valid policies: dropmatch, ears, easd, fly, greedy, rejection, typical"),
+        ('{"prompt": "hi", "policy": {"name": "ears", "params": {"beta": 5}}}', 400, "beta"),
+        ('{"prompt": "hi", "drafter": "nope"}', 400, "unknown drafter"),
+        ('{"prompt": "hi", "num_draft_tokens": 0}', 400, "num_draft_tokens"),
+        ('{"prompt": "hi", "num_draft_tokens": 500}', 400, "num_draft_tokens"),
+        ('{"prompt": "hi", "temperature": 0.5, "policy": {"name": "greedy"}}', 400, "needs temperature 0"),
+        ('{"prompt": "hi", "model": "gpt-9"}', 404, "not found"),
+        ('{"prompt": "' + "word " * 3000 + '"}', 400, "prompt has"),
+        ('{"prompt": "' + "x" * (1 << 20) + '"}', 413, "exceeds"),
+    ],
+)
+def test_bad_input_gets_an_openai_error_and_the_service_stays_up(service, raw, status, message):
+    response = httpx.post(URL + "/v1/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert completion({"prompt": "ok", "max_tokens": 2, "temperature": 0}).status_code == 200
+
+
+def test_concurrent_requests_match_sequential(service):
+    bodies = [dict(body_for("greedy", 0.0, drafter), prompt=f"Story number {index}: once") for index, drafter in
+              zip(range(16), ["pld", "model", "mla", "none"] * 4)]
+    sequential = [completion(body).json()["choices"][0]["token_ids"] for body in bodies]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        concurrent_results = list(pool.map(lambda body: completion(body).json()["choices"][0]["token_ids"], bodies))
+    assert concurrent_results == sequential
+
+
+def session_counts() -> dict:
+    return httpx.get(URL + "/health", timeout=30).json()["sessions"]
+
+
+def test_disconnected_stream_leaves_no_session(service):
+    body = dict(body_for("greedy", 0.0), max_tokens=200, stream=True)
+    with httpx.stream("POST", URL + "/v1/completions", json={"model": MODEL, **body}, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # read one event, then hang up
+    deadline = time.time() + 20
+    while session_counts() != {"draft": 0, "target": 0} and time.time() < deadline:
+        time.sleep(0.5)
+    assert session_counts() == {"draft": 0, "target": 0}
+
+
+def test_draft_worker_killed_mid_stream_completes_with_fallback(service, local_engine):
+    body = dict(body_for("greedy", 0.0), max_tokens=60, stream=True)
+    events = []
+    with httpx.stream("POST", URL + "/v1/completions", json={"model": MODEL, **body}, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[len("data: "):]))
+            if len(events) == 1:
+                ray.kill(ray.get_actor(f"{MODEL}-draft-worker", namespace="specdec"), no_restart=False)
+    tokens = [token for event in events for token in event["choices"][0]["token_ids"]]
+    assert events[-1]["speculative"]["draft_fallback"] is True
+    assert tokens == local_tokens(local_engine, body)
+
+
+def test_speculation_resumes_after_the_draft_worker_restarts(service):
+    """Runs after the kill above: the restarted draft worker is found again."""
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        payload = completion(dict(body_for("greedy", 0.0), max_tokens=8)).json()
+        if not payload["speculative"]["draft_fallback"]:
+            break
+        time.sleep(2)
+    assert payload["speculative"]["draft_fallback"] is False
+    assert payload["speculative"]["spec_decode_num_drafts"] > 0
