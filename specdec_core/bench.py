@@ -209,6 +209,11 @@ def aggregate(runs: list[tuple[str, str, MethodRun, Optional[bool], float]], met
                         for counter in ("penalized", "pardoned", "loose")
                         if any(counter in run.metrics for run, _, _ in entries)
                     },
+                    **{  # served methods: bytes on the wire per step vs full fp32 logits
+                        key: round(statistics.mean(run.metrics[key] for run, _, _ in entries), 1)
+                        for key in ("wire_bytes_per_step", "full_logits_bytes_per_step")
+                        if all(key in run.metrics for run, _, _ in entries)
+                    },
                 }
             )
     return rows
