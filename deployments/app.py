@@ -23,7 +23,7 @@ from ray import serve
 
 from protos import specdec_pb2 as pb
 from specdec_core.engine import ComponentSpec, GenerationRequest, StreamChunk
-from specdec_core.errors import SpecdecError
+from specdec_core.errors import SpecdecError, format_validation_errors
 
 from .config import AppConfig
 from .openai_api import ChatCompletionRequest, CompletionRequest, ResponseBuilder, error_body
@@ -96,7 +96,7 @@ api = FastAPI(title="specdec", description="OpenAI-compatible speculative decodi
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     first = error.errors()[0]
     param = ".".join(str(part) for part in first["loc"] if part != "body") or None
-    message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in error.errors())
+    message = format_validation_errors(error.errors(), "body")
     return JSONResponse(status_code=400, content=error_body(message, param=param))
 
 
@@ -170,7 +170,7 @@ class SpecdecCoordinator:
             request = parsed.to_generation_request(self.config)
             self.coordinator.validate(request)
         except ValidationError as error:
-            message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors())
+            message = format_validation_errors(error.errors(), "body")
             return JSONResponse(status_code=400, content=error_body(message))
         except (SpecdecError, ValueError) as error:
             return JSONResponse(status_code=400, content=error_body(str(error)))

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import SpecdecError
+from .errors import SpecdecError, format_validation_errors
 from .models import DEFAULT_DRAFT, EMBEDDED, ModelSpec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Speculative decoding for large LMs.")
@@ -109,7 +109,7 @@ def generate(
             num_draft_tokens=num_draft_tokens,
         )
     except ValidationError as error:
-        fail("; ".join(f"{'.'.join(map(str, e['loc'])) or 'request'}: {e['msg']}" for e in error.errors()))
+        fail(format_validation_errors(error.errors(), "request"))
     needs_draft = drafter in ("model", "mla")
     engine = build_engine(target, target_dtype, draft if needs_draft else "none", draft_dtype, draft_layers)
     start = time.perf_counter()

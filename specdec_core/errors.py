@@ -13,6 +13,14 @@ class SpecdecError(ValueError):
     """Invalid user input (request, policy, drafter): the message says what and why."""
 
 
+def format_validation_errors(errors: list[dict], root: str) -> str:
+    """`loc: msg; ...` for pydantic (or FastAPI) error dicts; FastAPI's leading "body" is
+    dropped and an empty location is shown as `root`."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc'] if part != 'body') or root}: {error['msg']}" for error in errors
+    )
+
+
 def validate_params(
     params_cls: type[ParamsT], params: Optional[dict[str, Any]], what: str
 ) -> ParamsT:
@@ -22,5 +30,5 @@ def validate_params(
     try:
         return params_cls(**(params or {}))
     except ValidationError as error:
-        details = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'params'}: {e['msg']}" for e in error.errors())
+        details = format_validation_errors(error.errors(), "params")
         raise SpecdecError(f"bad parameters for {what}: {details}") from None

@@ -12,6 +12,14 @@ from ..sampling import SamplingParams
 from ..types import DraftBlock
 
 
+def common_prefix_length(first: Sequence[int], second: Sequence[int], limit: int) -> int:
+    """How many leading tokens the two sequences share, at most `limit`."""
+    length = 0
+    while length < limit and first[length] == second[length]:
+        length += 1
+    return length
+
+
 class DrafterParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -20,7 +20,7 @@ from pydantic import Field
 from ..sampling import sample, sampling_probs
 from ..target import crop_cache, make_cache
 from ..types import DraftBlock
-from .base import Drafter, DrafterParams
+from .base import Drafter, DrafterParams, common_prefix_length
 from .pld import PromptLookupParams, lookup_continuation
 
 
@@ -56,10 +56,7 @@ class ModelDrafter(Drafter):
 
     def sync_cache(self, sequence: Sequence[int]) -> None:
         """Crop the cache to its longest prefix shared with `sequence` (leaving >= 1 to feed)."""
-        shared = 0
-        limit = min(len(self.cached_tokens), len(sequence) - 1)
-        while shared < limit and self.cached_tokens[shared] == sequence[shared]:
-            shared += 1
+        shared = common_prefix_length(self.cached_tokens, sequence, min(len(self.cached_tokens), len(sequence) - 1))
         crop_cache(self.cache, shared)
         del self.cached_tokens[shared:]
 
@@ -83,9 +80,7 @@ class ModelDrafter(Drafter):
                 predicted = sample(sampling_probs(logits, self.sampling), self.generator).tolist()
             else:
                 predicted = logits.argmax(-1).tolist()
-            matched = 0
-            while matched < len(guess) and guess[matched] == predicted[matched]:
-                matched += 1
+            matched = common_prefix_length(guess, predicted, len(guess))
             tokens.extend(predicted[: matched + 1])
             rows.append(logits[: matched + 1])
             top_prob = logits[matched].softmax(-1).max()

@@ -16,7 +16,7 @@ import torch
 from pydantic import Field, model_validator
 
 from ..types import DraftBlock
-from .base import Drafter, DrafterParams
+from .base import Drafter, DrafterParams, common_prefix_length
 
 
 class PromptLookupParams(DrafterParams):
@@ -93,9 +93,7 @@ class PromptLookupDrafter(Drafter):
     def commit(self, new_tokens: Sequence[int]) -> None:
         ngram, proposal = self.last_proposal
         if proposal:
-            kept = 0
-            while kept < min(len(proposal), len(new_tokens) - 1) and proposal[kept] == new_tokens[kept]:
-                kept += 1
+            kept = common_prefix_length(proposal, new_tokens, min(len(proposal), len(new_tokens) - 1))
             self.accepted[ngram] += kept
             self.rejected[ngram] += int(kept < len(proposal))
         super().commit(new_tokens)
