@@ -55,17 +55,18 @@ class WorkerActor:
         from protos import specdec_pb2_grpc as pb_grpc
         from specdec_core.models import load_model
 
-        from .workers import DraftServicer, TargetServicer, start_server
+        from .workers import DraftServicer, TargetServicer, on_torch_thread, start_server
 
         app_config = AppConfig(**config)
         resources = app_config.draft_worker if kind == "draft" else app_config.target_worker
-        torch.set_num_threads(app_config.torch_threads or max(1, int(resources.num_cpus)))
+        on_torch_thread(torch.set_num_threads, app_config.torch_threads or max(1, int(resources.num_cpus)))
+        model_spec = app_config.draft if kind == "draft" else app_config.target
+        model = on_torch_thread(load_model, model_spec) if model_spec else None
         if kind == "draft":
-            model = load_model(app_config.draft) if app_config.draft else None
             servicer = DraftServicer(model, app_config.session_idle_timeout_s)
             add = pb_grpc.add_DrafterServicer_to_server
         else:
-            servicer = TargetServicer(load_model(app_config.target), app_config.session_idle_timeout_s)
+            servicer = TargetServicer(model, app_config.session_idle_timeout_s)
             add = pb_grpc.add_TargetServicer_to_server
         bind_host = "127.0.0.1" if app_config.host in ("127.0.0.1", "localhost") else "0.0.0.0"
         self.server, port = start_server(servicer, add, host=bind_host)
@@ -106,6 +107,7 @@ class SpecdecCoordinator:
     """Validates requests, runs the speculative loop against the workers, streams results."""
 
     def __init__(self, config: dict):
+        import torch
         from ray.serve.metrics import Counter
 
         from specdec_core.engine import Frontend
@@ -115,6 +117,7 @@ class SpecdecCoordinator:
 
         from transformers import AutoConfig, GenerationConfig
 
+        torch.set_num_threads(1)  # verify is small; the cores belong to the workers
         self.config = AppConfig(**config)
         source = resolve_source(self.config.target.source)
         generation_config = GenerationConfig.from_pretrained(source) if os.path.exists(os.path.join(source, "generation_config.json")) else None

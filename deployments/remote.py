@@ -1,5 +1,6 @@
 """gRPC proxies with the session interface of specdec_core's drafter and target scorer, so the
-coordinator runs `specdec_core.engine.speculative_loop` unchanged. Every call carries a
+coordinator runs `specdec_core.engine.speculative_loop` unchanged. A step costs one round trip
+per worker: `commit` is held and sent with the next Propose / Score. Every call carries a
 deadline. A failing draft worker does not fail the request: the drafter proxy falls back to
 proposing nothing (target-only decoding) and counts the fallback."""
 
@@ -45,6 +46,7 @@ class RemoteTarget:
         self.deadline_s = deadline_s
         self.bytes_received = 0
         self.full_rows_bytes = 0  # what full fp32 rows would have cost
+        self.pending_keep = 0  # a commit not yet sent: it rides on the next Score
 
     def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
         request = pb.TargetReset(
@@ -59,7 +61,9 @@ class RemoteTarget:
             raise_user_errors(error)
 
     def score(self, tokens: Sequence[int]) -> TargetBlock:
-        reply = self.stub.Score(pb.ScoreRequest(session_id=self.session_id, tokens=list(tokens)), timeout=self.deadline_s)
+        request = pb.ScoreRequest(session_id=self.session_id, tokens=list(tokens), commit_keep=self.pending_keep)
+        reply = self.stub.Score(request, timeout=self.deadline_s)
+        self.pending_keep = 0
         self.bytes_received += reply.ByteSize()
         self.full_rows_bytes += len(tokens) * reply.vocab_size * 4
         if reply.HasField("logits"):
@@ -70,7 +74,7 @@ class RemoteTarget:
         return TargetBlock(logits=logits, features=features)
 
     def commit(self, num_keep: int) -> None:
-        self.stub.Commit(pb.TargetCommit(session_id=self.session_id, num_keep=num_keep), timeout=self.deadline_s)
+        self.pending_keep = num_keep
 
     def release(self) -> None:
         try:
@@ -93,6 +97,7 @@ class RemoteDrafter(Drafter):
         self.deadline_s = deadline_s
         self.failed: Optional[str] = None
         self.bytes_received = 0
+        self.pending_tokens: list[int] = []  # committed, not yet sent: they ride on the next Propose
 
     def _fail(self, error: grpc.RpcError) -> None:
         if error.code() not in DRAFTER_FAILURES:
@@ -118,22 +123,19 @@ class RemoteDrafter(Drafter):
     def propose(self, max_tokens: int) -> DraftBlock:
         if self.failed or max_tokens <= 0:
             return DraftBlock.empty()
+        request = pb.ProposeRequest(session_id=self.session_id, max_tokens=max_tokens, commit_tokens=self.pending_tokens)
         try:
-            reply = self.stub.Propose(pb.ProposeRequest(session_id=self.session_id, max_tokens=max_tokens), timeout=self.deadline_s)
+            reply = self.stub.Propose(request, timeout=self.deadline_s)
         except grpc.RpcError as error:
             self._fail(error)
             return DraftBlock.empty()
+        self.pending_tokens = []
         self.bytes_received += reply.ByteSize()
         logits = tensor_from_proto(reply.logits) if reply.HasField("logits") else None
         return DraftBlock(tokens=torch.tensor(list(reply.tokens), dtype=torch.long), logits=logits, sampled=reply.sampled)
 
     def commit(self, new_tokens: Sequence[int]) -> None:
-        if self.failed:
-            return
-        try:
-            self.stub.Commit(pb.DraftCommit(session_id=self.session_id, new_tokens=list(new_tokens)), timeout=self.deadline_s)
-        except grpc.RpcError as error:
-            self._fail(error)
+        self.pending_tokens.extend(new_tokens)
 
     def release(self) -> None:
         if self.failed:

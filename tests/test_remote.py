@@ -11,7 +11,11 @@ pytest.importorskip("grpc")
 
 from deployments.coordinator import Coordinator  # noqa: E402
 from deployments.workers import DraftServicer, TargetServicer, start_server  # noqa: E402
+from deployments.wire import component_to_proto, sampling_to_proto  # noqa: E402
+from protos import specdec_pb2 as pb  # noqa: E402
 from protos import specdec_pb2_grpc as pb_grpc  # noqa: E402
+from specdec_core.engine import ComponentSpec  # noqa: E402
+from specdec_core.sampling import SamplingParams  # noqa: E402
 from specdec_core import GenerationRequest, SpecdecError  # noqa: E402
 from specdec_core.policies import POLICIES  # noqa: E402
 
@@ -66,6 +70,33 @@ def test_compact_wire_ships_a_fraction_of_the_full_logits(cluster):
     assert greedy["wire_bytes_per_step"] < 0.05 * greedy["full_logits_bytes_per_step"]
     assert fly["wire_bytes_per_step"] < 0.1 * fly["full_logits_bytes_per_step"]
     assert sampled["wire_bytes_per_step"] > sampled["full_logits_bytes_per_step"]  # rows + draft logits
+
+
+def test_commit_folded_into_the_next_call_equals_the_commit_rpc(cluster):
+    """The coordinator sends each step's commits with the next Propose / Score; that must act
+    exactly like the explicit Commit RPCs."""
+    draft, target = cluster.draft_stub, cluster.target_stub
+    prompt, sampling = repeating_prompt(7), sampling_to_proto(SamplingParams())
+    greedy, model = component_to_proto(ComponentSpec(name="greedy")), component_to_proto(ComponentSpec(name="model"))
+    replies = {}
+    for session, folded in (("explicit", False), ("folded", True)):
+        target.Reset(pb.TargetReset(session_id=session, prompt_ids=prompt, sampling=sampling, policy=greedy))
+        draft.Reset(pb.DraftReset(session_id=session, prompt_ids=prompt, sampling=sampling, drafter=model))
+        proposed = list(draft.Propose(pb.ProposeRequest(session_id=session, max_tokens=4)).tokens)
+        target.Score(pb.ScoreRequest(session_id=session, tokens=[prompt[-1], *proposed]))
+        kept = proposed[:2] + [3]  # accept two drafts, then a correction token
+        if folded:
+            next_draft = draft.Propose(pb.ProposeRequest(session_id=session, max_tokens=4, commit_tokens=kept))
+            next_score = target.Score(pb.ScoreRequest(session_id=session, tokens=[3, 5, 6], commit_keep=3))
+        else:
+            draft.Commit(pb.DraftCommit(session_id=session, new_tokens=kept))
+            target.Commit(pb.TargetCommit(session_id=session, num_keep=3))
+            next_draft = draft.Propose(pb.ProposeRequest(session_id=session, max_tokens=4))
+            next_score = target.Score(pb.ScoreRequest(session_id=session, tokens=[3, 5, 6]))
+        replies[session] = (list(next_draft.tokens), next_score.top_ids.data, next_score.top_log_probs.data)
+        draft.Release(pb.SessionRef(session_id=session))
+        target.Release(pb.SessionRef(session_id=session))
+    assert replies["folded"] == replies["explicit"]
 
 
 def test_sessions_are_freed_on_finish_and_on_abandoned_streams(cluster):
