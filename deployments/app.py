@@ -50,16 +50,14 @@ class WorkerActor:
     """Hosts one model behind a gRPC service ("draft": Drafter, "target": Target)."""
 
     def __init__(self, kind: str, config: dict):
-        import torch
-
         from protos import specdec_pb2_grpc as pb_grpc
-        from specdec_core.models import load_model
+        from specdec_core.models import configure_cpu, load_model
 
         from .workers import DraftServicer, TargetServicer, on_torch_thread, start_server
 
         app_config = AppConfig(**config)
         resources = app_config.draft_worker if kind == "draft" else app_config.target_worker
-        on_torch_thread(torch.set_num_threads, app_config.torch_threads or max(1, int(resources.num_cpus)))
+        on_torch_thread(configure_cpu, app_config.torch_threads or max(1, int(resources.num_cpus)))
         model_spec = app_config.draft if kind == "draft" else app_config.target
         model = on_torch_thread(load_model, model_spec) if model_spec else None
         if kind == "draft":
@@ -107,17 +105,16 @@ class SpecdecCoordinator:
     """Validates requests, runs the speculative loop against the workers, streams results."""
 
     def __init__(self, config: dict):
-        import torch
         from ray.serve.metrics import Counter
 
         from specdec_core.engine import Frontend
-        from specdec_core.models import load_tokenizer, resolve_source
+        from specdec_core.models import configure_cpu, load_tokenizer, resolve_source
 
         from .coordinator import Coordinator
 
         from transformers import AutoConfig, GenerationConfig
 
-        torch.set_num_threads(1)  # verify is small; the cores belong to the workers
+        configure_cpu(1)  # verify is small; the cores belong to the workers
         self.config = AppConfig(**config)
         source = resolve_source(self.config.target.source)
         generation_config = GenerationConfig.from_pretrained(source) if os.path.exists(os.path.join(source, "generation_config.json")) else None

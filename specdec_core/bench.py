@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .engine import ComponentSpec, GenerationRequest, SpeculativeEngine
-from .sampling import SamplingParams, entropy
+from .sampling import SamplingParams, entropy_of_logits
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 
@@ -79,7 +79,31 @@ def score_continuation(model: torch.nn.Module, prompt_ids: list[int], output_ids
     logits = model(input_ids=ids, logits_to_keep=len(output_ids) + 1).logits[0, :-1].float()
     log_probs = logits.log_softmax(-1)
     nll = -log_probs.gather(-1, torch.tensor(output_ids)[:, None]).squeeze(-1)
-    return nll, entropy(log_probs.exp())
+    return nll, entropy_of_logits(logits)
+
+
+@torch.inference_mode()
+def block_cost_curve(model: torch.nn.Module, prompt_ids: list[int], max_tokens: int, repeats: int) -> list[dict]:
+    """What one forward over `n` new tokens costs after `prompt_ids`, for n = 1..max_tokens:
+    a target verify of K drafts is n = K + 1. Sizes are interleaved within each repeat so that
+    machine noise hits all of them alike; the cache is rolled back after every forward."""
+    from .target import TargetScorer
+
+    scorer = TargetScorer(model)
+    scorer.reset(prompt_ids)
+    samples: dict[int, list[float]] = defaultdict(list)
+    for _ in range(repeats + 1):  # the first round warms up
+        for num_tokens in range(1, max_tokens + 1):
+            start = time.perf_counter()
+            scorer.score(prompt_ids[-num_tokens:])
+            samples[num_tokens].append((time.perf_counter() - start) * 1e3)
+            scorer.commit(0)
+    one_token_ms = statistics.median(samples[1][1:])
+    return [
+        {"tokens": num_tokens, "ms_p50": round(statistics.median(times[1:]), 2),
+         "vs_one_token": round(statistics.median(times[1:]) / one_token_ms, 3)}
+        for num_tokens, times in samples.items()
+    ]
 
 
 def parse_specdec_method(method: str) -> tuple[str, str, Optional[int]]:

@@ -1,4 +1,4 @@
-"""`specdec` command line, in-process commands: generate, bench, calibrate-easd, convert.
+"""`specdec` command line, in-process commands: generate, bench, verify-cost, calibrate-easd, convert.
 The console script (deployments/cli.py) adds the serving commands to this app."""
 
 from __future__ import annotations
@@ -59,11 +59,10 @@ def parse_scoped_params(pairs: list[str], option: str) -> dict[str, dict[str, An
 
 
 def build_engine(target: str, target_dtype: str, draft: str, draft_dtype: str, draft_layers: Optional[int]):
-    import torch
-
     from .engine import SpeculativeEngine
+    from .models import configure_cpu
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    configure_cpu(os.cpu_count() or 1)
     target_spec = ModelSpec(source=target, dtype=target_dtype)
     draft_spec = None if draft == "none" else ModelSpec(source=draft, dtype=draft_dtype, num_layers=draft_layers)
     return SpeculativeEngine.from_specs(target_spec, draft_spec)
@@ -197,6 +196,46 @@ def print_table(rows: list[dict]) -> None:
         table.add_column(column, justify="left" if column in ("method", "category") else "right")
     for row in rows:
         table.add_row(*["" if row.get(column) is None else str(row.get(column)) for column in columns])
+    console.print(table)
+
+
+@app.command("verify-cost")
+def verify_cost(
+    max_tokens: int = typer.Option(16, "--max-tokens", help="largest block: K + 1 for K drafts"),
+    repeats: int = typer.Option(20, "--repeats"),
+    context: int = typer.Option(200, "--context", help="prompt tokens before the block"),
+    target: str = TargetOpt,
+    target_dtype: str = TargetDtypeOpt,
+    draft: str = DraftOpt,
+    draft_dtype: str = DraftDtypeOpt,
+    draft_layers: Optional[int] = DraftLayersOpt,
+):
+    """Cost of one forward over n = 1..max-tokens new tokens, target and draft model: the
+    curve that decides when speculation pays (a K-draft verify is n = K + 1)."""
+    from .bench import DEFAULT_QUESTIONS, block_cost_curve, load_questions
+    from .engine import GenerationRequest
+
+    if max_tokens < 1 or repeats < 1 or context < max_tokens:
+        fail("need --max-tokens >= 1, --repeats >= 1 and --context >= --max-tokens")
+    engine = build_engine(target, target_dtype, draft, draft_dtype, draft_layers)
+    prompt_ids: list[int] = []
+    for question in load_questions(DEFAULT_QUESTIONS, ["all"], 1):
+        prompt_ids += engine.encode(GenerationRequest(messages=[{"role": "user", "content": question["turns"][0]}]))
+    if len(prompt_ids) < context:
+        fail(f"the Spec-Bench prompts give only {len(prompt_ids)} tokens of context")
+    prompt_ids = prompt_ids[:context]
+    models = {"target": engine.target_model, **({"draft": engine.draft_model} if engine.draft_model is not None else {})}
+    curves = {name: block_cost_curve(model, prompt_ids, max_tokens, repeats) for name, model in models.items()}
+    table = Table()
+    table.add_column("tokens", justify="right")
+    for name in curves:
+        table.add_column(f"{name}_ms_p50", justify="right")
+        table.add_column(f"{name}_vs_one_token", justify="right")
+    for index in range(max_tokens):
+        cells = [str(index + 1)]
+        for curve in curves.values():
+            cells += [str(curve[index]["ms_p50"]), str(curve[index]["vs_one_token"])]
+        table.add_row(*cells)
     console.print(table)
 
 

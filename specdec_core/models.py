@@ -8,6 +8,8 @@ decoder layers (a training-free self-speculative draft)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import importlib.util
 import os
@@ -124,6 +126,19 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
         truncate_layers(model, spec.num_layers)
     use_skinny_matmul(model)
     return model.eval()
+
+
+def configure_cpu(num_threads: int) -> None:
+    """Process-wide CPU settings for decoding: torch's thread count, and glibc's malloc kept from
+    returning each multi-MB temporary to the OS. Its default serves allocations above a
+    (dynamic) threshold with fresh mmap pages, so every [K, V] temporary of a verify paid ~700
+    page faults: a 15 x 49152 entropy took 2.0 ms instead of 0.5 ms. No-op without glibc."""
+    torch.set_num_threads(num_threads)
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if hasattr(libc, "mallopt"):
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum
+        libc.mallopt(m_trim_threshold, 256 << 20)
 
 
 class SkinnyLinear(torch.nn.Linear):

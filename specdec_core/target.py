@@ -74,9 +74,11 @@ class TargetScorer:
         output = self.model.model(input_ids=torch.tensor([list(tokens)]), past_key_values=self.cache, use_cache=True)
         hidden = output.last_hidden_state[0]
         block = TargetBlock(logits=self.model.lm_head(hidden).float())
-        if self.policy is not None and self.policy.needs_hidden:
-            block.hidden, block.lm_head = hidden, self.model.lm_head
-            block.features = self.policy.target_features(block, len(tokens) - 1, self.sampling, self.features_rng)
+        if self.policy is not None:
+            if self.policy.needs_hidden:
+                block.hidden, block.lm_head = hidden, self.model.lm_head
+            draft_tokens = torch.tensor(list(tokens[1:]), dtype=torch.long)
+            block.features = self.policy.target_features(block, draft_tokens, self.sampling, self.features_rng)
         return block
 
     def commit(self, num_keep: int) -> None:

@@ -102,3 +102,13 @@ def test_bench_writes_json_and_plot(tmp_path):
 def test_bench_rejects_unknown_category(tmp_path):
     result = CliRunner().invoke(app, ["bench", "--categories", "poetry", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "unknown categories" in result.output
+
+
+def test_verify_cost_prints_the_block_cost_curve():
+    result = CliRunner().invoke(app, ["verify-cost", "--max-tokens", "3", "--repeats", "1", "--context", "40", "--draft", "none"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split("│")[1:-1] for line in result.output.splitlines() if line.startswith("│") and line.split("│")[1].strip().isdigit()]
+    assert [int(cells[0]) for cells in rows] == [1, 2, 3]
+    assert float(rows[0][2]) == 1.0  # the one-token forward is the unit
+    bad = CliRunner().invoke(app, ["verify-cost", "--max-tokens", "8", "--context", "4", "--draft", "none"])
+    assert bad.exit_code == 2 and "--context" in bad.output

@@ -48,10 +48,10 @@ class AcceptancePolicy(ABC):
         self.params = params if params is not None else self.Params()
 
     def target_features(
-        self, target: TargetBlock, num_draft: int, sampling: SamplingParams, generator: torch.Generator
+        self, target: TargetBlock, draft_tokens: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
     ) -> dict[str, torch.Tensor]:
-        """Extra per-position tensors computed where the target lives (next to its hidden
-        states and LM head), stored in `TargetBlock.features` before `verify` runs."""
+        """Extra tensors computed where the target lives (next to its hidden states and LM
+        head) for the draft tokens `[K]`, stored in `TargetBlock.features` before `verify`."""
         return {}
 
     def needs_draft_logits(self) -> bool:

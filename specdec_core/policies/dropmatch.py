@@ -11,13 +11,12 @@ every path equal the target, which reduces to greedy at T = 0."""
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 from pydantic import Field
 
-from ..sampling import sample, sampling_probs
+from ..sampling import entropy, sample, sampling_probs
 from ..types import Verdict
 from .base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
 
@@ -29,11 +28,10 @@ class DropMatchParams(PolicyParams):
 
 
 def js_divergence(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """Jensen-Shannon divergence (nats) between distributions given as log-probs, last dim."""
-    log_mid = torch.logaddexp(log_p, log_q) - math.log(2.0)
-    kl_p = (log_p.exp() * (log_p - log_mid)).nan_to_num(0.0).sum(-1)
-    kl_q = (log_q.exp() * (log_q - log_mid)).nan_to_num(0.0).sum(-1)
-    return 0.5 * (kl_p + kl_q)
+    """Jensen-Shannon divergence (nats) between distributions given as log-probs, last dim:
+    H(m) - (H(p) + H(q)) / 2 with m the mixture (0 log 0 = 0, so one-hot rows work)."""
+    p, q = log_p.exp(), log_q.exp()
+    return entropy(0.5 * (p + q)) - 0.5 * (entropy(p) + entropy(q))
 
 
 class DropMatchPolicy(AcceptancePolicy):
@@ -47,40 +45,52 @@ class DropMatchPolicy(AcceptancePolicy):
     def wire_top_k(self, sampling):
         return 1 if sampling.greedy and self.params.criterion == "naive" else None
 
-    def target_features(self, target, num_draft, sampling, generator):
-        hidden = target.hidden[:num_draft].float()  # [K, H]
+    def target_features(self, target, draft_tokens, sampling, generator):
+        """Dropout paths for the positions whose outcome they can change: at T = 0 only where the
+        draft token is not the target argmax (elsewhere the base rule accepts), at T > 0 all."""
+        num_draft = draft_tokens.shape[0]
+        rows = torch.arange(num_draft)
+        if sampling.greedy:
+            rows = rows[draft_tokens != target.logits[:num_draft].argmax(-1)]
+        hidden = target.hidden[rows].float()  # [R, H]
         keep = 1.0 - self.params.dropout
         masks = torch.bernoulli(
             torch.full((self.params.num_paths, *hidden.shape), keep), generator=generator
         ) / keep
-        path_logits = target.lm_head(hidden[None] * masks).float()  # [N, K, V], one matmul
+        path_logits = target.lm_head(hidden[None] * masks).float()  # [N, R, V], one matmul
         if sampling.greedy:
             path_tokens = path_logits.argmax(-1)
         else:
             path_probs = sampling_probs(path_logits.flatten(0, 1), sampling)
-            path_tokens = sample(path_probs, generator).view(self.params.num_paths, num_draft)
-        features = {"path_tokens": path_tokens}
+            path_tokens = sample(path_probs, generator).view(self.params.num_paths, len(rows))
+        features = {"rows": rows, "path_tokens": path_tokens}
         if self.params.criterion == "js":
             path_log_probs = path_logits.log_softmax(-1)
-            centroid_log_probs = path_logits.mean(0).log_softmax(-1)  # [K, V]
+            centroid_log_probs = path_logits.mean(0).log_softmax(-1)  # [R, V]
             features["centroid_log_probs"] = centroid_log_probs
             features["max_path_js"] = js_divergence(path_log_probs, centroid_log_probs[None]).max(0).values
         return features
 
     def verify(self, draft, target, sampling, generator) -> Verdict:
         decision = base_decision(draft, target, sampling, generator)
-        path_tokens = target.features["path_tokens"]  # [N, K]
+        features = target.features
+        rows, path_tokens = features["rows"], features["path_tokens"]  # [R], [N, R]
+        row_tokens = draft.tokens[rows]
         if self.params.criterion == "naive":
-            matched = (path_tokens == draft.tokens[None]).any(0)
+            row_matched = (path_tokens == row_tokens[None]).any(0)
         else:
-            majority_tokens = path_tokens.mode(0).values
-            if draft.logits is None:
-                draft_log_probs = torch.full_like(target.features["centroid_log_probs"], float("-inf"))
-                draft_log_probs.scatter_(-1, draft.tokens[:, None], 0.0)
+            row_matched = path_tokens.mode(0).values == row_tokens
+            # the JS test only where neither the base rule nor the majority already accepts
+            todo = (~row_matched & ~decision.accepted[rows]).nonzero().squeeze(-1)
+            if draft.logits is None:  # a deterministic draft is one-hot
+                draft_log_probs = torch.full((len(todo), target.vocab_size), float("-inf"))
+                draft_log_probs.scatter_(-1, row_tokens[todo, None], 0.0)
             else:
-                draft_log_probs = draft.logits.float().log_softmax(-1)
-            draft_js = js_divergence(draft_log_probs, target.features["centroid_log_probs"])
-            matched = (draft_js <= target.features["max_path_js"]) | (majority_tokens == draft.tokens)
+                draft_log_probs = draft.logits[rows[todo]].float().log_softmax(-1)
+            draft_js = js_divergence(draft_log_probs, features["centroid_log_probs"][todo])
+            row_matched[todo] = draft_js <= features["max_path_js"][todo]
+        matched = torch.zeros(draft.num_tokens, dtype=torch.bool)
+        matched[rows] = row_matched
         accepted = decision.accepted | matched
         num_accepted = first_false(accepted)
         next_token = recover_token(num_accepted, draft, decision, sampling, generator)

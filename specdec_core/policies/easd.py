@@ -1,6 +1,7 @@
 """EASD, entropy-aware penalty (papers/easd_entropy_aware_sd.txt, Algorithm 1).
 
-At position i, if H(p_d) > tau_H and H(p_t) > tau_H (full-vocab, T = 1, nats) and the top-n
+At position i, if H(p_d) > tau_H and H(p_t) > tau_H (full-vocab, T = 1, nats; H(p_t) is a
+target-side feature, so at T = 0 only top-n target rows travel) and the top-n
 overlap |T_d ∩ T_t| / n >= tau_O, the target probability of the draft token is set to 0 and
 p_t renormalized: the token is rejected and the replacement drawn from the penalized p_t
 (its argmax at T = 0). Otherwise the base rule applies. tau_H = inf is exactly the base rule.
@@ -14,7 +15,7 @@ import math
 import torch
 from pydantic import Field
 
-from ..sampling import entropy, sample, warp_logits
+from ..sampling import entropy_of_logits, sample, warp_logits
 from ..types import Verdict
 from .base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
 
@@ -30,29 +31,38 @@ class EasdPolicy(AcceptancePolicy):
     Params = EasdParams
 
     def wire_top_k(self, sampling):
-        return None  # full-vocab entropies
+        # T = 0 reads the top-n sets and, after a penalty, the runner-up; the target entropy
+        # comes as a feature. Sampling from the penalized row needs the full rows.
+        return max(self.params.top_n, 2) if sampling.greedy else None
 
     def needs_draft_logits(self) -> bool:
         return True
 
-    def penalized_positions(self, draft, target) -> torch.Tensor:
-        num_draft = draft.num_tokens
-        if draft.logits is None or math.isinf(self.params.tau_h) or num_draft == 0:
-            return torch.zeros(num_draft, dtype=torch.bool)
-        draft_logits = draft.logits.float()
-        target_logits = target.logits[:num_draft].float()
-        high_entropy = (entropy(draft_logits.softmax(-1)) > self.params.tau_h) & (
-            entropy(target_logits.softmax(-1)) > self.params.tau_h
-        )
+    def target_features(self, target, draft_tokens, sampling, generator):
+        """Full-vocab target entropies, computed next to the target's logits."""
+        if math.isinf(self.params.tau_h):
+            return {}
+        return {"target_entropy": entropy_of_logits(target.logits[: len(draft_tokens)])}
+
+    def penalized_positions(self, draft, target, num_rows: int) -> torch.Tensor:
+        """[K] bool, evaluated on the first `num_rows` positions (the later ones cannot matter).
+        Each test runs only on the rows that passed the previous one."""
+        penalized = torch.zeros(draft.num_tokens, dtype=torch.bool)
+        if draft.logits is None or math.isinf(self.params.tau_h) or num_rows == 0:
+            return penalized
+        rows = (target.features["target_entropy"][:num_rows] > self.params.tau_h).nonzero().flatten()
+        rows = rows[entropy_of_logits(draft.logits[rows]) > self.params.tau_h]
         top_n = self.params.top_n
-        draft_top = draft_logits.topk(top_n, dim=-1).indices  # [K, n]
-        target_top = target_logits.topk(top_n, dim=-1).indices
+        draft_top = draft.logits[rows].topk(top_n, dim=-1).indices  # [R, n]
+        target_top = target.logits[rows].topk(top_n, dim=-1).indices
         overlap = (draft_top[:, :, None] == target_top[:, None, :]).any(-1).sum(-1) / top_n
-        return high_entropy & (overlap >= self.params.tau_o)
+        penalized[rows] = overlap >= self.params.tau_o
+        return penalized
 
     def verify(self, draft, target, sampling, generator) -> Verdict:
-        penalized = self.penalized_positions(draft, target)
         decision = base_decision(draft, target, sampling, generator)
+        # up to and including the base rule's first rejection
+        penalized = self.penalized_positions(draft, target, min(first_false(decision.accepted) + 1, draft.num_tokens))
         accepted = decision.accepted & ~penalized
         num_accepted = first_false(accepted)
         if num_accepted < draft.num_tokens and penalized[num_accepted]:

@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from ..sampling import entropy
+from ..sampling import entropy_of_logits
 from ..types import Verdict
 from .base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
 
@@ -50,7 +50,7 @@ class FlyPolicy(AcceptancePolicy):
     def gate_entropy(self, logits: torch.Tensor) -> torch.Tensor:
         if self.params.entropy == "top3":
             return top3_entropy(logits)
-        return entropy(logits.float().softmax(-1)) / math.log(logits.shape[-1])
+        return entropy_of_logits(logits) / math.log(logits.shape[-1])
 
     def window_passes(self, exact: torch.Tensor) -> torch.Tensor:
         """[K] bool: the deferred window after each position sees only exact matches."""
