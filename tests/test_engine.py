@@ -206,3 +206,19 @@ def test_adaptive_prompt_lookup_learns_from_commits():
     fixed = make_drafter("pld", {"adaptive": False})
     fixed.reset([1, 2, 3, 1, 3, 2], SamplingParams(), torch.Generator())
     assert fixed.propose(10).tokens.tolist() == [3, 1, 3, 2]
+
+
+def test_skinny_linear_matches_linear_for_every_row_count():
+    """SkinnyLinear pads some row counts with zero rows for MKL's sake; outputs must not change."""
+    from specdec_core.models import SkinnyLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40)
+    skinny = torch.nn.Linear(24, 40)
+    skinny.load_state_dict(linear.state_dict())
+    skinny.__class__ = SkinnyLinear
+    for num_rows in range(1, 20):
+        x = torch.randn(1, num_rows, 24)
+        out = skinny(x)
+        assert out.shape == (1, num_rows, 40) and out.is_contiguous()
+        torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=1e-5)
