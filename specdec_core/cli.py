@@ -3,6 +3,7 @@ The console script (deployments/cli.py) adds the serving commands to this app.""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -237,6 +238,10 @@ def verify_cost(
             cells += [str(curve[index]["ms_p50"]), str(curve[index]["vs_one_token"])]
         table.add_row(*cells)
     console.print(table)
+    # the pld drafter's block-length model: cost of k drafts = a (k + 1)-token forward, made
+    # non-decreasing so that timing noise cannot make a longer block look cheaper
+    relative = list(itertools.accumulate((row["vs_one_token"] for row in curves["target"][1:]), max))
+    console.print(f"pld drafter on this machine: --drafter-param 'verify_cost={json.dumps(relative)}'", soft_wrap=True)
 
 
 @app.command("calibrate-easd")

@@ -173,6 +173,11 @@ def test_bad_requests_raise_clear_errors(tiny_engine):
         tiny_engine.complete(
             GenerationRequest(prompt_ids=prompt, drafter={"name": "pld", "params": {"num_pred_tokens": 0}})
         )
+    for verify_cost in ([], [1.1, -1.0], "cheap"):
+        with pytest.raises(DrafterError, match="verify_cost"):
+            tiny_engine.complete(
+                GenerationRequest(prompt_ids=prompt, drafter={"name": "pld", "params": {"verify_cost": verify_cost}})
+            )
 
 
 def test_metrics_count_drafts_and_policy_counters(tiny_target):
@@ -187,16 +192,22 @@ def test_metrics_count_drafts_and_policy_counters(tiny_target):
 
 
 def test_block_length_follows_acceptance_and_cost():
-    from specdec_core.drafters.pld import best_block_length
+    from specdec_core.drafters.pld import best_block_length, block_cost
 
-    assert best_block_length(0.95, 10, 0.03) == 10  # cheap verify, reliable lookups: full block
-    assert best_block_length(0.05, 10, 0.1) == 0  # unreliable lookups do not pay for a verify
-    assert best_block_length(0.6, 10, 0.0) == 10  # free verification: always the longest block
-    assert 0 < best_block_length(0.6, 10, 0.2) < 10
+    def linear(per_token: float) -> list[float]:
+        return [1.0 + per_token * k for k in range(1, 4)]
+
+    assert block_cost(linear(0.1), 0) == 1.0 and block_cost(linear(0.1), 6) == pytest.approx(1.6)  # mean slope
+    assert best_block_length(0.95, 10, linear(0.03)) == 10  # cheap verify, reliable lookups: full block
+    assert best_block_length(0.05, 10, linear(0.1)) == 0  # unreliable lookups do not pay for a verify
+    assert best_block_length(0.6, 10, [1.0]) == 10  # free verification: always the longest block
+    assert 0 < best_block_length(0.6, 10, linear(0.2)) < 10
+    # a step-shaped curve (memory-bound up to 3 drafts): stop just before the step
+    assert best_block_length(0.6, 10, [1.05, 1.08, 1.1, 1.6, 1.7, 1.8]) == 3
 
 
 def test_adaptive_prompt_lookup_learns_from_commits():
-    drafter = make_drafter("pld", {"verify_cost_per_token": 0.3})
+    drafter = make_drafter("pld", {"verify_cost": [1.3, 1.6]})
     drafter.reset([1, 2, 3, 1], SamplingParams(), torch.Generator())
     assert drafter.propose(10).tokens.tolist() == [2]  # 1-gram match; prior a = 1/2 pays for k = 1
     drafter.commit([3])  # rejected at its first token: a = 1/3

@@ -4,12 +4,14 @@ benchmark command end to end."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
 
 from specdec_core import GenerationRequest
 from specdec_core.cli import app
+from specdec_core.drafters import make_drafter
 
 PROMPTS = [
     "Repeat this sentence twice: the cat sat on the mat.",
@@ -110,5 +112,7 @@ def test_verify_cost_prints_the_block_cost_curve():
     rows = [line.split("│")[1:-1] for line in result.output.splitlines() if line.startswith("│") and line.split("│")[1].strip().isdigit()]
     assert [int(cells[0]) for cells in rows] == [1, 2, 3]
     assert float(rows[0][2]) == 1.0  # the one-token forward is the unit
+    printed = re.search(r"verify_cost=(\[.*\])'", result.output)  # ready to pass to the pld drafter
+    make_drafter("pld", {"verify_cost": json.loads(printed.group(1))})
     bad = CliRunner().invoke(app, ["verify-cost", "--max-tokens", "8", "--context", "4", "--draft", "none"])
     assert bad.exit_code == 2 and "--context" in bad.output
