@@ -238,10 +238,11 @@ def verify_cost(
             cells += [str(curve[index]["ms_p50"]), str(curve[index]["vs_one_token"])]
         table.add_row(*cells)
     console.print(table)
-    # the pld drafter's block-length model: cost of k drafts = a (k + 1)-token forward, made
-    # non-decreasing so that timing noise cannot make a longer block look cheaper
-    relative = list(itertools.accumulate((row["vs_one_token"] for row in curves["target"][1:]), max))
-    console.print(f"pld drafter on this machine: --drafter-param 'verify_cost={json.dumps(relative)}'", soft_wrap=True)
+    if max_tokens > 1:  # the curve starts at one draft, a 2-token forward
+        # the pld drafter's block-length model: cost of k drafts = a (k + 1)-token forward, made
+        # non-decreasing so that timing noise cannot make a longer block look cheaper
+        relative = list(itertools.accumulate((row["vs_one_token"] for row in curves["target"][1:]), max))
+        console.print(f"pld drafter on this machine: --drafter-param 'verify_cost={json.dumps(relative)}'", soft_wrap=True)
 
 
 @app.command("calibrate-easd")

@@ -113,6 +113,7 @@ def test_verify_cost_prints_the_block_cost_curve():
     assert [int(cells[0]) for cells in rows] == [1, 2, 3]
     assert float(rows[0][2]) == 1.0  # the one-token forward is the unit
     printed = re.search(r"verify_cost=(\[.*\])'", result.output)  # ready to pass to the pld drafter
+    assert printed, result.output
     make_drafter("pld", {"verify_cost": json.loads(printed.group(1))})
     bad = CliRunner().invoke(app, ["verify-cost", "--max-tokens", "8", "--context", "4", "--draft", "none"])
     assert bad.exit_code == 2 and "--context" in bad.output
