@@ -243,7 +243,11 @@ def aggregate(runs: list[tuple[str, str, MethodRun, Optional[bool], float]], met
     return rows
 
 
-def run_bench(engine: SpeculativeEngine, config: BenchConfig, progress: Callable[[Any], Any] = iter) -> list[dict]:
+def run_bench(
+    engine: SpeculativeEngine, config: BenchConfig, progress: Callable[[Any], Any] = iter
+) -> tuple[list[dict], list[dict]]:
+    """(rows, outputs): the aggregated rows and one record per method per question (its prompt
+    and output ids, wall time and prefill time), for offline analysis such as `lookup-ceiling`."""
     questions = load_questions(config.questions, config.categories, config.per_category)
     if not questions:
         raise ValueError("no questions selected")
@@ -251,7 +255,7 @@ def run_bench(engine: SpeculativeEngine, config: BenchConfig, progress: Callable
     warm_prompt = engine.encode(GenerationRequest(messages=[{"role": "user", "content": "Say hi."}]))
     for method in config.methods:  # first calls pay one-off costs; keep them out of the timings
         runner.run(method, warm_prompt)
-    runs = []
+    runs, outputs = [], []
     for question in progress(questions):
         prompt_ids = engine.encode(GenerationRequest(messages=[{"role": "user", "content": question["turns"][0]}]))
         reference = None
@@ -262,11 +266,17 @@ def run_bench(engine: SpeculativeEngine, config: BenchConfig, progress: Callable
             identical = (run.token_ids == reference) if (config.temperature == 0 and reference is not None) else None
             nll, _ = score_continuation(engine.target_model, prompt_ids, run.token_ids)
             runs.append((method, question["category"], run, identical, float(nll.mean()) if nll.numel() else 0.0))
-    return aggregate(runs, config.methods)
+            outputs.append({
+                "question_id": question.get("question_id"), "category": question["category"], "method": method,
+                "prompt_ids": prompt_ids, "token_ids": run.token_ids, "seconds": round(run.seconds, 4),
+                "prefill_ms": run.metrics.get("prefill_ms"),
+            })
+    return aggregate(runs, config.methods), outputs
 
 
-def write_report(rows: list[dict], config: BenchConfig, out_dir: Path, extra_config: dict) -> Path:
+def write_report(rows: list[dict], outputs: list[dict], config: BenchConfig, out_dir: Path, extra_config: dict) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "outputs.jsonl").write_text("".join(json.dumps(record) + "\n" for record in outputs))
     config_dict = {key: str(value) if isinstance(value, Path) else value for key, value in config.__dict__.items()}
     (out_dir / "bench.json").write_text(json.dumps({"config": {**config_dict, **extra_config}, "results": rows}, indent=2))
     plot(rows, out_dir / "bench.png")

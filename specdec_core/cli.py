@@ -1,4 +1,5 @@
-"""`specdec` command line, in-process commands: generate, bench, verify-cost, calibrate-easd, convert.
+"""`specdec` command line, in-process commands: generate, bench, verify-cost, lookup-ceiling,
+calibrate-easd, convert.
 The console script (deployments/cli.py) adds the serving commands to this app."""
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def bench(
     draft_dtype: str = DraftDtypeOpt,
     draft_layers: Optional[int] = DraftLayersOpt,
 ):
-    """Benchmark decoding methods on Spec-Bench; writes OUT/bench.json and OUT/bench.png."""
+    """Benchmark decoding methods on Spec-Bench; writes OUT/bench.json, OUT/bench.png and
+    OUT/outputs.jsonl (every method's output per question)."""
     from tqdm.auto import tqdm
 
     from .bench import DEFAULT_QUESTIONS, BenchConfig, run_bench, write_report
@@ -178,13 +180,13 @@ def bench(
     )
     engine = build_engine(target, target_dtype, draft, draft_dtype, draft_layers)
     try:
-        rows = run_bench(engine, config, progress=lambda items: tqdm(items, desc="questions"))
+        rows, outputs = run_bench(engine, config, progress=lambda items: tqdm(items, desc="questions"))
     except (SpecdecError, ValueError, FileNotFoundError) as error:
         fail(str(error))
     extra = {"target": ModelSpec(source=target, dtype=target_dtype).model_dump(), "threads": os.cpu_count()}
     if draft != "none":
         extra["draft"] = ModelSpec(source=draft, dtype=draft_dtype, num_layers=draft_layers).model_dump()
-    path = write_report(rows, config, out, extra)
+    path = write_report(rows, outputs, config, out, extra)
     print_table(rows)
     console.print(f"wrote {path} and {out / 'bench.png'}")
 
@@ -243,6 +245,43 @@ def verify_cost(
         # non-decreasing so that timing noise cannot make a longer block look cheaper
         relative = list(itertools.accumulate((row["vs_one_token"] for row in curves["target"][1:]), max))
         console.print(f"pld drafter on this machine: --drafter-param 'verify_cost={json.dumps(relative)}'", soft_wrap=True)
+
+
+@app.command("lookup-ceiling")
+def lookup_ceiling(
+    bench_dir: Path = typer.Argument(..., help="a bench --out directory whose methods include target (at T = 0)"),
+    method: str = typer.Option("specdec:greedy+pld", "--method", help="the measured method shown beside the replay"),
+    drafter_param: list[str] = typer.Option([], "--drafter-param", help="pld k=v over the bench's settings, repeatable"),
+):
+    """Replay the bench's target-only greedy outputs through the pld drafter and through a copy
+    oracle under the verify cost curve: what prompt lookup earns and could at most earn."""
+    from pydantic import ValidationError
+
+    from .drafters.pld import AdaptiveLookupParams
+    from .lookup_ceiling import lookup_ceiling as ceiling_rows
+
+    try:
+        config = json.loads((bench_dir / "bench.json").read_text())["config"]
+        outputs = [json.loads(line) for line in (bench_dir / "outputs.jsonl").read_text().splitlines() if line]
+    except (OSError, ValueError, KeyError) as error:
+        fail(f"cannot read a bench run from {bench_dir}: {error}")
+    if config["temperature"] != 0:
+        fail("lookup-ceiling replays greedy outputs: the bench must run at temperature 0")
+    bench_params = {"max_ngram": config["pld_max_ngram"], "min_ngram": config["pld_min_ngram"], "num_pred_tokens": config["pld_tokens"]}
+    try:
+        params = AdaptiveLookupParams(**{**bench_params, **config["drafter_params"].get("pld", {}), **parse_params(drafter_param)})
+    except ValidationError as error:
+        fail(format_validation_errors(error.errors(), "drafter 'pld'"))
+    try:
+        rows = ceiling_rows(outputs, params, config["num_draft_tokens"], method)
+    except ValueError as error:
+        fail(str(error))
+    table = Table()
+    for column in rows[0]:
+        table.add_column(column, justify="left" if column == "category" else "right")
+    for row in rows:
+        table.add_row(*["" if value is None else str(value) for value in row.values()])
+    console.print(table)
 
 
 @app.command("calibrate-easd")

@@ -233,3 +233,39 @@ def test_skinny_linear_matches_linear_for_every_row_count():
         out = skinny(x)
         assert out.shape == (1, num_rows, 40) and out.is_contiguous()
         torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=1e-5)
+
+
+def test_lookup_replay_reproduces_the_engine_and_the_oracle_bounds_it(tiny_engine):
+    """Replaying a target-only greedy output through the pld drafter proposes exactly what the
+    engine proposed; the copy oracle is never costlier than the replay."""
+    from specdec_core.drafters.pld import AdaptiveLookupParams, block_cost
+    from specdec_core.lookup_ceiling import cheapest_cost, copyable_lengths, lookup_lengths, replay_drafter
+
+    params = AdaptiveLookupParams()
+    for seed in range(3):
+        prompt = repeating_prompt(seed)
+        reference = tiny_engine.complete(request(prompt, drafter="none")).token_ids
+        metrics = tiny_engine.complete(request(prompt, drafter="pld", k=6)).metrics
+        proposed = replay_drafter(prompt, reference, params, max_draft=6)
+        assert len(proposed) == metrics["num_steps"]
+        assert sum(proposed) == metrics["spec_decode_num_draft_tokens"] > 0
+        replayed = sum(block_cost(params.verify_cost, k) for k in proposed)
+        # each oracle sees every proposal the one before it could make
+        length_oracle = cheapest_cost(lookup_lengths(prompt, reference, params, 6), params.verify_cost)
+        ngram_oracle = cheapest_cost(copyable_lengths(prompt, reference, 6, key_length=1), params.verify_cost)
+        copy_oracle = cheapest_cost(copyable_lengths(prompt, reference, 6), params.verify_cost)
+        assert copy_oracle <= ngram_oracle <= length_oracle <= replayed + 1e-9
+        assert length_oracle < len(reference)
+
+
+def test_copy_oracle_on_a_hand_built_output():
+    from specdec_core.lookup_ceiling import cheapest_cost, copyable_lengths
+
+    # the longest upcoming run found in prompt + output so far; the last token is the target's
+    assert copyable_lengths([1, 2, 3, 4], [1, 2, 3, 9, 1, 2], 10) == [3, 2, 1, 0, 1, 0]
+    assert copyable_lengths([1, 2, 3, 4], [1, 2, 3, 9, 1, 2], 2) == [2, 2, 1, 0, 1, 0]
+    # keyed by the last token: a continuation must follow an earlier copy of it
+    assert copyable_lengths([5, 1, 2, 3, 4], [1, 2, 3, 9, 1, 2], 10, key_length=1) == [0, 2, 1, 0, 0, 0]
+    assert cheapest_cost([3, 2, 1, 0, 1, 0], [1.0] * 10) == 2.0  # free verify: 4 + 2 tokens in 2 steps
+    assert cheapest_cost([3, 2, 1, 0, 1, 0], [2.0] * 10) == 4.0  # one 3-draft step (2.0) beats 4 plain steps
+    assert cheapest_cost([0, 0, 0], [1.1]) == 3.0

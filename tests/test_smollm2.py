@@ -99,6 +99,24 @@ def test_bench_writes_json_and_plot(tmp_path):
     assert rows[("hf:prompt_lookup", "overall")]["identical_to_target"] == 1.0
     assert rows[("specdec:fly+mla", "overall")]["mean_accept_len"] >= 1.0
     assert report["config"]["max_new_tokens"] == 12
+    outputs = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    assert len(outputs) == 5 * 2 and {"prompt_ids", "token_ids", "seconds", "prefill_ms"} <= set(outputs[0])
+    ceiling = CliRunner().invoke(app, ["lookup-ceiling", str(tmp_path)])
+    assert ceiling.exit_code == 0, ceiling.output
+    assert "ngram_oracle_decode" in ceiling.output and "overall" in ceiling.output
+
+
+def test_lookup_ceiling_needs_a_greedy_bench_run(tmp_path):
+    result = CliRunner().invoke(app, ["lookup-ceiling", str(tmp_path)])
+    assert result.exit_code == 2 and "cannot read a bench run" in result.output
+    (tmp_path / "bench.json").write_text(json.dumps({"config": {"temperature": 0.9}}))
+    (tmp_path / "outputs.jsonl").write_text("")
+    result = CliRunner().invoke(app, ["lookup-ceiling", str(tmp_path)])
+    assert result.exit_code == 2 and "temperature 0" in result.output
+    config = {"temperature": 0, "pld_max_ngram": 3, "pld_min_ngram": 1, "pld_tokens": 10, "drafter_params": {}, "num_draft_tokens": 10}
+    (tmp_path / "bench.json").write_text(json.dumps({"config": config}))
+    result = CliRunner().invoke(app, ["lookup-ceiling", str(tmp_path)])
+    assert result.exit_code == 2 and "no outputs" in result.output
 
 
 def test_bench_rejects_unknown_category(tmp_path):
