@@ -36,7 +36,9 @@ class FlyParams(PolicyParams):
 
 
 def top3_entropy(logits: torch.Tensor) -> torch.Tensor:
-    top_log_probs = logits.float().log_softmax(-1).topk(3, dim=-1).values
+    # log-probs of the top 3 without materializing a [K, V] log_softmax
+    logits = logits.float()
+    top_log_probs = logits.topk(3, dim=-1).values - logits.logsumexp(-1, keepdim=True)
     return -(top_log_probs.exp() * top_log_probs).sum(-1)
 
 
@@ -76,8 +78,12 @@ class FlyPolicy(AcceptancePolicy):
         decision = base_decision(draft, target, sampling, generator)
         exact = decision.accepted
         num_draft = draft.num_tokens
-        gate_open = self.gate_entropy(target.logits[:num_draft]) >= self.params.theta
-        loose = ~exact & gate_open & self.window_passes(exact)
+        # the gate is read only where a mismatch passes its window: entropy for those rows alone
+        candidates = ~exact & self.window_passes(exact)
+        loose = torch.zeros_like(candidates)
+        if candidates.any():
+            rows = candidates.nonzero().flatten()
+            loose[rows] = self.gate_entropy(target.logits[rows]) >= self.params.theta
         accepted = exact | loose
         num_accepted = first_false(accepted)
         next_token = recover_token(num_accepted, draft, decision, sampling, generator)
