@@ -106,6 +106,16 @@ def block_cost_curve(model: torch.nn.Module, prompt_ids: list[int], max_tokens: 
     ]
 
 
+def pld_params(settings: dict[str, Any]) -> dict[str, Any]:
+    """The prompt-lookup parameters set by the bench's `--pld-*` flags (a BenchConfig's fields, or
+    the config saved in bench.json)."""
+    return {
+        "max_ngram": settings["pld_max_ngram"],
+        "min_ngram": settings["pld_min_ngram"],
+        "num_pred_tokens": settings["pld_tokens"],
+    }
+
+
 def parse_specdec_method(method: str) -> tuple[str, str, Optional[int]]:
     """`specdec:<policy>+<drafter>[@K]` (or `endpoint:...`) -> (policy, drafter, K or None)."""
     body = method.split(":", 1)[1]
@@ -125,11 +135,7 @@ class Runner:
         self.sampling = SamplingParams(
             temperature=config.temperature, max_tokens=config.max_new_tokens, seed=config.seed
         )
-        self.pld_params = {
-            "max_ngram": config.pld_max_ngram,
-            "min_ngram": config.pld_min_ngram,
-            "num_pred_tokens": config.pld_tokens,
-        }
+        self.pld_params = pld_params(vars(config))
         self.client = None
         if config.endpoint:
             from deployments.client import SpecdecHttpClient

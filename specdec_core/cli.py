@@ -253,27 +253,32 @@ def lookup_ceiling(
     method: str = typer.Option("specdec:greedy+pld", "--method", help="the measured method shown beside the replay"),
     drafter_param: list[str] = typer.Option([], "--drafter-param", help="pld k=v over the bench's settings, repeatable"),
 ):
-    """Replay the bench's target-only greedy outputs through the pld drafter and through a copy
-    oracle under the verify cost curve: what prompt lookup earns and could at most earn."""
+    """Replay the bench's target-only greedy outputs through the pld drafter and through three
+    oracles under the verify cost curve: what prompt lookup earns and could at most earn."""
     from pydantic import ValidationError
 
+    from .bench import pld_params
     from .drafters.pld import AdaptiveLookupParams
     from .lookup_ceiling import lookup_ceiling as ceiling_rows
 
     try:
         config = json.loads((bench_dir / "bench.json").read_text())["config"]
         outputs = [json.loads(line) for line in (bench_dir / "outputs.jsonl").read_text().splitlines() if line]
+        greedy = config["temperature"] == 0
     except (OSError, ValueError, KeyError) as error:
         fail(f"cannot read a bench run from {bench_dir}: {error}")
-    if config["temperature"] != 0:
+    if not greedy:
         fail("lookup-ceiling replays greedy outputs: the bench must run at temperature 0")
-    bench_params = {"max_ngram": config["pld_max_ngram"], "min_ngram": config["pld_min_ngram"], "num_pred_tokens": config["pld_tokens"]}
     try:
-        params = AdaptiveLookupParams(**{**bench_params, **config["drafter_params"].get("pld", {}), **parse_params(drafter_param)})
+        settings = {**pld_params(config), **config["drafter_params"].get("pld", {})}
+        params = AdaptiveLookupParams(**{**settings, **parse_params(drafter_param)})
+        max_draft = config["num_draft_tokens"]
+    except KeyError as error:
+        fail(f"cannot read a bench run from {bench_dir}: its config lacks {error}")
     except ValidationError as error:
         fail(format_validation_errors(error.errors(), "drafter 'pld'"))
     try:
-        rows = ceiling_rows(outputs, params, config["num_draft_tokens"], method)
+        rows = ceiling_rows(outputs, params, max_draft, method)
     except ValueError as error:
         fail(str(error))
     table = Table()

@@ -124,14 +124,13 @@ def lookup_ceiling(outputs: list[dict], params: AdaptiveLookupParams, max_draft:
                 measured = runs[measured_method]
                 total["measured_s"] += measured["seconds"]
                 total["measured_decode_s"] += measured["seconds"] - (measured["prefill_ms"] or 0.0) / 1e3
+    def ratio(numerator: float, denominator: float):
+        return round(numerator / denominator, 3) if denominator else None
+
     rows = []
     for category in sorted(key for key in totals if key != "overall") + ["overall"]:
         total = totals[category]
         target_s = total["prefill_s"] + total["target_decode_s"]
-
-        def ratio(numerator: float, denominator: float):
-            return round(numerator / denominator, 3) if denominator else None
-
         rows.append({
             "category": category,
             "questions": int(total["questions"]),

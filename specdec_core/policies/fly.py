@@ -77,7 +77,6 @@ class FlyPolicy(AcceptancePolicy):
     def verify(self, draft, target, sampling, generator) -> Verdict:
         decision = base_decision(draft, target, sampling, generator)
         exact = decision.accepted
-        num_draft = draft.num_tokens
         # the gate is read only where a mismatch passes its window: entropy for those rows alone
         candidates = ~exact & self.window_passes(exact)
         loose = torch.zeros_like(candidates)
