@@ -132,7 +132,8 @@ class RemoteDrafter(Drafter):
         self.pending_tokens = []
         self.bytes_received += reply.ByteSize()
         logits = tensor_from_proto(reply.logits) if reply.HasField("logits") else None
-        return DraftBlock(tokens=torch.tensor(list(reply.tokens), dtype=torch.long), logits=logits, sampled=reply.sampled)
+        token_probs = torch.tensor(list(reply.token_probs)) if reply.token_probs else None
+        return DraftBlock(torch.tensor(list(reply.tokens), dtype=torch.long), logits, token_probs)
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         self.pending_tokens.extend(new_tokens)

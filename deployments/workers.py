@@ -121,7 +121,9 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
     def Propose(self, request, context):
         drafter, with_logits = self.table.get(request.session_id, context)
         block = self.commit_and_propose(drafter, list(request.commit_tokens), request.max_tokens)
-        reply = pb.DraftReply(tokens=block.tokens.tolist(), sampled=block.sampled)
+        reply = pb.DraftReply(tokens=block.tokens.tolist())
+        if block.sampled:
+            reply.token_probs.extend(block.token_probs.tolist())
         if block.logits is not None and (with_logits or block.sampled):
             reply.logits.CopyFrom(tensor_to_proto(block.logits))
         return reply

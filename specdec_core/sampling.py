@@ -43,13 +43,38 @@ def warp_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
 def sampling_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """The distribution tokens are sampled from: warped softmax at T > 0, one-hot argmax at T = 0."""
     if sampling.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     return warp_logits(logits, sampling).softmax(-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token id per row of `probs [N, V]`."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def sample(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token id per row of `weights [N, V]` (non-negative, not necessarily normalized), by
+    inverse CDF from one uniform draw per row. torch.multinomial costs ~1.5 ms per 49k-entry row
+    on CPU, the cumulative sum ~0.1 ms. Draws lie in (0, total], so the first index whose CDF
+    reaches the draw always has positive weight."""
+    cdf = weights.double().cumsum(-1)
+    uniform = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64)
+    return torch.searchsorted(cdf, (1.0 - uniform) * cdf[:, -1:]).squeeze(-1)
+
+
+def argmax(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """`logits.argmax(-1)` (first maximum) for `[..., V]`. torch's CPU argmax over a long last dim
+    is not vectorized (~0.1 ms per 49k row), amax is (~20x faster): take the max of each chunk
+    of `chunk` entries, then argmax only inside the first chunk holding the row maximum."""
+    vocab_size = logits.shape[-1]
+    num_chunks = vocab_size // chunk
+    if num_chunks < 2:
+        return logits.argmax(-1)
+    rows = logits.reshape(-1, vocab_size)
+    chunks = rows[:, : num_chunks * chunk].unflatten(-1, (num_chunks, chunk))
+    chunk_max = chunks.amax(-1)  # [R, num_chunks]
+    best_chunk = chunk_max.argmax(-1)
+    row_index = torch.arange(rows.shape[0])
+    best = best_chunk * chunk + chunks[row_index, best_chunk].argmax(-1)
+    if num_chunks * chunk < vocab_size:  # the tail wins only when strictly larger (first maximum)
+        tail_max, tail_argmax = rows[:, num_chunks * chunk :].max(-1)
+        best = torch.where(tail_max > chunk_max[row_index, best_chunk], num_chunks * chunk + tail_argmax, best)
+    return best.reshape(logits.shape[:-1])
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -57,8 +82,17 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     return -torch.special.xlogy(probs, probs).sum(-1)
 
 
+def entropy_of_probs(probs: torch.Tensor, log_weights: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of `probs = softmax(log_weights)` with one dot product and no log pass:
+    H = logsumexp(w) - sum p w, and logsumexp(w) = max w - log max p. Filtered (-inf) entries
+    have zero probability and are zeroed first."""
+    finite_weights = log_weights.clamp_min(torch.finfo(log_weights.dtype).min)
+    log_normalizer = log_weights.amax(-1) - probs.amax(-1).log()
+    return log_normalizer - torch.linalg.vecdot(probs, finite_weights)
+
+
 def entropy_of_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of softmax(logits) for finite logits: one log-softmax and one dot product,
-    ~3x faster than entropy(softmax) over a 49k vocabulary."""
-    log_probs = logits.float().log_softmax(-1)
-    return -torch.linalg.vecdot(log_probs.exp(), log_probs)
+    """Entropy (nats) of softmax(logits): one exp pass, several times faster than
+    entropy(softmax) over a 49k vocabulary."""
+    logits = logits.float()
+    return entropy_of_probs(logits.softmax(-1), logits)

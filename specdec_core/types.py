@@ -13,29 +13,34 @@ from .sampling import SamplingParams, sampling_probs
 @dataclass
 class DraftBlock:
     """K proposed tokens. `logits [K, V]` are the draft model's raw (T=1) logits when a model
-    produced them; `sampled` says the tokens were drawn from the warped logits. Otherwise the
-    proposal is a deterministic function of the context, i.e. a one-hot draft distribution."""
+    produced them. `token_probs [K]` holds p_d(c_i), the warped draft probability of each token,
+    when the tokens were sampled (the drafter has the distribution at hand then, so verification
+    never recomputes it). Otherwise the proposal is a deterministic function of the context,
+    i.e. a one-hot draft distribution."""
 
     tokens: torch.Tensor  # [K] int64
     logits: Optional[torch.Tensor] = None  # [K, V]
-    sampled: bool = False
+    token_probs: Optional[torch.Tensor] = None  # [K] float32, only for sampled proposals
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def sampled(self) -> bool:
+        return self.token_probs is not None
+
+    @staticmethod
+    def sampled_from(tokens: torch.Tensor, logits: torch.Tensor, sampling: SamplingParams) -> "DraftBlock":
+        """A block whose `tokens` were drawn from `sampling_probs(logits, sampling)`."""
+        token_probs = sampling_probs(logits, sampling).gather(-1, tokens[:, None]).squeeze(-1)
+        return DraftBlock(tokens=tokens, logits=logits, token_probs=token_probs)
 
     def probs(self, sampling: SamplingParams, vocab_size: int, rows=slice(None)) -> torch.Tensor:
         """The distribution the tokens were proposed from, `[K, V]` (or the selected rows)."""
         if self.sampled:
             return sampling_probs(self.logits[rows], sampling)
         return torch.nn.functional.one_hot(self.tokens[rows], vocab_size).float()
-
-    def token_probs(self, sampling: SamplingParams) -> torch.Tensor:
-        """p_d(c_i) for each proposed token, `[K]`, without materializing one-hot rows."""
-        if self.sampled:
-            probs = sampling_probs(self.logits, sampling)
-            return probs.gather(-1, self.tokens[:, None]).squeeze(-1)
-        return torch.ones(self.num_tokens)
 
     @staticmethod
     def empty() -> "DraftBlock":

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scipy.stats import chisquare
 from conftest import TINY_VOCAB, perturbed_copy, repeating_prompt, tiny_llama
 
 from specdec_core import GenerationRequest, SpecdecError, SpeculativeEngine
 from specdec_core.drafters import DrafterError, make_drafter
 from specdec_core.drafters.pld import PromptLookupParams, lookup_continuation
 from specdec_core.policies import POLICIES
-from specdec_core.sampling import SamplingParams
+from specdec_core.sampling import SamplingParams, sampling_probs
 from specdec_core.target import TargetScorer
 
 
@@ -126,6 +127,33 @@ def test_sampled_generation_is_reproducible_under_a_seed(tiny_engine, policy):
     ]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+
+
+def test_speculative_sampling_end_to_end_emits_the_target_distribution(tiny_target):
+    """rejection with a sampled model draft that often disagrees: the first token of 1,500
+    seeded requests follows the target's warped distribution (chi-square over the 12 likeliest
+    tokens plus the rest, fixed seeds, fails if p < 1e-3). Exercises the drafter's p_d, the
+    wire-free verify path, the residual and the sampler together."""
+    engine = SpeculativeEngine(tiny_target, None, perturbed_copy(tiny_target, 0.02))
+    prompt = repeating_prompt(4)
+    sampling = {"temperature": 0.25, "top_k": 60, "max_tokens": 2}
+    with torch.inference_mode():
+        logits = tiny_target(torch.tensor([prompt])).logits[0, -1]
+    target_probs = sampling_probs(logits[None], SamplingParams(**sampling))[0]
+    likeliest = target_probs.topk(12).indices
+    bins = torch.full((TINY_VOCAB,), len(likeliest), dtype=torch.long)
+    bins[likeliest] = torch.arange(len(likeliest))
+    counts = torch.zeros(len(likeliest) + 1)
+    num_drafted = num_accepted = 0
+    num_draws = 1500
+    for seed in range(num_draws):
+        completion = engine.complete(request(prompt, policy="rejection", drafter="model", k=1, seed=seed, **sampling))
+        counts[bins[completion.token_ids[0]]] += 1
+        num_drafted += completion.metrics["spec_decode_num_draft_tokens"]
+        num_accepted += completion.metrics["spec_decode_num_accepted_tokens"]
+    assert 0.2 < num_accepted / num_drafted < 0.9  # the draft is neither the target nor useless
+    expected = torch.zeros(len(likeliest) + 1).index_add_(0, bins, target_probs) * num_draws
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3, (counts, expected)
 
 
 def test_eos_and_max_tokens_finish_the_request():

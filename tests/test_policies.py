@@ -13,7 +13,7 @@ from specdec_core.policies import POLICIES, PolicyError, make_policy
 from specdec_core.policies.base import first_false
 from specdec_core.policies.easd import calibrate_tau_h
 from specdec_core.policies.fly import top3_entropy
-from specdec_core.sampling import SamplingParams
+from specdec_core.sampling import SamplingParams, argmax, entropy, entropy_of_logits, entropy_of_probs, sample, warp_logits
 from specdec_core.types import DraftBlock, TargetBlock
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -28,13 +28,16 @@ def logits_of(probs: torch.Tensor) -> torch.Tensor:
     return probs.clamp_min(1e-12).log()
 
 
-def random_case(seed: int, num_draft: int = 6, vocab: int = 32, sharp: float = 3.0, sampled: bool = True):
-    """Random target/draft logits with draft tokens drawn from the draft (correlated pair)."""
+def random_case(seed: int, num_draft: int = 6, vocab: int = 32, sharp: float = 3.0, sampling: SamplingParams = SAMPLE):
+    """Random target/draft logits with draft tokens drawn from the draft (correlated pair); the
+    block carries p_d under `sampling` unless that is greedy (then it is a deterministic draft)."""
     generator = rng(seed)
     target_logits = sharp * torch.randn(num_draft + 1, vocab, generator=generator)
     draft_logits = target_logits[:num_draft] + 0.7 * sharp * torch.randn(num_draft, vocab, generator=generator)
     tokens = torch.multinomial(draft_logits.softmax(-1), 1, generator=generator).squeeze(-1)
-    return DraftBlock(tokens=tokens, logits=draft_logits, sampled=sampled), TargetBlock(logits=target_logits)
+    if sampling.greedy:
+        return DraftBlock(tokens=tokens, logits=draft_logits), TargetBlock(logits=target_logits)
+    return DraftBlock.sampled_from(tokens, draft_logits, sampling), TargetBlock(logits=target_logits)
 
 
 def greedy_case(target_argmax: list[int], draft_tokens: list[int], vocab: int = 16, confidence: float = 5.0):
@@ -102,7 +105,7 @@ def test_rejection_sampling_reproduces_target_distribution(target_probs, draft_p
     draft_tokens = torch.multinomial(draft_probs, num_draws, replacement=True, generator=generator)
     counts = torch.zeros(6)
     for token in draft_tokens.tolist():
-        draft = DraftBlock(tokens=torch.tensor([token]), logits=logits_of(draft_probs)[None], sampled=True)
+        draft = DraftBlock.sampled_from(torch.tensor([token]), logits_of(draft_probs)[None], SAMPLE)
         verdict = policy.verify(draft, target, SAMPLE, generator)
         counts[token if verdict.num_accepted == 1 else verdict.next_token] += 1
     support = target_probs > 0
@@ -113,7 +116,7 @@ def test_rejection_sampling_reproduces_target_distribution(target_probs, draft_p
 
 def test_rejection_at_temperature_zero_is_greedy():
     for seed in range(20):
-        draft, target = random_case(seed, sampled=False)
+        draft, target = random_case(seed, sampling=GREEDY)
         draft.tokens = torch.where(torch.arange(6) < 3, target.logits[:6].argmax(-1), draft.tokens)
         assert verdict_tuple(make_policy("rejection").verify(draft, target, GREEDY, rng())) == verdict_tuple(
             make_policy("greedy").verify(draft, target, GREEDY, rng())
@@ -126,7 +129,7 @@ def test_rejection_at_temperature_zero_is_greedy():
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLE, SamplingParams(temperature=0.7, top_p=0.9, top_k=10)])
 def test_ears_beta_zero_is_rejection(sampling):
     for seed in range(40):
-        draft, target = random_case(seed)
+        draft, target = random_case(seed, sampling=sampling)
         ears = make_policy("ears", {"beta": 0.0}).verify(draft, target, sampling, rng(seed))
         base = make_policy("rejection").verify(draft, target, sampling, rng(seed))
         assert verdict_tuple(ears) == verdict_tuple(base)
@@ -136,7 +139,7 @@ def test_ears_beta_zero_is_rejection(sampling):
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLE])
 def test_easd_infinite_tau_is_base_rule(sampling):
     for seed in range(40):
-        draft, target = random_case(seed, sharp=0.3)  # flat: high entropy, would be penalized
+        draft, target = random_case(seed, sharp=0.3, sampling=sampling)  # flat: high entropy, would be penalized
         easd = run_policy(make_policy("easd", {"tau_h": math.inf}), draft, target, sampling, seed)
         base = make_policy("rejection").verify(draft, target, sampling, rng(seed))
         assert verdict_tuple(easd) == verdict_tuple(base)
@@ -144,7 +147,7 @@ def test_easd_infinite_tau_is_base_rule(sampling):
 
 def test_typical_at_temperature_zero_is_greedy():
     for seed in range(40):
-        draft, target = random_case(seed, sampled=False)
+        draft, target = random_case(seed, sampling=GREEDY)
         draft.tokens[:2] = target.logits[:2].argmax(-1)
         assert verdict_tuple(make_policy("typical").verify(draft, target, GREEDY, rng())) == verdict_tuple(
             make_policy("greedy").verify(draft, target, GREEDY, rng())
@@ -184,7 +187,7 @@ def test_dropmatch_zero_dropout_is_greedy():
 
 def test_fly_closed_gate_is_greedy():
     for seed in range(30):
-        draft, target = random_case(seed, num_draft=15, vocab=8, sharp=0.5, sampled=False)
+        draft, target = random_case(seed, num_draft=15, vocab=8, sharp=0.5, sampling=GREEDY)
         verdict = make_policy("fly", {"theta": math.inf}).verify(draft, target, GREEDY, rng())
         assert verdict_tuple(verdict) == verdict_tuple(make_policy("greedy").verify(draft, target, GREEDY, rng()))
 
@@ -264,7 +267,7 @@ def test_easd_needs_both_entropies_high():
 def test_easd_penalty_at_temperature_samples_from_penalized_target():
     target_row = easd_rows()
     target = TargetBlock(logits=torch.stack([target_row, target_row]))
-    draft = DraftBlock(tokens=torch.tensor([0]), logits=target_row[None], sampled=True)
+    draft = DraftBlock.sampled_from(torch.tensor([0]), target_row[None], SAMPLE)
     policy = make_policy("easd", {"tau_h": 2.0, "tau_o": 0.8})
     emitted = {run_policy(policy, draft, target, SAMPLE, seed).next_token for seed in range(200)}
     assert 0 not in emitted and len(emitted) > 10
@@ -408,11 +411,50 @@ def test_dropmatch_paths_come_from_one_batched_head_call_over_the_rows_they_can_
         return head(hidden)
 
     target.lm_head = counting_head
-    draft.sampled = not sampling.greedy
+    if not sampling.greedy:
+        draft = DraftBlock.sampled_from(draft.tokens, draft.logits, sampling)
     run_policy(make_policy("dropmatch", {"num_paths": 7}), draft, target, sampling)
     rows = mismatched if sampling.greedy else torch.arange(draft.num_tokens)
     assert calls == [torch.Size([7, len(rows), 16])]
     assert target.features["rows"].tolist() == rows.tolist()
+
+
+# ---------------------------------------------------------------- sampling helpers
+
+
+@pytest.mark.parametrize("vocab", [7, 2048, 2049, 5000])
+def test_argmax_matches_torch_with_first_maximum_on_ties(vocab):
+    logits = torch.randn(6, vocab, generator=rng(vocab)).round(decimals=1)  # many ties
+    logits[1] = 0.0
+    logits[2, [3, vocab - 1]] = 99.0  # tie between the first chunk and the tail
+    logits[3, vocab - 1] = 99.0  # the maximum only in the tail
+    logits[4, [1030 % vocab, 1500 % vocab]] = 99.0  # tie inside one chunk
+    assert torch.equal(argmax(logits), logits.argmax(-1))
+    assert torch.equal(argmax(logits.view(2, 3, vocab)), logits.view(2, 3, vocab).argmax(-1))
+    assert int(argmax(logits[0])) == int(logits[0].argmax())
+
+
+def test_inverse_cdf_sampler_follows_unnormalized_weights_and_skips_zeros():
+    """20,000 draws from weights with zero entries at both ends and inside; chi-square against
+    the normalized weights with a fixed seed, failing if p < 1e-3."""
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 5.5, 0.0])
+    generator = rng(7)
+    draws = torch.cat([sample(weights.expand(1000, -1), generator) for _ in range(20)])
+    counts = torch.bincount(draws, minlength=len(weights))
+    support = weights > 0
+    assert counts[~support].sum() == 0
+    expected = len(draws) * weights[support] / weights.sum()
+    assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > 1e-3
+    assert torch.equal(sample(weights[None], rng(3)), sample(weights[None], rng(3)))
+
+
+@pytest.mark.parametrize("sampling", [SAMPLE, SamplingParams(temperature=0.6, top_k=5), SamplingParams(temperature=1.3, top_p=0.5)])
+def test_entropy_from_probs_and_log_weights_matches_the_definition(sampling):
+    logits = 3.0 * torch.randn(4, 50, generator=rng(2))
+    warped = warp_logits(logits, sampling)  # filtered entries are -inf
+    probs = warped.softmax(-1)
+    assert torch.allclose(entropy_of_probs(probs, warped), entropy(probs), atol=1e-5)
+    assert torch.allclose(entropy_of_logits(logits), entropy(logits.softmax(-1)), atol=1e-5)
 
 
 # ---------------------------------------------------------------- shared invariants
@@ -425,7 +467,8 @@ def test_every_policy_is_deterministic_under_a_seed_and_handles_empty_drafts(nam
     if not sampling.greedy and not policy.supports_sampling:
         pytest.skip("greedy-only policy")
     draft, target = dropmatch_case(5)
-    draft.sampled = not sampling.greedy
+    if not sampling.greedy:
+        draft = DraftBlock.sampled_from(draft.tokens, draft.logits, sampling)
     first = run_policy(policy, draft, target, sampling, seed=9)
     second = run_policy(policy, draft, target, sampling, seed=9)
     assert verdict_tuple(first) == verdict_tuple(second)
@@ -450,7 +493,7 @@ def test_compact_wire_rows_give_the_same_verdicts():
             if top_k is None:
                 continue
             for seed in range(25):
-                draft, target = random_case(seed, num_draft=15, vocab=64, sharp=1.0, sampled=False)
+                draft, target = random_case(seed, num_draft=15, vocab=64, sharp=1.0, sampling=GREEDY)
                 draft.tokens[:8] = target.logits[:8].argmax(-1)
                 target.features = policy.target_features(target, draft.tokens, GREEDY, rng(seed))
                 compact = TargetBlock(logits=expand_rows(*compact_rows(target.logits, top_k), 64), features=target.features)

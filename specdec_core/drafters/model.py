@@ -17,7 +17,7 @@ from typing import ClassVar, Optional, Sequence
 import torch
 from pydantic import Field
 
-from ..sampling import sample, sampling_probs
+from ..sampling import argmax, sample, sampling_probs
 from ..target import crop_cache, make_cache
 from ..types import DraftBlock
 from .base import Drafter, DrafterParams, common_prefix_length
@@ -64,6 +64,7 @@ class ModelDrafter(Drafter):
     def propose(self, max_tokens: int) -> DraftBlock:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
+        token_probs: list[torch.Tensor] = []  # p_d of sampled tokens, for verification
         sampled = not self.sampling.greedy and not self.deterministic
         while len(tokens) < max_tokens:
             sequence = self.context + tokens
@@ -77,21 +78,25 @@ class ModelDrafter(Drafter):
             self.forwards += 1
             self.cached_tokens.extend(pending + guess)
             if sampled:
-                predicted = sample(sampling_probs(logits, self.sampling), self.generator).tolist()
+                probs = sampling_probs(logits, self.sampling)
+                predicted_ids = sample(probs, self.generator)
             else:
-                predicted = logits.argmax(-1).tolist()
+                predicted_ids = argmax(logits)
+            predicted = predicted_ids.tolist()
             matched = common_prefix_length(guess, predicted, len(guess))
             tokens.extend(predicted[: matched + 1])
             rows.append(logits[: matched + 1])
-            top_prob = logits[matched].softmax(-1).max()
-            if top_prob < self.params.confidence_threshold:
+            if sampled:
+                token_probs.append(probs[: matched + 1].gather(-1, predicted_ids[: matched + 1, None]).squeeze(-1))
+            threshold = self.params.confidence_threshold
+            if threshold > 0 and logits[matched].softmax(-1).amax() < threshold:
                 break
         if not tokens:
             return DraftBlock.empty()
         return DraftBlock(
             tokens=torch.tensor(tokens[:max_tokens], dtype=torch.long),
             logits=torch.cat(rows)[:max_tokens],
-            sampled=sampled,
+            token_probs=torch.cat(token_probs)[:max_tokens] if sampled else None,
         )
 
 

@@ -17,7 +17,7 @@ from typing import ClassVar, Optional
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from ..sampling import SamplingParams, sample, sampling_probs
+from ..sampling import SamplingParams, argmax, sample, sampling_probs
 from ..types import DraftBlock, TargetBlock, Verdict
 
 
@@ -31,7 +31,7 @@ class BaseDecision:
 
     accepted: torch.Tensor  # [K] bool, base-rule accept flags
     target_probs: Optional[torch.Tensor]  # [K+1, V] sampling distribution (None at T=0)
-    target_argmax: torch.Tensor  # [K+1]
+    target_argmax: Optional[torch.Tensor]  # [K+1] (None at T>0, where nothing reads it)
     ratio: Optional[torch.Tensor] = None  # [K] p_t(c)/p_d(c) at T > 0
     uniform: Optional[torch.Tensor] = None  # [K] the U draws at T > 0
 
@@ -83,25 +83,20 @@ def first_false(flags: torch.Tensor) -> int:
 
 
 def base_decision(
-    draft: DraftBlock,
-    target: TargetBlock,
-    sampling: SamplingParams,
-    generator: torch.Generator,
-    target_probs: Optional[torch.Tensor] = None,
+    draft: DraftBlock, target: TargetBlock, sampling: SamplingParams, generator: torch.Generator
 ) -> BaseDecision:
-    """Base-rule accept flags for every draft position (vectorized over K).
-    `target_probs` overrides the target's sampling distribution (EASD's penalty)."""
+    """Base-rule accept flags for every draft position (vectorized over K). At T > 0 the target
+    rows are one softmax pass; p_d(c_i) comes with a sampled draft (one-hot drafts have 1)."""
     num_draft = draft.num_tokens
-    target_argmax = target.logits.argmax(-1)
-    if sampling.greedy and target_probs is None:
+    if sampling.greedy:
+        target_argmax = argmax(target.logits)
         return BaseDecision(draft.tokens == target_argmax[:num_draft], None, target_argmax)
-    if target_probs is None:
-        target_probs = sampling_probs(target.logits, sampling)
-    draft_token_probs = draft.token_probs(sampling)
+    target_probs = sampling_probs(target.logits, sampling)
+    draft_token_probs = draft.token_probs if draft.sampled else torch.ones(num_draft)
     target_token_probs = target_probs[:num_draft].gather(-1, draft.tokens[:, None]).squeeze(-1)
     ratio = target_token_probs / draft_token_probs.clamp_min(1e-10)
     uniform = torch.rand(num_draft, generator=generator)
-    return BaseDecision(uniform <= ratio, target_probs, target_argmax, ratio, uniform)
+    return BaseDecision(uniform <= ratio, target_probs, None, ratio, uniform)
 
 
 def recover_token(
@@ -110,21 +105,19 @@ def recover_token(
     decision: BaseDecision,
     sampling: SamplingParams,
     generator: torch.Generator,
-    residual: bool = True,
 ) -> int:
     """The token emitted at `position`: the bonus when position == K, else the correction after
-    a rejection there (target argmax at T = 0; a residual sample at T > 0, or a plain sample of
-    the target distribution when `residual` is False)."""
+    a rejection there (target argmax at T = 0, a residual sample at T > 0)."""
     if decision.target_probs is None:
         return int(decision.target_argmax[position])
     target_row = decision.target_probs[position]
-    if position < draft.num_tokens and residual:
+    if position < draft.num_tokens:
         draft_row = draft.probs(sampling, target_row.shape[-1], rows=position)
         residual_row = (target_row - draft_row).clamp_min(0)
         # p_t == p_d leaves no residual mass; p_t itself is then the right law
         if float(residual_row.sum()) > 0:
             target_row = residual_row
-    return int(sample(target_row[None] / target_row.sum(), generator)[0])
+    return int(sample(target_row[None], generator)[0])
 
 
 def accepted_prefix(flags: torch.Tensor, num_accepted: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from ..sampling import entropy, sample, sampling_probs
+from ..sampling import argmax, entropy, sample, sampling_probs
 from ..types import Verdict
 from .base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
 
@@ -51,7 +51,7 @@ class DropMatchPolicy(AcceptancePolicy):
         num_draft = draft_tokens.shape[0]
         rows = torch.arange(num_draft)
         if sampling.greedy:
-            rows = rows[draft_tokens != target.logits[:num_draft].argmax(-1)]
+            rows = rows[draft_tokens != argmax(target.logits[:num_draft])]
         hidden = target.hidden[rows].float()  # [R, H]
         keep = 1.0 - self.params.dropout
         masks = torch.bernoulli(
@@ -59,7 +59,7 @@ class DropMatchPolicy(AcceptancePolicy):
         ) / keep
         path_logits = target.lm_head(hidden[None] * masks).float()  # [N, R, V], one matmul
         if sampling.greedy:
-            path_tokens = path_logits.argmax(-1)
+            path_tokens = argmax(path_logits)
         else:
             path_probs = sampling_probs(path_logits.flatten(0, 1), sampling)
             path_tokens = sample(path_probs, generator).view(self.params.num_paths, len(rows))

@@ -26,7 +26,7 @@ class EarsPolicy(AcceptancePolicy):
         accepted = decision.accepted
         pardoned = accepted & False
         if decision.target_probs is not None and self.params.beta > 0:
-            max_target_prob = decision.target_probs[: draft.num_tokens].max(-1).values
+            max_target_prob = decision.target_probs[: draft.num_tokens].amax(-1)
             tolerance = self.params.beta * (1.0 - max_target_prob)
             pardoned = ~accepted & (decision.ratio >= (decision.uniform - tolerance).clamp_min(0.0))
             accepted = accepted | pardoned
