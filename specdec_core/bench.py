@@ -85,8 +85,10 @@ def score_continuation(model: torch.nn.Module, prompt_ids: list[int], output_ids
 @torch.inference_mode()
 def block_cost_curve(model: torch.nn.Module, prompt_ids: list[int], max_tokens: int, repeats: int) -> list[dict]:
     """What one forward over `n` new tokens costs after `prompt_ids`, for n = 1..max_tokens:
-    a target verify of K drafts is n = K + 1. Sizes are interleaved within each repeat so that
-    machine noise hits all of them alike; the cache is rolled back after every forward."""
+    a target verify of K drafts is n = K + 1. Sizes are interleaved within each repeat and each
+    size is priced against the 1-token forward of its own repeat (median of those ratios), so
+    that the machine's slow and fast stretches cancel; the cache is rolled back after every
+    forward."""
     from .target import TargetScorer
 
     scorer = TargetScorer(model)
@@ -98,10 +100,9 @@ def block_cost_curve(model: torch.nn.Module, prompt_ids: list[int], max_tokens: 
             scorer.score(prompt_ids[-num_tokens:])
             samples[num_tokens].append((time.perf_counter() - start) * 1e3)
             scorer.commit(0)
-    one_token_ms = statistics.median(samples[1][1:])
     return [
         {"tokens": num_tokens, "ms_p50": round(statistics.median(times[1:]), 2),
-         "vs_one_token": round(statistics.median(times[1:]) / one_token_ms, 3)}
+         "vs_one_token": round(statistics.median(ms / one_ms for ms, one_ms in zip(times[1:], samples[1][1:])), 3)}
         for num_tokens, times in samples.items()
     ]
 

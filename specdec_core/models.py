@@ -124,7 +124,7 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(resolve_source(spec.source), dtype=DTYPES[spec.dtype])
     if spec.num_layers is not None:
         truncate_layers(model, spec.num_layers)
-    use_skinny_matmul(model)
+    use_packed_matmul(model)
     return model.eval()
 
 
@@ -141,40 +141,48 @@ def configure_cpu(num_threads: int) -> None:
         libc.mallopt(m_trim_threshold, 256 << 20)
 
 
-class SkinnyLinear(torch.nn.Linear):
-    """nn.Linear whose fp32 CPU forward for a few rows (decode and verify steps) computes
-    `W @ x^T`. Measured on this project's 2-core AVX-512 CPUs (torch 2.13, MKL): the SmolLM2
-    LM head takes 15.4 ms for 2 rows through F.linear and 2.7 ms as W @ x^T; a full 1-token
-    target step drops from ~41 ms to ~26 ms. Row counts MKL handles badly are padded with zero
-    rows: 1 -> 2 (its matrix-vector path is slower), 3 -> 4, 9..15 -> 16 (the LM head takes
-    22.5 ms for 15 rows, 12.8 ms for 16; a 15-token target forward 117 ms, a 16-token one 69 ms,
-    `specdec verify-cost`). Same weights, same math; only the kernel choice differs."""
+class PackedLinear(torch.nn.Linear):
+    """nn.Linear whose fp32 CPU forward runs oneDNN on a copy of the weight packed once for it.
 
-    max_rows = 16
+    Measured on this project's 2-core AMD EPYC (AVX2, torch 2.13), SmolLM2-135M with 200
+    tokens of context, old and new kernels alternating step by step (an ad-hoc A/B, medians of
+    25): a 1-token
+    target step takes 58 ms against 65 ms with MKL's `W @ x^T` (the previous kernel, which had
+    to pad 1 row to 2), 5 tokens 83 ms against 96, 8 tokens 89 against 116; 2-4 tokens are on par.
+    oneDNN is also batch invariant: each row's output is bitwise the same whatever the row count
+    of the call (MKL's sgemm is not; see the test), so the linears no longer make a token's
+    logits depend on the size of its verify block. SDPA still does, by ~1e-5 in the logits.
+    The packed copy doubles the memory of fp32 linear weights on CPU. It is rebuilt when the
+    weight changes (in place or replaced); other dtypes, devices and autograd use F.linear."""
 
-    @staticmethod
-    def padded_rows(num_rows: int) -> int:
-        return {1: 2, 3: 4}.get(num_rows, 16 if num_rows > 8 else num_rows)
+    # oneDNN's expected row count when packing: 4 measured best at 1 row and on par up to 16
+    pack_rows_hint = 4
+
+    def _packed_weight(self) -> Optional[torch.Tensor]:
+        weight = self.weight
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return None
+        key = (weight.data_ptr(), weight._version)
+        if getattr(self, "_packed_key", None) != key:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.pack_rows_hint)
+            self._packed_key = key
+        return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        num_rows = rows.shape[0]
-        if num_rows > self.max_rows or x.dtype != torch.float32 or x.device.type != "cpu":
+        packed = None if (torch.is_grad_enabled() and self.weight.requires_grad) else self._packed_weight()
+        if packed is None or x.dtype != torch.float32 or x.device.type != "cpu":
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        padded = self.padded_rows(num_rows)
-        if padded > num_rows:
-            rows = torch.cat([rows, rows.new_zeros(padded - num_rows, rows.shape[1])])
-        # contiguous rows: downstream kernels (CPU flash attention) need a unit-stride last dim
-        out = torch.mm(self.weight, rows.t()).t()[:num_rows].contiguous()
-        if self.bias is not None:
-            out = out + self.bias
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def use_skinny_matmul(model: torch.nn.Module) -> None:
+def use_packed_matmul(model: torch.nn.Module) -> None:
     for module in model.modules():
         if type(module) is torch.nn.Linear:
-            module.__class__ = SkinnyLinear
+            module.__class__ = PackedLinear
+            module._packed_weight()  # pack at load, not on the first request
 
 
 def truncate_layers(model: torch.nn.Module, num_layers: int) -> None:

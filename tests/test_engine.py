@@ -247,20 +247,32 @@ def test_adaptive_prompt_lookup_learns_from_commits():
     assert fixed.propose(10).tokens.tolist() == [3, 1, 3, 2]
 
 
-def test_skinny_linear_matches_linear_for_every_row_count():
-    """SkinnyLinear pads some row counts with zero rows for MKL's sake; outputs must not change."""
-    from specdec_core.models import SkinnyLinear
+def test_packed_linear_is_batch_invariant_and_matches_linear():
+    """Each row of an n-row PackedLinear call is bitwise the row computed alone (so a token's
+    logits do not depend on the verify block it sits in), it matches F.linear, and the packed
+    copy follows in-place weight changes."""
+    from specdec_core.models import PackedLinear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(24, 40)
-    skinny = torch.nn.Linear(24, 40)
-    skinny.load_state_dict(linear.state_dict())
-    skinny.__class__ = SkinnyLinear
-    for num_rows in range(1, 20):
-        x = torch.randn(1, num_rows, 24)
-        out = skinny(x)
-        assert out.shape == (1, num_rows, 40) and out.is_contiguous()
-        torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=1e-5)
+    packed = torch.nn.Linear(24, 40)
+    packed.load_state_dict(linear.state_dict())
+    packed.__class__ = PackedLinear
+    x = torch.randn(1, 40, 24)
+    with torch.inference_mode():
+        alone = torch.cat([packed(x[:, row : row + 1]) for row in range(40)], dim=1)
+        for num_rows in (1, 2, 3, 5, 8, 16, 17, 40):
+            out = packed(x[:, :num_rows])
+            assert out.shape == (1, num_rows, 40) and out.is_contiguous()
+            assert torch.equal(out, alone[:, :num_rows])
+            torch.testing.assert_close(out, linear(x[:, :num_rows]), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        packed.weight.mul_(2.0)
+        linear.weight.mul_(2.0)
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+    trained = packed(x)  # autograd needs F.linear's backward
+    assert trained.grad_fn is not None
+    torch.testing.assert_close(trained, linear(x), atol=1e-5, rtol=1e-5)
 
 
 def test_lookup_replay_reproduces_the_engine_and_the_oracle_bounds_it(tiny_engine):
