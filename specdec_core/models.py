@@ -146,9 +146,9 @@ class PackedLinear(torch.nn.Linear):
 
     Measured on this project's 2-core AMD EPYC (AVX2, torch 2.13), SmolLM2-135M with 200
     tokens of context, old and new kernels alternating step by step (an ad-hoc A/B, medians of
-    25): a 1-token
-    target step takes 58 ms against 65 ms with MKL's `W @ x^T` (the previous kernel, which had
-    to pad 1 row to 2), 5 tokens 83 ms against 96, 8 tokens 89 against 116; 2-4 tokens are on par.
+    25): a 1-token target step takes 58 ms against 65 ms with MKL's `W @ x^T` (the previous
+    kernel, which had to pad 1 row to 2), 5 tokens 83 ms against 96, 8 tokens 89 against 116;
+    2-4 tokens are on par.
     oneDNN is also batch invariant: each row's output is bitwise the same whatever the row count
     of the call (MKL's sgemm is not; see the test), so the linears no longer make a token's
     logits depend on the size of its verify block. SDPA still does, by ~1e-5 in the logits.

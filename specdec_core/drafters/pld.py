@@ -8,8 +8,8 @@ lookups of that n-gram size actually earned in this request: each n keeps a Beta
 estimate of the per-token acceptance rate a_n, and the drafter proposes the k that maximizes
 expected tokens per unit of target cost, (1 + a + .. + a^k) / cost(k), with cost(k) the
 measured cost of a step that scores k drafts (`verify_cost`, printed by `specdec verify-cost`).
-The curve is not linear: on the memory-bound 2-core CPU here, 1 draft costs 10% of a step,
-4 drafts 28%, 15 drafts 70%."""
+The curve is not linear: on the memory-bound 2-core CPU here, scoring 1 draft adds 10% to a
+1-token step, 4 drafts add 28%, 15 drafts 70%."""
 
 from __future__ import annotations
 
