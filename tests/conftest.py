@@ -12,8 +12,12 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 TINY_VOCAB = 512
 
 
-def tiny_llama(seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int = 2):
+def tiny_llama(seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int = 2, prepared: bool = True):
+    """A tiny random Llama with grouped KV heads, on the kernels `load_model` sets up (unless not
+    `prepared`: transformers' own)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec_core.models import prepare_model
 
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -27,19 +31,22 @@ def tiny_llama(seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int = 2)
         eos_token_id=None,
         bos_token_id=None,
     )
-    return LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval()
+    return prepare_model(model) if prepared else model
 
 
 def perturbed_copy(model, scale: float, seed: int = 1):
     """A draft made by adding seeded Gaussian noise to the target's weights: `scale` sets how
     often the two agree."""
+    from specdec_core.models import prepare_model
+
     draft = type(model)(model.config).eval()
     draft.load_state_dict(model.state_dict())
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in draft.parameters():
             parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
-    return draft
+    return prepare_model(draft)
 
 
 @pytest.fixture(scope="session")

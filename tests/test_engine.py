@@ -275,6 +275,56 @@ def test_packed_linear_is_batch_invariant_and_matches_linear():
     torch.testing.assert_close(trained, linear(x), atol=1e-5, rtol=1e-5)
 
 
+def test_grouped_sdpa_equals_transformers_sdpa():
+    """The grouped-head attention gives transformers' sdpa logits on a prefill (causal flag, no
+    mask) and on verify blocks after it (masked, cache longer than the block), and the model
+    really runs it."""
+    from specdec_core.target import TargetScorer
+
+    plain = tiny_llama(seed=5, prepared=False)
+    grouped = tiny_llama(seed=5)
+    assert grouped.config._attn_implementation == "sdpa_grouped" and plain.config._attn_implementation == "sdpa"
+    prompt = repeating_prompt(5, length=40)
+    scorers = [TargetScorer(model) for model in (plain, grouped)]
+    for scorer in scorers:
+        scorer.reset(prompt)
+    reference, result = (scorer.full_logits(prompt) for scorer in scorers)
+    torch.testing.assert_close(result, reference, atol=1e-6, rtol=1e-6)
+    for block in ([7], [7, 8, 9], list(range(20, 36))):
+        reference, result = (scorer.score(block).logits for scorer in scorers)
+        torch.testing.assert_close(result, reference, atol=1e-6, rtol=1e-6)
+        for scorer in scorers:
+            scorer.commit(1)
+
+
+def test_growable_cache_layer_holds_what_a_dynamic_layer_holds():
+    """Through growth past its buffer, crops, and keys replaced by another Cache method, the
+    growable layer returns exactly DynamicLayer's keys and values, as views of its buffers."""
+    from transformers.cache_utils import DynamicLayer
+
+    from specdec_core.target import GrowableLayer
+
+    generator = torch.Generator().manual_seed(0)
+    growable, dynamic = GrowableLayer(), DynamicLayer()
+    steps = [("update", 200), ("update", 56), ("crop", 30), ("update", 5), ("update", 300), ("crop", 400),
+             ("select", 0), ("update", 3), ("update", 600)]
+    for action, size in steps:
+        if action == "update":
+            keys, values = torch.randn(2, 1, 3, size, 8, generator=generator)
+            outputs = [layer.update(keys.clone(), values.clone()) for layer in (growable, dynamic)]
+            for got, expected in zip(*outputs):
+                assert torch.equal(got, expected)
+            assert growable.keys.data_ptr() == growable.buffers[0].data_ptr()
+        elif action == "crop":
+            for layer in (growable, dynamic):
+                layer.crop(-size)
+        else:
+            for layer in (growable, dynamic):
+                layer.batch_select_indices(torch.tensor([size]))
+        assert growable.get_seq_length() == dynamic.get_seq_length()
+        assert torch.equal(growable.keys, dynamic.keys) and torch.equal(growable.values, dynamic.values)
+
+
 def test_lookup_replay_reproduces_the_engine_and_the_oracle_bounds_it(tiny_engine):
     """Replaying a target-only greedy output through the pld drafter proposes exactly what the
     engine proposed; the copy oracle is never costlier than the replay."""
