@@ -141,8 +141,9 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     """transformers' "sdpa" attention, except that on CPU the grouped K/V heads go to SDPA as they
     are (`enable_gqa`) also under a mask. transformers repeats K and V to the query heads' count
     whenever a mask is passed, i.e. in every multi-token block after the prefill (each verify):
-    for SmolLM2 (9 query, 3 KV heads) that copied every layer's whole cache 3x per verify, 6 ms
-    per layer at 2,000 tokens. CPU's flash kernel takes the groups natively, bitwise equal.
+    for SmolLM2 (9 query, 3 KV heads) it copied every layer's whole cache 3x per verify, which
+    at 2,000 tokens of context made a 5-token verify ~1.3x slower (README, CPU notes). CPU's
+    flash kernel takes the groups natively, bitwise equal.
     Other devices, position biases, ungrouped heads, and a causal flag with a longer cache
     (which SDPA would align top-left) take transformers' path."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
