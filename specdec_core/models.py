@@ -146,8 +146,6 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     flash kernel takes the groups natively, bitwise equal.
     Other devices, position biases, ungrouped heads, and a causal flag with a longer cache
     (which SDPA would align top-left) take transformers' path."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
     if (
@@ -156,6 +154,8 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
         or kwargs.get("position_bias") is not None
         or (is_causal and key.shape[2] != query.shape[2])
     ):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal, enable_gqa=True

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .sampling import SamplingParams
 from .types import TargetBlock
@@ -18,8 +18,6 @@ if TYPE_CHECKING:
 
 def make_cache(model: torch.nn.Module):
     """A DynamicCache whose full-attention layers are `GrowableLayer`s."""
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=model.config)
     cache.layers = [GrowableLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
