@@ -145,7 +145,8 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     at 2,000 tokens of context made a 5-token verify ~1.3x slower (README, CPU notes). CPU's
     flash kernel takes the groups natively, bitwise equal.
     Other devices, position biases, ungrouped heads, and a causal flag with a longer cache
-    (which SDPA would align top-left) take transformers' path."""
+    (which SDPA would align top-left) take transformers' path. A one-token step in bf16 or fp16
+    takes `grouped_decode_attention`."""
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
     if (
@@ -157,10 +158,32 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    if query.shape[2] == 1 and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0.0:
+        return grouped_decode_attention(query, key, value, attention_mask, scaling), None
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal, enable_gqa=True
     )
     return output.transpose(1, 2).contiguous(), None
+
+
+def grouped_decode_attention(query, key, value, attention_mask, scaling=None) -> torch.Tensor:
+    """Attention of one query token per head in low precision, as two matmuls per KV head with
+    the group's query heads stacked as rows and the softmax in fp32; returns `[B, 1, H, D]`.
+    CPU SDPA's bf16 flash kernel is slow for a single query: on the 2-core Zen 4, SmolLM2's
+    shapes (9 query, 3 KV heads) took 600 us per layer at 1,000 tokens of context against 110
+    us this way (fp32's flash kernel: 70), which made the bf16 draft's own decode steps cost
+    up to ~20 ms of attention each (ad-hoc timings)."""
+    batch, num_heads, _, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    scale = head_dim**-0.5 if scaling is None else scaling
+    # query heads h * g .. h * g + g - 1 share KV head h (transformers' repeat_kv order)
+    grouped_query = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(grouped_query, key.transpose(-1, -2)).float() * scale
+    if attention_mask is not None:  # [B, 1, 1, L]: bool (True attends) or additive
+        mask = attention_mask[:, :, 0, None, :]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = scores.softmax(-1).to(value.dtype)
+    return torch.matmul(weights, value).reshape(batch, 1, num_heads, head_dim)
 
 
 def use_grouped_attention(model: torch.nn.Module) -> None:
@@ -204,8 +227,8 @@ class PackedLinear(torch.nn.Linear):
 
     # oneDNN's expected row count when packing: 4 measured best at 1 row and on par up to 16
     pack_rows_hint = 4
-    # Calls with fewer rows are padded with zero rows to this count: oneDNN's 1- and 2-row
-    # kernels took longer than its 4-row one for every SmolLM2 shape (all body linears of a
+    # Calls with fewer rows are padded with zero rows to this count: on the 2-core AMD Zen 4,
+    # oneDNN's 1- and 2-row kernels took longer than its 4-row one for every SmolLM2 shape (all body linears of a
     # step: 26 ms at 1 row, 22 ms at 4; the LM head 5.7 ms against 5.1), and the padded rows'
     # outputs are discarded, so each real row is bitwise what it was (batch invariance).
     min_rows = 4

@@ -297,6 +297,40 @@ def test_grouped_sdpa_equals_transformers_sdpa():
             scorer.commit(1)
 
 
+def test_grouped_decode_attention_matches_sdpa_and_runs_for_low_precision_steps(monkeypatch):
+    """The one-query low-precision attention equals SDPA (float64 reference, bf16 tolerance) with
+    no mask, a boolean mask and an additive one, each query head reading its own KV group; a bf16
+    model's one-token steps run it and give transformers' sdpa logits within bf16 rounding."""
+    from specdec_core import models
+    from specdec_core.target import TargetScorer
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 6, 1, 16, generator=generator)
+    key, value = torch.randn(2, 2, 2, 30, 16, generator=generator)
+    keep = torch.rand(2, 1, 1, 30, generator=generator) > 0.3
+    additive = torch.zeros(2, 1, 1, 30, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+    for mask in (None, keep, additive):
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            query.double(), key.double(), value.double(), attn_mask=mask, enable_gqa=True).transpose(1, 2)
+        result = models.grouped_decode_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), mask)
+        torch.testing.assert_close(result.double(), reference, atol=3e-2, rtol=0)
+
+    calls = []
+    original = models.grouped_decode_attention
+    monkeypatch.setattr(models, "grouped_decode_attention", lambda *args: calls.append(1) or original(*args))
+    plain, grouped = (tiny_llama(seed=5, prepared=prepared).to(torch.bfloat16) for prepared in (False, True))
+    prompt = repeating_prompt(5, length=40)
+    scorers = [TargetScorer(model) for model in (plain, grouped)]
+    for scorer in scorers:
+        scorer.reset(prompt)
+    for token in (7, 8, 9):
+        reference, result = (scorer.score([token]).logits for scorer in scorers)
+        torch.testing.assert_close(result, reference, atol=3e-2, rtol=0)
+        for scorer in scorers:
+            scorer.commit(1)
+    assert len(calls) == 3 * grouped.config.num_hidden_layers
+
+
 def test_growable_cache_layer_holds_what_a_dynamic_layer_holds():
     """Through growth past its buffer, crops, and keys replaced by another Cache method, the
     growable layer returns exactly DynamicLayer's keys and values, as views of its buffers."""

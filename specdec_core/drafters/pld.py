@@ -8,7 +8,7 @@ lookups of that n-gram size actually earned in this request: each n keeps a Beta
 estimate of the per-token acceptance rate a_n, and the drafter proposes the k that maximizes
 expected tokens per unit of target cost, (1 + a + .. + a^k) / cost(k), with cost(k) the
 measured cost of a step that scores k drafts (`verify_cost`, printed by `specdec verify-cost`).
-The curve is not linear and depends on the machine: on the 2-core CPU here, scoring 1-5 drafts
+The curve is not linear and depends on the machine: on the 2-core Zen 4 here, scoring 1-5 drafts
 adds 4-5% to a 1-token step, 8 drafts 13%, 15 drafts 38%."""
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ class PromptLookupParams(DrafterParams):
 
 
 # Cost of a target step that scores k = 1, 2, .. drafts, relative to a 1-token step: the mean of
-# two runs of `specdec verify-cost --draft none --repeats 40` on this project's 2-core AVX2 CPU
-# (AMD EPYC, torch 2.13, oneDNN linears padded to 4 rows, grouped-head SDPA, SmolLM2-135M fp32,
-# 200 tokens of context), made non-decreasing. The same VM type measured a steeper curve on
-# other days (1.73 at 15 drafts): run `specdec verify-cost` and pass its curve where it differs.
+# two runs of `specdec verify-cost --draft none --repeats 40` on this project's 2-core VM (AMD
+# EPYC Zen 4, AVX-512; torch 2.13, oneDNN linears padded to 4 rows, grouped-head SDPA,
+# SmolLM2-135M fp32, 200 tokens of context), made non-decreasing. A Zen 3 (AVX2) VM of the same
+# name measured a steeper curve (1.73 at 15 drafts): run `specdec verify-cost` and pass its
+# curve where it differs.
 DEFAULT_VERIFY_COST = (1.04, 1.05, 1.05, 1.05, 1.05, 1.10, 1.12, 1.13, 1.21, 1.22, 1.24, 1.28, 1.34, 1.37, 1.38)
 
 
