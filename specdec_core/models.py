@@ -228,9 +228,9 @@ class PackedLinear(torch.nn.Linear):
     # oneDNN's expected row count when packing: 4 measured best at 1 row and on par up to 16
     pack_rows_hint = 4
     # Calls with fewer rows are padded with zero rows to this count: on the 2-core AMD Zen 4,
-    # oneDNN's 1- and 2-row kernels took longer than its 4-row one for every SmolLM2 shape (all body linears of a
-    # step: 26 ms at 1 row, 22 ms at 4; the LM head 5.7 ms against 5.1), and the padded rows'
-    # outputs are discarded, so each real row is bitwise what it was (batch invariance).
+    # oneDNN's 1- and 2-row kernels took longer than its 4-row one for every SmolLM2 shape (all
+    # body linears of a step: 26 ms at 1 row, 22 ms at 4; the LM head 5.7 ms against 5.1), and
+    # the padded rows' outputs are discarded, so each real row is bitwise what it was.
     min_rows = 4
 
     def _packed_weight(self) -> Optional[torch.Tensor]:
