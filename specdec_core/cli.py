@@ -245,6 +245,9 @@ def verify_cost(
         # non-decreasing so that timing noise cannot make a longer block look cheaper
         relative = list(itertools.accumulate((row["vs_one_token"] for row in curves["target"][1:]), max))
         console.print(f"pld drafter on this machine: --drafter-param 'verify_cost={json.dumps(relative)}'", soft_wrap=True)
+    if "draft" in curves:  # model and mla drafters also price each draft forward
+        draft_cost = round(curves["draft"][0]["ms_p50"] / curves["target"][0]["ms_p50"], 3)
+        console.print(f"model and mla drafters, also: --drafter-param 'draft_cost={draft_cost}'", soft_wrap=True)
 
 
 @app.command("lookup-ceiling")

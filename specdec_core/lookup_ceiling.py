@@ -20,7 +20,8 @@ from typing import Sequence
 import torch
 
 from .drafters.base import common_prefix_length
-from .drafters.pld import AdaptiveLookupParams, PromptLookupDrafter, block_cost, lookup_continuation
+from .drafters.block_length import block_cost
+from .drafters.pld import AdaptiveLookupParams, PromptLookupDrafter, lookup_continuation
 from .sampling import SamplingParams
 
 

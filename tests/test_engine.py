@@ -77,8 +77,8 @@ def test_kv_rollback_matches_a_fresh_forward(tiny_target):
 def test_draft_model_cache_rolls_back_to_committed_prefix(tiny_engine):
     prompt = repeating_prompt(2)
     sampling = SamplingParams()
-    drafter = make_drafter("model", {}, tiny_engine.draft_model)
-    fresh = make_drafter("model", {}, tiny_engine.draft_model)
+    drafter = make_drafter("model", {"adaptive": False}, tiny_engine.draft_model)
+    fresh = make_drafter("model", {"adaptive": False}, tiny_engine.draft_model)
     drafter.reset(prompt, sampling, torch.Generator())
     first = drafter.propose(6).tokens.tolist()
     committed = first[:2] + [(first[2] + 1) % TINY_VOCAB]  # accept 2, then a correction
@@ -90,11 +90,36 @@ def test_draft_model_cache_rolls_back_to_committed_prefix(tiny_engine):
     torch.testing.assert_close(second.logits, expected.logits, atol=1e-5, rtol=1e-5)
 
 
+def test_model_drafter_block_length_follows_acceptance_and_draft_cost(tiny_engine):
+    """The adaptive model drafter starts short, lengthens its blocks while they are accepted,
+    shortens them after rejections, never drafts fewer than 1 token, and drafts the full block
+    when drafting and verifying are free (or adaptation is off)."""
+    prompt = repeating_prompt(3)
+
+    def block_lengths(params: dict, accepts: list[bool]) -> list[int]:
+        drafter = make_drafter("model", params, tiny_engine.draft_model)
+        drafter.reset(prompt, SamplingParams(), torch.Generator())
+        lengths = []
+        for accept in accepts:
+            proposal = drafter.propose(15).tokens.tolist()
+            lengths.append(len(proposal))
+            # all drafts kept plus a bonus token, or the first draft replaced by a correction
+            drafter.commit(proposal + [0] if accept else [(proposal[0] + 1) % TINY_VOCAB])
+        return lengths
+
+    lengths = block_lengths({}, [True] * 5 + [False] * 5)
+    assert lengths[0] < 3 and lengths[:5] == sorted(lengths[:5]) and lengths[4] > lengths[0]
+    assert lengths[5:] == sorted(lengths[5:], reverse=True) and lengths[-1] == 1 < lengths[5]
+    assert block_lengths({"draft_cost": 5.0}, [True] * 6) == [1] * 6
+    assert block_lengths({"draft_cost": 0.0, "verify_cost": [1.0]}, [False] * 6) == [15] * 6
+    assert block_lengths({"adaptive": False}, [False] * 6) == [15] * 6
+
+
 def test_mla_uses_fewer_draft_forwards_than_the_plain_draft(tiny_engine):
     prompt = repeating_prompt(0, length=40)
     counts = {}
     for name in ("model", "mla"):
-        drafter = make_drafter(name, {}, tiny_engine.draft_model)
+        drafter = make_drafter(name, {"adaptive": False}, tiny_engine.draft_model)
         drafter.reset(prompt, SamplingParams(), torch.Generator())
         tokens = drafter.propose(12).tokens.tolist()
         counts[name] = (drafter.forwards, tokens)
@@ -220,7 +245,7 @@ def test_metrics_count_drafts_and_policy_counters(tiny_target):
 
 
 def test_block_length_follows_acceptance_and_cost():
-    from specdec_core.drafters.pld import best_block_length, block_cost
+    from specdec_core.drafters.block_length import best_block_length, block_cost
 
     def linear(per_token: float) -> list[float]:
         return [1.0 + per_token * k for k in range(1, 4)]
@@ -247,32 +272,37 @@ def test_adaptive_prompt_lookup_learns_from_commits():
     assert fixed.propose(10).tokens.tolist() == [3, 1, 3, 2]
 
 
-def test_packed_linear_is_batch_invariant_and_matches_linear():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_is_batch_invariant_and_matches_linear(dtype):
     """Each row of an n-row PackedLinear call is bitwise the row computed alone (so a token's
     logits do not depend on the verify block it sits in), it matches F.linear, and the packed
-    copy follows in-place weight changes."""
-    from specdec_core.models import PackedLinear
+    copy follows in-place weight changes. bf16 (the draft) is packed where oneDNN supports it."""
+    from specdec_core.models import PackedLinear, packable_dtypes
 
+    if dtype not in packable_dtypes():
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.manual_seed(0)
-    linear = torch.nn.Linear(24, 40)
-    packed = torch.nn.Linear(24, 40)
+    linear = torch.nn.Linear(24, 40).to(dtype)
+    packed = torch.nn.Linear(24, 40).to(dtype)
     packed.load_state_dict(linear.state_dict())
     packed.__class__ = PackedLinear
-    x = torch.randn(1, 40, 24)
+    assert packed._packed_weight() is not None
+    x = torch.randn(1, 40, 24).to(dtype)
     with torch.inference_mode():
         alone = torch.cat([packed(x[:, row : row + 1]) for row in range(40)], dim=1)
         for num_rows in (1, 2, 3, 5, 8, 16, 17, 40):
             out = packed(x[:, :num_rows])
-            assert out.shape == (1, num_rows, 40) and out.is_contiguous()
+            assert out.shape == (1, num_rows, 40) and out.is_contiguous() and out.dtype == dtype
             assert torch.equal(out, alone[:, :num_rows])
-            torch.testing.assert_close(out, linear(x[:, :num_rows]), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out, linear(x[:, :num_rows]), **tolerance)
     with torch.no_grad():
         packed.weight.mul_(2.0)
         linear.weight.mul_(2.0)
-        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed(x), linear(x), **tolerance)
     trained = packed(x)  # autograd needs F.linear's backward
     assert trained.grad_fn is not None
-    torch.testing.assert_close(trained, linear(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(trained, linear(x), **tolerance)
 
 
 def test_grouped_sdpa_equals_transformers_sdpa():
@@ -362,7 +392,8 @@ def test_growable_cache_layer_holds_what_a_dynamic_layer_holds():
 def test_lookup_replay_reproduces_the_engine_and_the_oracle_bounds_it(tiny_engine):
     """Replaying a target-only greedy output through the pld drafter proposes exactly what the
     engine proposed; the copy oracle is never costlier than the replay."""
-    from specdec_core.drafters.pld import AdaptiveLookupParams, block_cost
+    from specdec_core.drafters.block_length import block_cost
+    from specdec_core.drafters.pld import AdaptiveLookupParams
     from specdec_core.lookup_ceiling import cheapest_cost, copyable_lengths, lookup_lengths, replay_drafter
 
     params = AdaptiveLookupParams()

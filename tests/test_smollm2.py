@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from specdec_core import GenerationRequest
 from specdec_core.cli import app
-from specdec_core.drafters import make_drafter
+from specdec_core.drafters import make_drafter, validate_drafter
 
 PROMPTS = [
     "Repeat this sentence twice: the cat sat on the mat.",
@@ -125,13 +125,16 @@ def test_bench_rejects_unknown_category(tmp_path):
 
 
 def test_verify_cost_prints_the_block_cost_curve():
-    result = CliRunner().invoke(app, ["verify-cost", "--max-tokens", "3", "--repeats", "1", "--context", "40", "--draft", "none"])
+    result = CliRunner().invoke(app, ["verify-cost", "--max-tokens", "3", "--repeats", "1", "--context", "40"])
     assert result.exit_code == 0, result.output
     rows = [line.split("│")[1:-1] for line in result.output.splitlines() if line.startswith("│") and line.split("│")[1].strip().isdigit()]
     assert [int(cells[0]) for cells in rows] == [1, 2, 3]
-    assert float(rows[0][2]) == 1.0  # the one-token forward is the unit
-    printed = re.search(r"verify_cost=(\[.*\])'", result.output)  # ready to pass to the pld drafter
-    assert printed, result.output
+    assert float(rows[0][2]) == 1.0 and float(rows[0][4]) == 1.0  # the one-token forward is the unit
+    printed = re.search(r"verify_cost=(\[.*\])'", result.output)  # ready to pass to the drafters
+    draft_cost = re.search(r"draft_cost=([0-9.]+)'", result.output)
+    assert printed and draft_cost, result.output
+    assert float(draft_cost.group(1)) == pytest.approx(float(rows[0][3]) / float(rows[0][1]), abs=1e-3)
     make_drafter("pld", {"verify_cost": json.loads(printed.group(1))})
+    validate_drafter("model", {"verify_cost": json.loads(printed.group(1)), "draft_cost": float(draft_cost.group(1))})
     bad = CliRunner().invoke(app, ["verify-cost", "--max-tokens", "8", "--context", "4", "--draft", "none"])
     assert bad.exit_code == 2 and "--context" in bad.output

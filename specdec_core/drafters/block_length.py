@@ -1,0 +1,78 @@
+"""Adaptive block length, shared by the `pld`, `model` and `mla` drafters.
+
+On CPU a longer block costs real time: the target's verify forward grows with it, and a draft
+model pays a forward per drafted token. So a drafter proposes the length k that maximizes
+expected tokens per unit of cost, (1 + a + .. + a^k) / cost(k), where a is the per-token
+acceptance rate this request has earned so far (a Beta posterior mean) and cost(k), in
+one-token target steps, is the measured cost of a target step that scores k drafts
+(`verify_cost`, printed by `specdec verify-cost`) plus k times the draft's cost per token (0 for
+lookups). The curve is a parameter, not timed at start-up: block lengths decide how many random
+draws a sampled request consumes, so timing them would make seeded outputs depend on the load."""
+
+from __future__ import annotations
+
+from typing import Annotated, Sequence
+
+from pydantic import Field
+
+from .base import DrafterParams, common_prefix_length
+
+# Cost of a target step that scores k = 1, 2, .. drafts, relative to a 1-token step: the mean of
+# two runs of `specdec verify-cost --draft none --repeats 40` on this project's 2-core VM (AMD
+# EPYC Zen 4, AVX-512; torch 2.13, oneDNN linears padded to 4 rows, grouped-head SDPA,
+# SmolLM2-135M fp32, 200 tokens of context), made non-decreasing. On this VM scoring 1-5 drafts
+# adds 4-5% to a 1-token step, 8 drafts 13%, 15 drafts 38%. A Zen 3 (AVX2) VM of the same name
+# measured a steeper curve (1.73 at 15 drafts): run `specdec verify-cost` and pass its curve
+# where it differs.
+DEFAULT_VERIFY_COST = (1.04, 1.05, 1.05, 1.05, 1.05, 1.10, 1.12, 1.13, 1.21, 1.22, 1.24, 1.28, 1.34, 1.37, 1.38)
+
+
+class AdaptiveLengthParams(DrafterParams):
+    adaptive: bool = Field(True, description="choose the proposal length from acceptance so far")
+    verify_cost: tuple[Annotated[float, Field(gt=0.0, le=100.0)], ...] = Field(
+        DEFAULT_VERIFY_COST,
+        min_length=1,
+        description="target cost of scoring k = 1, 2, .. drafts, in 1-token steps; beyond the list "
+        "it grows by the list's mean slope",
+    )
+
+
+def block_cost(verify_cost: Sequence[float], num_drafts: int) -> float:
+    """Cost of a step scoring `num_drafts` drafts; past the curve's end it grows by its mean slope."""
+    if num_drafts == 0:
+        return 1.0
+    if num_drafts <= len(verify_cost):
+        return verify_cost[num_drafts - 1]
+    slope = (verify_cost[-1] - 1.0) / len(verify_cost)
+    return verify_cost[-1] + slope * (num_drafts - len(verify_cost))
+
+
+def best_block_length(acceptance_rate: float, max_length: int, verify_cost: Sequence[float], draft_cost: float = 0.0) -> int:
+    """argmax_k (1 + a + .. + a^k) / (cost(k) + k * draft_cost) over k = 0 .. max_length."""
+    best_length, best_value = 0, 1.0
+    expected_tokens, term = 1.0, 1.0
+    for length in range(1, max_length + 1):
+        term *= acceptance_rate
+        expected_tokens += term
+        value = expected_tokens / (block_cost(verify_cost, length) + length * draft_cost)
+        if value > best_value:
+            best_length, best_value = length, value
+    return best_length
+
+
+class AcceptanceEstimate:
+    """Posterior mean of the per-token acceptance rate under a Beta prior: a proposal counts its
+    kept tokens as successes and its rejection, if any, as one failure (geometric likelihood)."""
+
+    def __init__(self, prior_accepted: float = 1.0, prior_rejected: float = 1.0):
+        self.accepted, self.rejected = prior_accepted, prior_rejected
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def update(self, proposal: Sequence[int], new_tokens: Sequence[int]) -> None:
+        """`new_tokens`: the committed tokens, whose last one the target chose itself."""
+        kept = common_prefix_length(proposal, new_tokens, min(len(proposal), len(new_tokens) - 1))
+        self.accepted += kept
+        self.rejected += int(kept < len(proposal))
