@@ -214,6 +214,7 @@ def configure_cpu(num_threads: int) -> None:
 
 @functools.cache
 def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """Weight dtypes oneDNN can pack here: bf16 needs AVX-512 or AVX-NE-CONVERT (not the Zen 3)."""
     if not torch.backends.mkldnn.is_available():
         return ()
     return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
