@@ -47,7 +47,9 @@ def block_cost(verify_cost: Sequence[float], num_drafts: int) -> float:
     return verify_cost[-1] + slope * (num_drafts - len(verify_cost))
 
 
-def best_block_length(acceptance_rate: float, max_length: int, verify_cost: Sequence[float], draft_cost: float = 0.0) -> int:
+def best_block_length(
+    acceptance_rate: float, max_length: int, verify_cost: Sequence[float], draft_cost: float = 0.0
+) -> int:
     """argmax_k (1 + a + .. + a^k) / (cost(k) + k * draft_cost) over k = 0 .. max_length."""
     best_length, best_value = 0, 1.0
     expected_tokens, term = 1.0, 1.0

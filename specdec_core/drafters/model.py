@@ -5,7 +5,9 @@ distribution otherwise), optionally stopping early when its top probability fall
 `confidence_threshold`. By default the block length adapts (`block_length`) with each draft
 forward priced at `draft_cost` target steps: a draft that agrees 98% of the time but costs
 0.8 of a target step drafts ~5 tokens, not 15, since a token drafted past the first rejection
-costs a forward and earns nothing. `mla`: prompt lookup guesses a continuation and the draft model checks
+costs a forward and earns nothing.
+
+`mla`: prompt lookup guesses a continuation and the draft model checks
 it greedily in the same forward, so one draft forward yields (matched guesses + 1) tokens;
 the proposal equals the plain greedy draft, only cheaper. MLA proposals are deterministic
 (one-hot draft distribution) also at T > 0.
