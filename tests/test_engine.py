@@ -107,7 +107,7 @@ def test_model_drafter_block_length_follows_acceptance_and_draft_cost(tiny_engin
             drafter.commit(proposal + [0] if accept else [(proposal[0] + 1) % TINY_VOCAB])
         return lengths
 
-    lengths = block_lengths({}, [True] * 5 + [False] * 5)
+    lengths = block_lengths({"draft_cost": 0.8}, [True] * 5 + [False] * 5)
     assert lengths[0] < 3 and lengths[:5] == sorted(lengths[:5]) and lengths[4] > lengths[0]
     assert lengths[5:] == sorted(lengths[5:], reverse=True) and lengths[-1] == 1 < lengths[5]
     assert block_lengths({"draft_cost": 5.0}, [True] * 6) == [1] * 6
