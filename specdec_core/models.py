@@ -311,12 +311,12 @@ class Int4Linear(torch.nn.Module):
         low, high = groups.amin(-1), groups.amax(-1)
         scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15)
-        zero = low + 8 * scale
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).view(self.out_features, -1), 1)
-        self.register_buffer("packed_weight", packed)
-        # [in_features / 32, out_features, 2], the kernel's layout
-        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype))
-        scale, zero = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)
+        codes_2d = codes.to(torch.int32).view(self.out_features, -1)
+        self.register_buffer("packed_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes_2d, 1))
+        scales_and_zeros = torch.stack([scale, low + 8 * scale], -1).to(dtype)  # [out, in / 32, 2]
+        self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous())  # the kernel's layout
+        # the dense copy de-quantizes with the scale and zero as stored, rounded like the kernel's
+        scale, zero = scales_and_zeros.float().unbind(-1)
         self.dense = PackedLinear(self.in_features, self.out_features, bias=linear.bias is not None, dtype=dtype)
         with torch.no_grad():
             self.dense.weight.copy_(((codes - 8) * scale[..., None] + zero[..., None]).view_as(linear.weight))
@@ -335,7 +335,9 @@ class Int4Linear(torch.nn.Module):
         if rows.shape[0] > self.max_int4_rows:
             out = self.dense(rows)
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed_weight, self.group_size, self.scales_and_zeros)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, self.packed_weight, self.group_size, self.scales_and_zeros
+            )
             if self.dense.bias is not None:
                 out = out + self.dense.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
