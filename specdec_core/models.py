@@ -291,15 +291,17 @@ class Int4Linear(torch.nn.Module):
     Why: a 1-token step of SmolLM2's bf16 draft reads 270 MB of weights and is memory-bound on
     this project's 2-core VM; the int4 kernel reads a quarter of that for the body linears. The
     kernel's cost grows with the row count faster than oneDNN's, so calls of more than
-    `max_int4_rows` rows (prefill, mla's lookup checks) run oneDNN on a packed copy of the same
-    de-quantized weights instead: one set of weights, two kernels (on the 2-core Zen 4, ad hoc:
-    int4 cheaper up to 4 rows, oneDNN bf16 from 6). The embedded target is de-quantized from a
+    `max_int4_rows` rows (prefill) run oneDNN on a packed copy of the same de-quantized weights
+    instead: one set of weights, two kernels. On the 2-core Zen 4, whole draft forwards were
+    cheaper through the int4 kernel up to 16 rows (mla's lookup checks), where it still reads a
+    quarter of the bytes; an isolated per-shape microbenchmark, weights hot in cache, had put
+    the crossover at ~6 rows. The embedded target is de-quantized from a
     Q4_1 GGUF (groups of 32, scale and minimum), so the codes stand close to the checkpoint's own
     4-bit weights. The kernel needs out_features divisible by 16 and in_features by 32;
     `quantize_int4` leaves other linears alone."""
 
     group_size = 32
-    max_int4_rows = 4
+    max_int4_rows = 16
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()

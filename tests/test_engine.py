@@ -440,15 +440,16 @@ def test_int4_linear_matches_its_dequantized_weights_on_both_kernels():
     groups = linear.weight.float().view(48, 2, 32)
     half_step = ((groups.amax(-1) - groups.amin(-1)) / 30)[..., None]
     assert ((dequantized.view(48, 2, 32) - groups).abs() <= half_step * 1.02 + 1e-2).all()
-    x = torch.randn(1, 16, 64, generator=generator).to(torch.bfloat16)
+    limit = Int4Linear.max_int4_rows
+    x = torch.randn(1, 2 * limit, 64, generator=generator).to(torch.bfloat16)
     with torch.inference_mode():
-        for num_rows in (1, 3, 4, 5, 16):
+        for num_rows in (1, 3, limit, limit + 1, 2 * limit):
             reference = x[:, :num_rows].float() @ dequantized.T + linear.bias.float()
             torch.testing.assert_close(int4(x[:, :num_rows]).float(), reference, atol=3e-2, rtol=3e-2)
-        small, large = int4(x[:, :4]), int4(x[:, :16])
+        small, large = int4(x[:, :limit]), int4(x[:, : limit + 1])
         with torch.no_grad():
             int4.dense.weight.zero_()  # only the dense kernel reads this copy
-        assert torch.equal(int4(x[:, :4]), small) and not torch.equal(int4(x[:, :16]), large)
+        assert torch.equal(int4(x[:, :limit]), small) and not torch.equal(int4(x[:, : limit + 1]), large)
 
     codes = torch.randint(0, 16, (32, 4, 32), generator=generator).float()
     codes[..., 0], codes[..., 1] = 0, 15  # min-max rounding recovers the grid when both ends occur
