@@ -295,10 +295,10 @@ class Int4Linear(torch.nn.Module):
     instead: one set of weights, two kernels. On the 2-core Zen 4, whole draft forwards were
     cheaper through the int4 kernel up to 16 rows (mla's lookup checks), where it still reads a
     quarter of the bytes; an isolated per-shape microbenchmark, weights hot in cache, had put
-    the crossover at ~6 rows. The embedded target is de-quantized from a
-    Q4_1 GGUF (groups of 32, scale and minimum), so the codes stand close to the checkpoint's own
-    4-bit weights. The kernel needs out_features divisible by 16 and in_features by 32;
-    `quantize_int4` leaves other linears alone."""
+    the crossover at ~6 rows. The embedded target is de-quantized from a Q4_1 GGUF (groups of
+    32, scale and minimum), so the codes stand close to the checkpoint's own 4-bit weights. The
+    kernel needs out_features divisible by 16 and in_features by 32; `quantize_int4` leaves
+    other linears alone."""
 
     group_size = 32
     max_int4_rows = 16
