@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install serve test bench protos clean
+.PHONY: install serve test lint bench protos clean
 
 install: $(VENV)/.installed
 
@@ -27,8 +27,13 @@ protos/specdec_pb2.py: protos/specdec.proto
 serve: install
 	$(VENV)/bin/specdec serve
 
-test: install
+test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# style is checked, not just suggested: `ruff format .` fixes what `ruff format --check` reports
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: install
 	$(VENV)/bin/specdec bench $(BENCH_ARGS)

@@ -1,4 +1,5 @@
-"""The `specdec` console script: specdec_core's in-process commands plus `serve` and `client`."""
+"""The `specdec` console script: specdec_core's in-process commands plus `serve` and `client`;
+`bench --endpoint` gets its HTTP client from here."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from specdec_core.cli import app, console, fail, parse_params
+from specdec_core.tools.cli import app, console, fail, request_from_options
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "cluster" / "local.yaml"
 
@@ -47,12 +48,18 @@ def serve(
 
     start = time.perf_counter()
     args, document = load_serve_config(config)
-    args.update({key: value for key, value in (("host", host), ("http_port", port), ("grpc_port", grpc_port)) if value is not None})
+    args.update(
+        {
+            key: value
+            for key, value in (("host", host), ("http_port", port), ("grpc_port", grpc_port))
+            if value is not None
+        }
+    )
     try:
         app_config = AppConfig(**args)
     except ValidationError as error:
         fail(f"bad config {config}: {error}")
-    from specdec_core.models import resolve_source
+    from specdec_core.loader import resolve_source
 
     for spec in filter(None, (app_config.target, app_config.draft)):
         resolve_source(spec.source)  # convert GGUF checkpoints once, here, with a progress bar
@@ -67,9 +74,21 @@ def serve(
     )
     ray_serve.run(build_app(app_config.model_dump()), name="specdec", route_prefix="/")
     url = f"http://{app_config.host}:{app_config.http_port}"
-    console.print(f"[green]specdec ready[/green] in {time.perf_counter() - start:.1f}s: {url} (gRPC {app_config.host}:{app_config.grpc_port})")
-    example = json.dumps({"model": app_config.model_name, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 32, "temperature": 0})
-    console.print(f"try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{example}'", markup=False, soft_wrap=True)
+    grpc_url = f"{app_config.host}:{app_config.grpc_port}"
+    console.print(f"[green]specdec ready[/green] in {time.perf_counter() - start:.1f}s: {url} (gRPC {grpc_url})")
+    example = json.dumps(
+        {
+            "model": app_config.model_name,
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 32,
+            "temperature": 0,
+        }
+    )
+    console.print(
+        f"try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{example}'",
+        markup=False,
+        soft_wrap=True,
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -86,47 +105,54 @@ def client(
     prompt: str = typer.Option(..., "--prompt", "-p"),
     url: str = typer.Option("http://127.0.0.1:8000", "--url", help="HTTP endpoint"),
     grpc_address: Optional[str] = typer.Option(None, "--grpc", help="use gRPC at host:port instead of HTTP"),
-    policy: Optional[str] = typer.Option(None, "--policy"),
+    policy: Optional[str] = typer.Option(None, "--policy", help="default: the service's, by temperature"),
     policy_param: list[str] = typer.Option([], "--policy-param"),
-    drafter: Optional[str] = typer.Option(None, "--drafter"),
-    num_draft_tokens: int = typer.Option(8, "-k"),
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="default: the service's"),
+    num_draft_tokens: Optional[int] = typer.Option(None, "-k", help="default: the service's"),
     max_tokens: int = typer.Option(128, "--max-tokens"),
     temperature: float = typer.Option(0.0, "--temperature"),
     seed: int = typer.Option(0, "--seed"),
+    stream: bool = typer.Option(True, help="print the reply as it arrives"),
 ):
     """Send one chat request to a running service and print the reply and its metrics."""
-    from pydantic import ValidationError
-
-    from specdec_core.engine import GenerationRequest
-
     from .client import SpecdecGrpcClient, SpecdecHttpClient
 
-    try:
-        request = GenerationRequest(
-            messages=[{"role": "user", "content": prompt}],
-            sampling={"max_tokens": max_tokens, "temperature": temperature, "seed": seed},
-            policy={"name": policy or ("greedy" if temperature == 0 else "rejection"), "params": parse_params(policy_param)},
-            drafter={"name": drafter or "pld"},
-            num_draft_tokens=num_draft_tokens,
-        )
-    except ValidationError as error:
-        fail(str(error))
-    start = time.perf_counter()
-    try:
-        result = (SpecdecGrpcClient(grpc_address) if grpc_address else SpecdecHttpClient(url)).generate(request)
-    except Exception as error:  # noqa: BLE001 - report any transport error to the user, then exit non-zero
-        fail(f"{type(error).__name__}: {error}")
-    console.print(result["text"], markup=False, highlight=False, soft_wrap=True)
-    metrics = result["speculative"]
-    console.print(
-        f"[dim]tokens={len(result['token_ids'])} time={time.perf_counter() - start:.2f}s "
-        f"mean_accept_len={metrics.get('mean_acceptance_length')} wire_bytes_per_step={metrics.get('wire_bytes_per_step')}[/dim]"
+    request = request_from_options(
+        {"messages": [{"role": "user", "content": prompt}]},
+        {"max_tokens": max_tokens, "temperature": temperature, "seed": seed},
+        policy,
+        policy_param,
+        drafter,
+        [],
+        num_draft_tokens,
     )
+    service = SpecdecGrpcClient(grpc_address) if grpc_address else SpecdecHttpClient(url)
+    start = time.perf_counter()
+    num_tokens, metrics = 0, {}
+    try:
+        for reply in service.stream(request) if stream else [service.generate(request)]:
+            console.print(reply["text"], end="", markup=False, highlight=False, soft_wrap=True)
+            num_tokens += len(reply["token_ids"])
+            metrics = reply["speculative"] or metrics
+    except Exception as error:  # noqa: BLE001 - report any transport or service error to the user, then exit non-zero
+        fail(f"{type(error).__name__}: {error}")
+    console.print()
+    console.print(
+        f"[dim]tokens={num_tokens} time={time.perf_counter() - start:.2f}s "
+        f"mean_accept_len={metrics.get('mean_acceptance_length')} "
+        f"wire_bytes_per_step={metrics.get('wire_bytes_per_step')}[/dim]"
+    )
+
+
+def connect_endpoint(base_url: str):
+    from .client import SpecdecHttpClient
+
+    return SpecdecHttpClient(base_url)
 
 
 def main() -> None:
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    app()
+    app(obj={"endpoint_client": connect_endpoint})
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Clients for a running specdec service: HTTP (OpenAI API + specdec fields) and gRPC
-(Serve's gRPC ingress, `specdec.Specdec/Generate`)."""
+"""Clients for a running specdec service: HTTP (OpenAI API + specdec fields) and gRPC (Serve's
+gRPC ingress, `specdec.Specdec`). Both give a whole reply (`generate`) or its chunks as they
+arrive (`stream`), as dicts `{"token_ids", "text", "speculative"}` (metrics on the last chunk)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import httpx
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec_core.engine import GenerationRequest
+from specdec_core.request import GenerationRequest
 
 from .wire import component_to_proto, sampling_to_proto
 
@@ -20,32 +21,52 @@ class SpecdecHttpClient:
     def __init__(self, base_url: str, timeout_s: float = 600.0):
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
 
-    def generate(self, request: GenerationRequest) -> dict:
-        """Run a GenerationRequest through /v1/completions; returns token_ids, text, speculative."""
+    @staticmethod
+    def route(request: GenerationRequest) -> tuple[str, dict]:
+        """(path, body): chat requests go to /v1/chat/completions, the rest to /v1/completions."""
         sampling = request.sampling
         body = {
-            "prompt": request.prompt_ids if request.prompt_ids is not None else request.prompt,
             "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
             "stop": sampling.stop,
             "seed": sampling.seed,
-            "policy": request.policy.model_dump(),
-            "drafter": request.drafter.model_dump(),
+            "policy": request.policy.model_dump() if request.policy else None,
+            "drafter": request.drafter.model_dump() if request.drafter else None,
             "num_draft_tokens": request.num_draft_tokens,
         }
         if request.messages is not None:
-            body.pop("prompt")
-            response = self.http.post("/v1/chat/completions", json={**body, "messages": request.messages})
-        else:
-            response = self.http.post("/v1/completions", json=body)
+            return "/v1/chat/completions", {**body, "messages": request.messages}
+        return "/v1/completions", {
+            **body,
+            "prompt": request.prompt_ids if request.prompt_ids is not None else request.prompt,
+        }
+
+    def generate(self, request: GenerationRequest) -> dict:
+        path, body = self.route(request)
+        response = self.http.post(path, json=body)
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text}")
         payload = response.json()
         choice = payload["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
         return {"token_ids": choice["token_ids"], "text": text, "speculative": payload["speculative"]}
+
+    def stream(self, request: GenerationRequest) -> Iterator[dict]:
+        path, body = self.route(request)
+        with self.http.stream("POST", path, json={**body, "stream": True}) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()}")
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    raise RuntimeError(event["error"]["message"])
+                choice = event["choices"][0]
+                text = choice["delta"]["content"] if "delta" in choice else choice["text"]
+                yield {"token_ids": choice["token_ids"], "text": text, "speculative": event.get("speculative")}
 
 
 class SpecdecGrpcClient:
@@ -54,19 +75,27 @@ class SpecdecGrpcClient:
         self.timeout_s = timeout_s
         self.metadata = (("application", application),) if application else ()
 
-    def message(self, request: GenerationRequest) -> pb.GenerateRequest:
+    @staticmethod
+    def message(request: GenerationRequest) -> pb.GenerateRequest:
         return pb.GenerateRequest(
             prompt=request.prompt or "",
             messages=[pb.ChatMessage(**message) for message in (request.messages or [])],
             sampling=sampling_to_proto(request.sampling),
-            policy=component_to_proto(request.policy),
-            drafter=component_to_proto(request.drafter),
-            num_draft_tokens=request.num_draft_tokens,
+            policy=component_to_proto(request.policy) if request.policy else None,
+            drafter=component_to_proto(request.drafter) if request.drafter else None,
+            num_draft_tokens=request.num_draft_tokens or 0,
         )
 
-    def stream(self, request: GenerationRequest) -> Iterator[pb.GenerateChunk]:
-        yield from self.stub.Generate(self.message(request), timeout=self.timeout_s, metadata=self.metadata)
+    @staticmethod
+    def reply(chunk: pb.GenerateChunk) -> dict:
+        metrics = json.loads(chunk.metrics_json) if chunk.metrics_json else None
+        return {"token_ids": list(chunk.token_ids), "text": chunk.text, "speculative": metrics}
 
     def generate(self, request: GenerationRequest) -> dict:
-        reply = self.stub.GenerateUnary(self.message(request), timeout=self.timeout_s, metadata=self.metadata)
-        return {"token_ids": list(reply.token_ids), "text": reply.text, "speculative": json.loads(reply.metrics_json or "{}")}
+        return self.reply(
+            self.stub.GenerateUnary(self.message(request), timeout=self.timeout_s, metadata=self.metadata)
+        )
+
+    def stream(self, request: GenerationRequest) -> Iterator[dict]:
+        for chunk in self.stub.Generate(self.message(request), timeout=self.timeout_s, metadata=self.metadata):
+            yield self.reply(chunk)

@@ -6,8 +6,8 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec_core.engine import MAX_DRAFT_TOKENS, ComponentSpec
-from specdec_core.models import DEFAULT_DRAFT, ModelSpec
+from specdec_core.loader import DEFAULT_DRAFT, ModelSpec
+from specdec_core.request import RequestDefaults
 
 
 class WorkerResources(BaseModel):
@@ -22,15 +22,12 @@ class AppConfig(BaseModel):
     model_name: str = "specdec-smollm2-135m"
     target: ModelSpec = Field(default_factory=ModelSpec)
     draft: Optional[ModelSpec] = DEFAULT_DRAFT
-    default_policy: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="greedy"))
-    default_sampling_policy: ComponentSpec = Field(
-        default_factory=lambda: ComponentSpec(name="rejection"), description="used when temperature > 0"
+    defaults: RequestDefaults = Field(
+        default_factory=RequestDefaults, description="policy, drafter and K for requests that leave them out"
     )
-    default_drafter: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="pld"))
-    default_num_draft_tokens: int = Field(8, ge=1, le=MAX_DRAFT_TOKENS)
     max_tokens_limit: int = Field(2048, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
-    coordinator_replicas: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(16, ge=1)
     draft_worker: WorkerResources = Field(default_factory=WorkerResources)
     target_worker: WorkerResources = Field(default_factory=WorkerResources)
@@ -39,4 +36,7 @@ class AppConfig(BaseModel):
     grpc_port: int = Field(9000, ge=0, le=65535)
     rpc_deadline_s: float = Field(30.0, gt=0)
     session_idle_timeout_s: float = Field(120.0, gt=0)
+    worker_poll_interval_s: float = Field(
+        1.0, gt=0, description="how often the server looks up each worker's address (a restarted worker moves)"
+    )
     torch_threads: Optional[int] = Field(None, ge=1, description="per worker; default: its CPUs")

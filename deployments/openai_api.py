@@ -7,14 +7,11 @@ a `speculative` object; each choice also carries its `token_ids`."""
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec_core.engine import ComponentSpec, GenerationRequest, StreamChunk
-
-from .config import AppConfig
+from specdec_core.request import Completion, ComponentSpec, GenerationRequest, StreamChunk
 
 
 class ChatMessage(BaseModel):
@@ -40,47 +37,46 @@ class SpeculativeFields(BaseModel):
     drafter: Optional[Union[str, ComponentSpec]] = None
     num_draft_tokens: Optional[int] = Field(None, ge=1)
 
-    def to_request(self, config: AppConfig, **prompt: Any) -> GenerationRequest:
-        if self.max_tokens is not None and self.max_tokens > config.max_tokens_limit:
-            raise ValueError(f"max_tokens must be <= {config.max_tokens_limit}")
-        policy = self.policy or (config.default_policy if self.temperature == 0 else config.default_sampling_policy)
-        drafter = ComponentSpec(name=self.drafter) if isinstance(self.drafter, str) else (self.drafter or config.default_drafter)
+    def to_request(self, max_tokens: Optional[int], **prompt: Any) -> GenerationRequest:
+        """What the speculative setup leaves out, the serving engine's defaults fill in."""
         return GenerationRequest(
             **prompt,
             sampling={
                 "temperature": self.temperature,
                 "top_p": self.top_p,
                 "top_k": self.top_k,
-                "max_tokens": self.max_tokens or 16,
+                "max_tokens": max_tokens or 16,
                 "stop": [self.stop] if isinstance(self.stop, str) else (self.stop or []),
                 "seed": self.seed or 0,
             },
-            policy=policy,
-            drafter=drafter,
-            num_draft_tokens=self.num_draft_tokens or config.default_num_draft_tokens,
+            policy=self.policy,
+            drafter=ComponentSpec(name=self.drafter) if isinstance(self.drafter, str) else self.drafter,
+            num_draft_tokens=self.num_draft_tokens,
         )
 
 
 class CompletionRequest(SpeculativeFields):
     prompt: Union[str, list[int]] = Field(description="text, or token ids (as OpenAI allows)")
 
-    def to_generation_request(self, config: AppConfig) -> GenerationRequest:
+    def to_generation_request(self) -> GenerationRequest:
         if isinstance(self.prompt, list):
-            return self.to_request(config, prompt_ids=self.prompt)
-        return self.to_request(config, prompt=self.prompt)
+            return self.to_request(self.max_tokens, prompt_ids=self.prompt)
+        return self.to_request(self.max_tokens, prompt=self.prompt)
 
 
 class ChatCompletionRequest(SpeculativeFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
 
-    def to_generation_request(self, config: AppConfig) -> GenerationRequest:
-        if self.max_tokens is None:
-            self.max_tokens = self.max_completion_tokens
-        return self.to_request(config, messages=[message.model_dump() for message in self.messages])
+    def to_generation_request(self) -> GenerationRequest:
+        max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        return self.to_request(max_tokens, messages=[message.model_dump() for message in self.messages])
 
 
-def error_body(message: str, error_type: str = "invalid_request_error", param: Optional[str] = None, code: Optional[str] = None) -> dict:
+def error_body(
+    message: str, error_type: str = "invalid_request_error", param: Optional[str] = None, code: Optional[str] = None
+) -> dict:
+    """OpenAI's error object."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
@@ -95,27 +91,29 @@ def usage(metrics: dict) -> dict:
 class ResponseBuilder:
     """Builds OpenAI completion / chat.completion objects and their streaming chunks."""
 
-    def __init__(self, chat: bool, model: str):
+    def __init__(self, chat: bool, model: str, request_id: str):
         self.chat = chat
         self.model = model
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
     def full(self, chunks: list[StreamChunk]) -> dict:
-        text = "".join(chunk.text for chunk in chunks)
-        token_ids = [token for chunk in chunks for token in chunk.token_ids]
-        metrics = chunks[-1].metrics
-        choice: dict[str, Any] = {"index": 0, "finish_reason": chunks[-1].finish_reason, "token_ids": token_ids}
+        completion = Completion.from_chunks(chunks)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": completion.finish_reason,
+            "token_ids": completion.token_ids,
+        }
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": completion.text}
         else:
-            choice.update(text=text, logprobs=None)
+            choice.update(text=completion.text, logprobs=None)
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        body["usage"] = usage(metrics)
-        body["speculative"] = metrics
+        body["usage"] = usage(completion.metrics)
+        body["speculative"] = completion.metrics
         return body
 
     def chunk(self, chunk: StreamChunk) -> dict:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from protos import specdec_pb2 as pb
-from specdec_core.engine import ComponentSpec
+from specdec_core.request import ComponentSpec
 from specdec_core.sampling import SamplingParams
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32, "bool": np.bool_}

@@ -21,9 +21,7 @@ def format_validation_errors(errors: list[dict], root: str) -> str:
     )
 
 
-def validate_params(
-    params_cls: type[ParamsT], params: Optional[dict[str, Any]], what: str
-) -> ParamsT:
+def validate_params(params_cls: type[ParamsT], params: Optional[dict[str, Any]], what: str) -> ParamsT:
     """`params_cls(**params)` with pydantic errors turned into one readable SpecdecError."""
     if params is not None and not isinstance(params, dict):
         raise SpecdecError(f"parameters for {what} must be an object, got {type(params).__name__}")

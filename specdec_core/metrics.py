@@ -1,4 +1,4 @@
-"""Per-request speculative metrics, named as vLLM's spec-decode counters (DESIGN.md section 10)."""
+"""Per-request speculative metrics, named as vLLM's spec-decode counters (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import statistics
 from dataclasses import dataclass, field
 
 from .types import DraftBlock, Verdict
-
-POLICY_COUNTERS = ("penalized", "pardoned", "loose")
 
 
 @dataclass
@@ -18,7 +16,7 @@ class SpecMetrics:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)
-    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(POLICY_COUNTERS, 0))
+    counters: dict[str, int] = field(default_factory=dict)  # per trace flag the policy counts
     draft_ms: list[float] = field(default_factory=list)
     target_ms: list[float] = field(default_factory=list)
     verify_ms: list[float] = field(default_factory=list)
@@ -39,9 +37,8 @@ class SpecMetrics:
         for position in range(num_draft):
             self.num_draft_tokens_per_pos[position] += 1
             self.num_accepted_tokens_per_pos[position] += int(position < verdict.num_accepted)
-        for name in POLICY_COUNTERS:
-            if name in verdict.trace:
-                self.counters[name] += int(verdict.trace[name].sum())
+        for name in self.counters:
+            self.counters[name] += int(verdict.trace[name].sum())
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +24,15 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def generator(self, role: Literal["verify", "draft", "target"]) -> torch.Generator:
+        """The request's RNG for one role. Verifier, drafter and the target's policy features
+        draw from separate streams seeded from `seed`, so a request is reproducible wherever its
+        pieces run."""
+        return torch.Generator().manual_seed(self.seed + SEED_OFFSETS[role])
+
+
+SEED_OFFSETS = {"verify": 0, "draft": 1, "target": 2}
 
 
 def warp_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

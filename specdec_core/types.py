@@ -1,4 +1,4 @@
-"""The tensors that travel between drafter, target and policy (DESIGN.md section 3)."""
+"""The tensors that travel between drafter, target and policy."""
 
 from __future__ import annotations
 
@@ -29,12 +29,6 @@ class DraftBlock:
     @property
     def sampled(self) -> bool:
         return self.token_probs is not None
-
-    @staticmethod
-    def sampled_from(tokens: torch.Tensor, logits: torch.Tensor, sampling: SamplingParams) -> "DraftBlock":
-        """A block whose `tokens` were drawn from `sampling_probs(logits, sampling)`."""
-        token_probs = sampling_probs(logits, sampling).gather(-1, tokens[:, None]).squeeze(-1)
-        return DraftBlock(tokens=tokens, logits=logits, token_probs=token_probs)
 
     def probs(self, sampling: SamplingParams, vocab_size: int, rows=slice(None)) -> torch.Tensor:
         """The distribution the tokens were proposed from, `[K, V]` (or the selected rows)."""

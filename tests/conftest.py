@@ -17,7 +17,7 @@ def tiny_llama(seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int = 2,
     `prepared`: transformers' own)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdec_core.models import prepare_model
+    from specdec_core.kernels import prepare_model
 
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -38,7 +38,7 @@ def tiny_llama(seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int = 2,
 def perturbed_copy(model, scale: float, seed: int = 1):
     """A draft made by adding seeded Gaussian noise to the target's weights: `scale` sets how
     often the two agree."""
-    from specdec_core.models import prepare_model
+    from specdec_core.kernels import prepare_model
 
     draft = type(model)(model.config).eval()
     draft.load_state_dict(model.state_dict())
@@ -63,10 +63,9 @@ def tiny_engine(tiny_target):
 
 @pytest.fixture(scope="session")
 def smol_engine():
-    """SmolLM2-135M-Instruct target (fp32) with the default bf16 draft; converted once per
+    """SmolLM2-135M-Instruct target (fp32) with the default int4 draft; converted once per
     machine into the specdec cache."""
-    from specdec_core import SpeculativeEngine
-    from specdec_core.models import DEFAULT_DRAFT, ModelSpec
+    from specdec_core import DEFAULT_DRAFT, ModelSpec, SpeculativeEngine
 
     return SpeculativeEngine.from_specs(ModelSpec(), DEFAULT_DRAFT)
 

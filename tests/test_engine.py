@@ -5,15 +5,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from conftest import TINY_VOCAB, perturbed_copy, repeating_prompt, tiny_llama
+from scipy.stats import chisquare
 
 from specdec_core import GenerationRequest, SpecdecError, SpeculativeEngine
 from specdec_core.drafters import DrafterError, make_drafter
 from specdec_core.drafters.pld import PromptLookupParams, lookup_continuation
-from specdec_core.policies import POLICIES
+from specdec_core.policies import POLICIES, make_policy
 from specdec_core.sampling import SamplingParams, sampling_probs
 from specdec_core.target import TargetScorer
+
+
+def greedy_scorer(model, prompt_ids) -> TargetScorer:
+    scorer = TargetScorer(model)
+    scorer.reset(prompt_ids, make_policy("greedy"), SamplingParams())
+    return scorer
+
+
+@torch.inference_mode()
+def fresh_logits(model, token_ids) -> torch.Tensor:
+    """Logits of a forward over `token_ids` with no cache: the reference for cached scoring."""
+    return model(input_ids=torch.tensor([list(token_ids)])).logits[0].float()
 
 
 def request(prompt_ids, policy="greedy", drafter="pld", k=6, **sampling):
@@ -50,27 +62,29 @@ def test_reference_decoding_matches_transformers_generate(tiny_engine):
     prompt = repeating_prompt(4)
     ours = tiny_engine.complete(request(prompt, drafter="none", max_tokens=20)).token_ids
     theirs = tiny_engine.target_model.generate(
-        torch.tensor([prompt]), max_new_tokens=20, do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
-    )[0, len(prompt):].tolist()
+        torch.tensor([prompt]),
+        max_new_tokens=20,
+        do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )[0, len(prompt) :].tolist()
     assert ours == theirs
 
 
 def test_kv_rollback_matches_a_fresh_forward(tiny_target):
-    scorer = TargetScorer(tiny_target)
     prompt = repeating_prompt(1)
-    scorer.reset(prompt)
+    scorer = greedy_scorer(tiny_target, prompt)
     committed = list(prompt)
     generator = torch.Generator().manual_seed(0)
     for num_keep in (3, 1, 5, 2):
         draft = torch.randint(0, TINY_VOCAB, (6,), generator=generator).tolist()
         block = scorer.score([committed[-1], *draft])
-        fresh = scorer.full_logits(committed + draft)
+        fresh = fresh_logits(tiny_target, committed + draft)
         torch.testing.assert_close(block.logits, fresh[len(committed) - 1 :], atol=1e-5, rtol=1e-5)
         scorer.commit(num_keep)  # keep the last token + num_keep - 1 drafts, roll back the rest
         correction = int(block.logits[num_keep - 1].argmax())
         committed += draft[: num_keep - 1] + [correction]
         next_block = scorer.score([committed[-1]])
-        torch.testing.assert_close(next_block.logits[0], scorer.full_logits(committed)[-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(next_block.logits[0], fresh_logits(tiny_target, committed)[-1], atol=1e-5, rtol=1e-5)
         scorer.commit(0)
 
 
@@ -79,11 +93,11 @@ def test_draft_model_cache_rolls_back_to_committed_prefix(tiny_engine):
     sampling = SamplingParams()
     drafter = make_drafter("model", {"adaptive": False}, tiny_engine.draft_model)
     fresh = make_drafter("model", {"adaptive": False}, tiny_engine.draft_model)
-    drafter.reset(prompt, sampling, torch.Generator())
+    drafter.reset(prompt, sampling)
     first = drafter.propose(6).tokens.tolist()
     committed = first[:2] + [(first[2] + 1) % TINY_VOCAB]  # accept 2, then a correction
     drafter.commit(committed)
-    fresh.reset(prompt + committed, sampling, torch.Generator())
+    fresh.reset(prompt + committed, sampling)
     second = drafter.propose(6)
     expected = fresh.propose(6)
     assert second.tokens.tolist() == expected.tokens.tolist()
@@ -98,7 +112,7 @@ def test_model_drafter_block_length_follows_acceptance_and_draft_cost(tiny_engin
 
     def block_lengths(params: dict, accepts: list[bool]) -> list[int]:
         drafter = make_drafter("model", params, tiny_engine.draft_model)
-        drafter.reset(prompt, SamplingParams(), torch.Generator())
+        drafter.reset(prompt, SamplingParams())
         lengths = []
         for accept in accepts:
             proposal = drafter.propose(15).tokens.tolist()
@@ -120,7 +134,7 @@ def test_mla_uses_fewer_draft_forwards_than_the_plain_draft(tiny_engine):
     counts = {}
     for name in ("model", "mla"):
         drafter = make_drafter(name, {"adaptive": False}, tiny_engine.draft_model)
-        drafter.reset(prompt, SamplingParams(), torch.Generator())
+        drafter.reset(prompt, SamplingParams())
         tokens = drafter.propose(12).tokens.tolist()
         counts[name] = (drafter.forwards, tokens)
     assert counts["mla"][1] == counts["model"][1]
@@ -147,7 +161,9 @@ def test_sampled_generation_is_reproducible_under_a_seed(tiny_engine, policy):
         pytest.skip("greedy-only policy")
     prompt = repeating_prompt(3)
     runs = [
-        tiny_engine.complete(request(prompt, policy=policy, drafter="model", temperature=0.8, top_p=0.95, seed=seed)).token_ids
+        tiny_engine.complete(
+            request(prompt, policy=policy, drafter="model", temperature=0.8, top_p=0.95, seed=seed)
+        ).token_ids
         for seed in (11, 11, 12)
     ]
     assert runs[0] == runs[1]
@@ -233,15 +249,51 @@ def test_bad_requests_raise_clear_errors(tiny_engine):
             )
 
 
-def test_metrics_count_drafts_and_policy_counters(tiny_target):
+def test_metrics_count_drafts_and_the_policys_own_counters(tiny_target):
+    """The draft counters add up, and a policy reports exactly the counters it declares: FLy with
+    its gate and window open (theta = 0, W = 0) accepts every drafted token and counts the ones
+    the target disagreed with as loose; with the gate shut it is greedy, with no loose token."""
     engine = SpeculativeEngine(tiny_target, None, perturbed_copy(tiny_target, 0.02))
-    metrics = engine.complete(request(repeating_prompt(0), policy="fly", drafter="model", k=15)).metrics
-    assert metrics["spec_decode_num_draft_tokens"] >= metrics["spec_decode_num_accepted_tokens"]
-    assert sum(metrics["spec_decode_num_accepted_tokens_per_pos"]) == metrics["spec_decode_num_accepted_tokens"]
-    assert metrics["mean_acceptance_length"] == pytest.approx(
-        1 + metrics["spec_decode_num_accepted_tokens"] / metrics["spec_decode_num_drafts"], abs=1e-3
+    prompt = repeating_prompt(0)
+
+    def run(policy: str, **params):
+        return engine.complete(
+            GenerationRequest(
+                prompt_ids=prompt,
+                policy={"name": policy, "params": params},
+                drafter={"name": "model"},
+                num_draft_tokens=15,
+                sampling={"max_tokens": 40},
+            )
+        )
+
+    greedy = run("greedy")
+    assert not {"loose", "pardoned", "penalized"} & set(greedy.metrics)
+    open_gate = run("fly", theta=0.0, window=0).metrics
+    assert open_gate["acceptance_rate"] == 1.0 and open_gate["completion_tokens"] == 40
+    assert 0 < open_gate["loose"] <= open_gate["spec_decode_num_accepted_tokens"]
+    assert not {"pardoned", "penalized"} & set(open_gate)
+    shut_gate = run("fly", theta=float("inf"))
+    assert shut_gate.metrics["loose"] == 0 and shut_gate.token_ids == greedy.token_ids
+    for metrics in (greedy.metrics, open_gate):
+        assert sum(metrics["spec_decode_num_accepted_tokens_per_pos"]) == metrics["spec_decode_num_accepted_tokens"]
+        assert metrics["mean_acceptance_length"] == pytest.approx(
+            1 + metrics["spec_decode_num_accepted_tokens"] / metrics["spec_decode_num_drafts"], abs=1e-3
+        )
+
+
+def test_defaults_fill_in_what_a_request_leaves_out(tiny_engine):
+    """No policy: greedy at temperature 0 and rejection when sampling (the engine's
+    RequestDefaults); no drafter or K: the defaults' pld and K."""
+    prompt = repeating_prompt(2)
+    prepared = tiny_engine.frontend.prepare(GenerationRequest(prompt_ids=prompt))
+    assert (prepared.policy.name, prepared.drafter.name, prepared.num_draft_tokens) == ("greedy", "pld", 8)
+    sampled = GenerationRequest(prompt_ids=prompt, sampling={"temperature": 0.8, "seed": 3, "max_tokens": 20})
+    assert tiny_engine.frontend.prepare(sampled).policy.name == "rejection"
+    explicit = GenerationRequest(
+        **{**sampled.model_dump(), "policy": {"name": "rejection"}, "drafter": {"name": "pld"}}
     )
-    assert metrics["completion_tokens"] == 40 and metrics["loose"] >= 0
+    assert tiny_engine.complete(sampled).token_ids == tiny_engine.complete(explicit).token_ids
 
 
 def test_block_length_follows_acceptance_and_cost():
@@ -261,14 +313,14 @@ def test_block_length_follows_acceptance_and_cost():
 
 def test_adaptive_prompt_lookup_learns_from_commits():
     drafter = make_drafter("pld", {"verify_cost": [1.3, 1.6]})
-    drafter.reset([1, 2, 3, 1], SamplingParams(), torch.Generator())
+    drafter.reset([1, 2, 3, 1], SamplingParams())
     assert drafter.propose(10).tokens.tolist() == [2]  # 1-gram match; prior a = 1/2 pays for k = 1
     drafter.commit([3])  # rejected at its first token: a = 1/3
     assert drafter.propose(10).tokens.tolist() == [1]
     drafter.commit([2])  # rejected again: a = 1/4 no longer pays for a verify at this cost
     assert drafter.propose(10).num_tokens == 0
     fixed = make_drafter("pld", {"adaptive": False})
-    fixed.reset([1, 2, 3, 1, 3, 2], SamplingParams(), torch.Generator())
+    fixed.reset([1, 2, 3, 1, 3, 2], SamplingParams())
     assert fixed.propose(10).tokens.tolist() == [3, 1, 3, 2]
 
 
@@ -277,7 +329,7 @@ def test_packed_linear_is_batch_invariant_and_matches_linear(dtype):
     """Each row of an n-row PackedLinear call is bitwise the row computed alone (so a token's
     logits do not depend on the verify block it sits in), it matches F.linear, and the packed
     copy follows in-place weight changes. bf16 (the draft) is packed where oneDNN supports it."""
-    from specdec_core.models import PackedLinear, packable_dtypes
+    from specdec_core.kernels.linear import PackedLinear, packable_dtypes
 
     if dtype not in packable_dtypes():
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
@@ -309,16 +361,12 @@ def test_grouped_sdpa_equals_transformers_sdpa():
     """The grouped-head attention gives transformers' sdpa logits on a prefill (causal flag, no
     mask) and on verify blocks after it (masked, cache longer than the block), and the model
     really runs it."""
-    from specdec_core.target import TargetScorer
-
     plain = tiny_llama(seed=5, prepared=False)
     grouped = tiny_llama(seed=5)
     assert grouped.config._attn_implementation == "sdpa_grouped" and plain.config._attn_implementation == "sdpa"
     prompt = repeating_prompt(5, length=40)
-    scorers = [TargetScorer(model) for model in (plain, grouped)]
-    for scorer in scorers:
-        scorer.reset(prompt)
-    reference, result = (scorer.full_logits(prompt) for scorer in scorers)
+    scorers = [greedy_scorer(model, prompt) for model in (plain, grouped)]
+    reference, result = (fresh_logits(model, prompt) for model in (plain, grouped))
     torch.testing.assert_close(result, reference, atol=1e-6, rtol=1e-6)
     for block in ([7], [7, 8, 9], list(range(20, 36))):
         reference, result = (scorer.score(block).logits for scorer in scorers)
@@ -331,8 +379,7 @@ def test_grouped_decode_attention_matches_sdpa_and_runs_for_low_precision_steps(
     """The one-query low-precision attention equals SDPA (float64 reference, bf16 tolerance) with
     no mask, a boolean mask and an additive one, each query head reading its own KV group; a bf16
     model's one-token steps run it and give transformers' sdpa logits within bf16 rounding."""
-    from specdec_core import models
-    from specdec_core.target import TargetScorer
+    from specdec_core.kernels import attention
 
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(2, 6, 1, 16, generator=generator)
@@ -341,18 +388,17 @@ def test_grouped_decode_attention_matches_sdpa_and_runs_for_low_precision_steps(
     additive = torch.zeros(2, 1, 1, 30, dtype=torch.float64).masked_fill(~keep, float("-inf"))
     for mask in (None, keep, additive):
         reference = torch.nn.functional.scaled_dot_product_attention(
-            query.double(), key.double(), value.double(), attn_mask=mask, enable_gqa=True).transpose(1, 2)
-        result = models.grouped_decode_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), mask)
+            query.double(), key.double(), value.double(), attn_mask=mask, enable_gqa=True
+        ).transpose(1, 2)
+        result = attention.grouped_decode_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), mask)
         torch.testing.assert_close(result.double(), reference, atol=3e-2, rtol=0)
 
     calls = []
-    original = models.grouped_decode_attention
-    monkeypatch.setattr(models, "grouped_decode_attention", lambda *args: calls.append(1) or original(*args))
+    original = attention.grouped_decode_attention
+    monkeypatch.setattr(attention, "grouped_decode_attention", lambda *args: calls.append(1) or original(*args))
     plain, grouped = (tiny_llama(seed=5, prepared=prepared).to(torch.bfloat16) for prepared in (False, True))
     prompt = repeating_prompt(5, length=40)
-    scorers = [TargetScorer(model) for model in (plain, grouped)]
-    for scorer in scorers:
-        scorer.reset(prompt)
+    scorers = [greedy_scorer(model, prompt) for model in (plain, grouped)]
     for token in (7, 8, 9):
         reference, result = (scorer.score([token]).logits for scorer in scorers)
         torch.testing.assert_close(result, reference, atol=3e-2, rtol=0)
@@ -366,12 +412,21 @@ def test_growable_cache_layer_holds_what_a_dynamic_layer_holds():
     growable layer returns exactly DynamicLayer's keys and values, as views of its buffers."""
     from transformers.cache_utils import DynamicLayer
 
-    from specdec_core.target import GrowableLayer
+    from specdec_core.kernels.kv_cache import GrowableLayer
 
     generator = torch.Generator().manual_seed(0)
     growable, dynamic = GrowableLayer(), DynamicLayer()
-    steps = [("update", 200), ("update", 56), ("crop", 30), ("update", 5), ("update", 300), ("crop", 400),
-             ("select", 0), ("update", 3), ("update", 600)]
+    steps = [
+        ("update", 200),
+        ("update", 56),
+        ("crop", 30),
+        ("update", 5),
+        ("update", 300),
+        ("crop", 400),
+        ("select", 0),
+        ("update", 3),
+        ("update", 600),
+    ]
     for action, size in steps:
         if action == "update":
             keys, values = torch.randn(2, 1, 3, size, 8, generator=generator)
@@ -394,7 +449,7 @@ def test_lookup_replay_reproduces_the_engine_and_the_oracle_bounds_it(tiny_engin
     engine proposed; the copy oracle is never costlier than the replay."""
     from specdec_core.drafters.block_length import block_cost
     from specdec_core.drafters.pld import AdaptiveLookupParams
-    from specdec_core.lookup_ceiling import cheapest_cost, copyable_lengths, lookup_lengths, replay_drafter
+    from specdec_core.tools.lookup_ceiling import cheapest_cost, copyable_lengths, lookup_lengths, replay_drafter
 
     params = AdaptiveLookupParams()
     for seed in range(3):
@@ -414,7 +469,7 @@ def test_lookup_replay_reproduces_the_engine_and_the_oracle_bounds_it(tiny_engin
 
 
 def test_copy_oracle_on_a_hand_built_output():
-    from specdec_core.lookup_ceiling import cheapest_cost, copyable_lengths
+    from specdec_core.tools.lookup_ceiling import cheapest_cost, copyable_lengths
 
     # the longest upcoming run found in prompt + output so far; the last token is the target's
     assert copyable_lengths([1, 2, 3, 4], [1, 2, 3, 9, 1, 2], 10) == [3, 2, 1, 0, 1, 0]
@@ -431,7 +486,7 @@ def test_int4_linear_matches_its_dequantized_weights_on_both_kernels():
     kernel up to `max_int4_rows` rows and the packed dense copy beyond; W' is within half a
     quantization step of W, and a weight already on a per-group 4-bit grid (a Q4_1 checkpoint's)
     comes back up to bf16 rounding."""
-    from specdec_core.models import Int4Linear
+    from specdec_core.kernels.int4 import Int4Linear
 
     generator = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(64, 48).to(torch.bfloat16)
@@ -465,7 +520,9 @@ def test_int4_linear_matches_its_dequantized_weights_on_both_kernels():
 def test_int4_draft_keeps_greedy_speculation_identical(tiny_target):
     """`quantize_int4` swaps the body linears of a bf16 copy (the head stays) and that draft,
     through both model drafters, leaves greedy output token-identical while drafts get accepted."""
-    from specdec_core.models import Int4Linear, PackedLinear, prepare_model, quantize_int4
+    from specdec_core.kernels import prepare_model
+    from specdec_core.kernels.int4 import Int4Linear, quantize_int4
+    from specdec_core.kernels.linear import PackedLinear
 
     draft = tiny_llama(prepared=False).to(torch.bfloat16)  # the target's weights (same seed)
     quantize_int4(draft)

@@ -13,7 +13,16 @@ from specdec_core.policies import POLICIES, PolicyError, make_policy
 from specdec_core.policies.base import first_false
 from specdec_core.policies.easd import calibrate_tau_h
 from specdec_core.policies.fly import top3_entropy
-from specdec_core.sampling import SamplingParams, argmax, entropy, entropy_of_logits, entropy_of_probs, sample, warp_logits
+from specdec_core.sampling import (
+    SamplingParams,
+    argmax,
+    entropy,
+    entropy_of_logits,
+    entropy_of_probs,
+    sample,
+    sampling_probs,
+    warp_logits,
+)
 from specdec_core.types import DraftBlock, TargetBlock
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -28,6 +37,13 @@ def logits_of(probs: torch.Tensor) -> torch.Tensor:
     return probs.clamp_min(1e-12).log()
 
 
+def sampled_draft(tokens: torch.Tensor, logits: torch.Tensor, sampling: SamplingParams) -> DraftBlock:
+    """A block whose `tokens` were drawn from `sampling_probs(logits, sampling)`, as a model
+    drafter builds it."""
+    token_probs = sampling_probs(logits, sampling).gather(-1, tokens[:, None]).squeeze(-1)
+    return DraftBlock(tokens=tokens, logits=logits, token_probs=token_probs)
+
+
 def random_case(seed: int, num_draft: int = 6, vocab: int = 32, sharp: float = 3.0, sampling: SamplingParams = SAMPLE):
     """Random target/draft logits with draft tokens drawn from the draft (correlated pair); the
     block carries p_d under `sampling` unless that is greedy (then it is a deterministic draft)."""
@@ -37,7 +53,7 @@ def random_case(seed: int, num_draft: int = 6, vocab: int = 32, sharp: float = 3
     tokens = torch.multinomial(draft_logits.softmax(-1), 1, generator=generator).squeeze(-1)
     if sampling.greedy:
         return DraftBlock(tokens=tokens, logits=draft_logits), TargetBlock(logits=target_logits)
-    return DraftBlock.sampled_from(tokens, draft_logits, sampling), TargetBlock(logits=target_logits)
+    return sampled_draft(tokens, draft_logits, sampling), TargetBlock(logits=target_logits)
 
 
 def greedy_case(target_argmax: list[int], draft_tokens: list[int], vocab: int = 16, confidence: float = 5.0):
@@ -105,7 +121,7 @@ def test_rejection_sampling_reproduces_target_distribution(target_probs, draft_p
     draft_tokens = torch.multinomial(draft_probs, num_draws, replacement=True, generator=generator)
     counts = torch.zeros(6)
     for token in draft_tokens.tolist():
-        draft = DraftBlock.sampled_from(torch.tensor([token]), logits_of(draft_probs)[None], SAMPLE)
+        draft = sampled_draft(torch.tensor([token]), logits_of(draft_probs)[None], SAMPLE)
         verdict = policy.verify(draft, target, SAMPLE, generator)
         counts[token if verdict.num_accepted == 1 else verdict.next_token] += 1
     support = target_probs > 0
@@ -267,7 +283,7 @@ def test_easd_needs_both_entropies_high():
 def test_easd_penalty_at_temperature_samples_from_penalized_target():
     target_row = easd_rows()
     target = TargetBlock(logits=torch.stack([target_row, target_row]))
-    draft = DraftBlock.sampled_from(torch.tensor([0]), target_row[None], SAMPLE)
+    draft = sampled_draft(torch.tensor([0]), target_row[None], SAMPLE)
     policy = make_policy("easd", {"tau_h": 2.0, "tau_o": 0.8})
     emitted = {run_policy(policy, draft, target, SAMPLE, seed).next_token for seed in range(200)}
     assert 0 not in emitted and len(emitted) > 10
@@ -380,7 +396,11 @@ def test_dropmatch_js_criterion_accepts_draft_inside_the_path_cloud():
     policy = make_policy("dropmatch")
     centroid = torch.tensor([[0.40, 0.35, 0.25]]).log()
     target = TargetBlock(logits=centroid.repeat(2, 1))
-    target.features = {"rows": torch.tensor([0]), "path_tokens": torch.tensor([[0], [0], [0]]), "centroid_log_probs": centroid}
+    target.features = {
+        "rows": torch.tensor([0]),
+        "path_tokens": torch.tensor([[0], [0], [0]]),
+        "centroid_log_probs": centroid,
+    }
     close = DraftBlock(tokens=torch.tensor([1]), logits=torch.tensor([[0.38, 0.37, 0.25]]).log())
     far = DraftBlock(tokens=torch.tensor([1]), logits=torch.tensor([[0.05, 0.90, 0.05]]).log())
     target.features["max_path_js"] = torch.tensor([0.01])
@@ -412,7 +432,7 @@ def test_dropmatch_paths_come_from_one_batched_head_call_over_the_rows_they_can_
 
     target.lm_head = counting_head
     if not sampling.greedy:
-        draft = DraftBlock.sampled_from(draft.tokens, draft.logits, sampling)
+        draft = sampled_draft(draft.tokens, draft.logits, sampling)
     run_policy(make_policy("dropmatch", {"num_paths": 7}), draft, target, sampling)
     rows = mismatched if sampling.greedy else torch.arange(draft.num_tokens)
     assert calls == [torch.Size([7, len(rows), 16])]
@@ -448,7 +468,9 @@ def test_inverse_cdf_sampler_follows_unnormalized_weights_and_skips_zeros():
     assert torch.equal(sample(weights[None], rng(3)), sample(weights[None], rng(3)))
 
 
-@pytest.mark.parametrize("sampling", [SAMPLE, SamplingParams(temperature=0.6, top_k=5), SamplingParams(temperature=1.3, top_p=0.5)])
+@pytest.mark.parametrize(
+    "sampling", [SAMPLE, SamplingParams(temperature=0.6, top_k=5), SamplingParams(temperature=1.3, top_p=0.5)]
+)
 def test_entropy_from_probs_and_log_weights_matches_the_definition(sampling):
     logits = 3.0 * torch.randn(4, 50, generator=rng(2))
     warped = warp_logits(logits, sampling)  # filtered entries are -inf
@@ -468,7 +490,7 @@ def test_every_policy_is_deterministic_under_a_seed_and_handles_empty_drafts(nam
         pytest.skip("greedy-only policy")
     draft, target = dropmatch_case(5)
     if not sampling.greedy:
-        draft = DraftBlock.sampled_from(draft.tokens, draft.logits, sampling)
+        draft = sampled_draft(draft.tokens, draft.logits, sampling)
     first = run_policy(policy, draft, target, sampling, seed=9)
     second = run_policy(policy, draft, target, sampling, seed=9)
     assert verdict_tuple(first) == verdict_tuple(second)
@@ -496,7 +518,9 @@ def test_compact_wire_rows_give_the_same_verdicts():
                 draft, target = random_case(seed, num_draft=15, vocab=64, sharp=1.0, sampling=GREEDY)
                 draft.tokens[:8] = target.logits[:8].argmax(-1)
                 target.features = policy.target_features(target, draft.tokens, GREEDY, rng(seed))
-                compact = TargetBlock(logits=expand_rows(*compact_rows(target.logits, top_k), 64), features=target.features)
+                compact = TargetBlock(
+                    logits=expand_rows(*compact_rows(target.logits, top_k), 64), features=target.features
+                )
                 full_verdict = policy.verify(draft, target, GREEDY, rng(seed))
                 assert verdict_tuple(policy.verify(draft, compact, GREEDY, rng(seed))) == verdict_tuple(full_verdict)
                 penalized += int(full_verdict.trace.get("penalized", torch.zeros(1)).sum())

@@ -1,7 +1,7 @@
 """The Ray Serve app on a simulated two-node local Ray cluster (CPU), with tiny random models
 saved as real checkpoints next to SmolLM2's tokenizer. HTTP, the official openai client and
-gRPC are compared with the in-process engine; bad input, concurrency, worker death and client
-disconnects are exercised. One cluster for the whole module."""
+gRPC are compared with the in-process engine; bad input, concurrency, worker death and restart,
+and client disconnects are exercised. One cluster for the whole module."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ import pytest
 ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 
+pytestmark = pytest.mark.slow  # the checkpoints use SmolLM2's tokenizer
+
 from conftest import perturbed_copy, tiny_llama  # noqa: E402
 
-from specdec_core import GenerationRequest, SpeculativeEngine  # noqa: E402
-from specdec_core.models import ModelSpec, load_model, load_tokenizer  # noqa: E402
+from specdec_core import GenerationRequest, ModelSpec, SpeculativeEngine  # noqa: E402
+from specdec_core.loader import load_model, load_tokenizer  # noqa: E402
 from specdec_core.policies import POLICIES  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 18431, 19431
@@ -42,7 +44,11 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_engine(checkpoints):
     target_dir, draft_dir = checkpoints
-    return SpeculativeEngine(load_model(ModelSpec(source=target_dir)), load_tokenizer(ModelSpec(source=target_dir)), load_model(ModelSpec(source=draft_dir)))
+    return SpeculativeEngine(
+        load_model(ModelSpec(source=target_dir)),
+        load_tokenizer(ModelSpec(source=target_dir)),
+        load_model(ModelSpec(source=draft_dir)),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +66,15 @@ def service(checkpoints):
     ray.init(address=cluster.address, namespace="specdec")
     serve.start(
         http_options={"host": "127.0.0.1", "port": HTTP_PORT},
-        grpc_options=gRPCOptions(port=GRPC_PORT, grpc_servicer_functions=["protos.specdec_pb2_grpc.add_SpecdecServicer_to_server"]),
+        grpc_options=gRPCOptions(
+            port=GRPC_PORT, grpc_servicer_functions=["protos.specdec_pb2_grpc.add_SpecdecServicer_to_server"]
+        ),
     )
     config = {
         "model_name": MODEL,
         "target": {"source": target_dir},
         "draft": {"source": draft_dir},
-        "default_num_draft_tokens": 6,
+        "defaults": {"num_draft_tokens": 6},
         "session_idle_timeout_s": 4.0,
         "rpc_deadline_s": 10.0,
         "torch_threads": 1,
@@ -135,7 +143,22 @@ def test_grpc_output_equals_http(service):
     over_http = SpecdecHttpClient(URL).generate(request)
     assert over_grpc["token_ids"] == over_http["token_ids"] and over_grpc["text"] == over_http["text"]
     streamed = list(SpecdecGrpcClient(f"127.0.0.1:{GRPC_PORT}").stream(request))
-    assert [t for chunk in streamed for t in chunk.token_ids] == over_http["token_ids"]
+    assert [t for chunk in streamed for t in chunk["token_ids"]] == over_http["token_ids"]
+
+
+def test_grpc_bad_input_is_invalid_argument(service):
+    import grpc
+
+    from deployments.client import SpecdecGrpcClient
+
+    client = SpecdecGrpcClient(f"127.0.0.1:{GRPC_PORT}")
+    for request, message in (
+        (GenerationRequest(prompt="hi", policy={"name": "nope"}), "valid policies"),
+        (GenerationRequest(prompt="hi", sampling={"max_tokens": 4000}), "max_tokens must be <= 2048"),
+    ):
+        with pytest.raises(grpc.RpcError) as failure:
+            client.generate(request)
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in failure.value.details()
 
 
 def test_official_openai_client_streaming_and_not(service):
@@ -143,13 +166,17 @@ def test_official_openai_client_streaming_and_not(service):
 
     client = OpenAI(base_url=URL + "/v1", api_key="unused")
     assert [model.id for model in client.models.list().data] == [MODEL]
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0
+    )
     streamed_chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0, stream=True
     )
     assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed_chat) == chat.choices[0].message.content
     text = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
-    streamed = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(chunk.choices[0].text for chunk in streamed) == text.choices[0].text
     assert text.usage.completion_tokens == 12
 
@@ -163,11 +190,16 @@ def test_official_openai_client_streaming_and_not(service):
         ('{"prompt": 5}', 400, "prompt"),
         ('{"prompt": ""}', 400, "must not be empty"),
         ('{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
-        ('{"prompt": "hi", "max_tokens": 100000}', 400, "max_tokens must be <= 2048"),
+        ('{"prompt": "hi", "max_tokens": 4000}', 400, "max_tokens must be <= 2048"),
+        ('{"prompt": "hi", "max_tokens": 100000}', 400, "max_tokens: Input should be less than or equal to 32768"),
         ('{"prompt": "hi", "temperature": -1}', 400, "temperature"),
         ('{"prompt": "hi", "top_p": 0}', 400, "top_p"),
         ('{"prompt": "hi", "top_p": 1.5}', 400, "top_p"),
-        ('{"prompt": "hi", "policy": {"name": "nope"}}', 400, "valid policies: dropmatch, ears, easd, fly, greedy, rejection, typical"),
+        (
+            '{"prompt": "hi", "policy": {"name": "nope"}}',
+            400,
+            "valid policies: dropmatch, ears, easd, fly, greedy, rejection, typical",
+        ),
         ('{"prompt": "hi", "policy": {"name": "ears", "params": {"beta": 5}}}', 400, "beta"),
         ('{"prompt": "hi", "drafter": "nope"}', 400, "unknown drafter"),
         ('{"prompt": "hi", "num_draft_tokens": 0}', 400, "num_draft_tokens"),
@@ -179,7 +211,9 @@ def test_official_openai_client_streaming_and_not(service):
     ],
 )
 def test_bad_input_gets_an_openai_error_and_the_service_stays_up(service, raw, status, message):
-    response = httpx.post(URL + "/v1/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=60)
+    response = httpx.post(
+        URL + "/v1/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=60
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
@@ -187,8 +221,10 @@ def test_bad_input_gets_an_openai_error_and_the_service_stays_up(service, raw, s
 
 
 def test_concurrent_requests_match_sequential(service):
-    bodies = [dict(body_for("greedy", 0.0, drafter), prompt=f"Story number {index}: once") for index, drafter in
-              zip(range(16), ["pld", "model", "mla", "none"] * 4)]
+    bodies = [
+        dict(body_for("greedy", 0.0, drafter), prompt=f"Story number {index}: once")
+        for index, drafter in zip(range(16), ["pld", "model", "mla", "none"] * 4)
+    ]
     sequential = [completion(body).json()["choices"][0]["token_ids"] for body in bodies]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         concurrent_results = list(pool.map(lambda body: completion(body).json()["choices"][0]["token_ids"], bodies))
@@ -211,23 +247,21 @@ def test_disconnected_stream_leaves_no_session(service):
     assert session_counts() == {"draft": 0, "target": 0}
 
 
-def test_draft_worker_killed_mid_stream_completes_with_fallback(service, local_engine):
+def test_draft_worker_killed_mid_stream_falls_back_then_speculation_resumes(service, local_engine):
+    """The stream in flight finishes target-only (same greedy tokens, counted as a fallback);
+    Ray restarts the worker on a new port and the server's watcher finds it again."""
     body = dict(body_for("greedy", 0.0), max_tokens=60, stream=True)
     events = []
     with httpx.stream("POST", URL + "/v1/completions", json={"model": MODEL, **body}, timeout=120) as response:
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            events.append(json.loads(line[len("data: "):]))
+            events.append(json.loads(line[len("data: ") :]))
             if len(events) == 1:
                 ray.kill(ray.get_actor(f"{MODEL}-draft-worker", namespace="specdec"), no_restart=False)
     tokens = [token for event in events for token in event["choices"][0]["token_ids"]]
     assert events[-1]["speculative"]["draft_fallback"] is True
     assert tokens == local_tokens(local_engine, body)
-
-
-def test_speculation_resumes_after_the_draft_worker_restarts(service):
-    """Runs after the kill above: the restarted draft worker is found again."""
     deadline = time.time() + 90
     while time.time() < deadline:
         payload = completion(dict(body_for("greedy", 0.0), max_tokens=8)).json()

@@ -10,8 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from specdec_core import GenerationRequest
-from specdec_core.cli import app
 from specdec_core.drafters import make_drafter, validate_drafter
+from specdec_core.tools.cli import app
+
+pytestmark = pytest.mark.slow
 
 PROMPTS = [
     "Repeat this sentence twice: the cat sat on the mat.",
@@ -28,7 +30,9 @@ def test_greedy_speculation_is_identical_to_target_only_on_smollm2(smol_engine, 
             GenerationRequest(messages=messages, drafter={"name": "none"}, sampling={"max_tokens": 48})
         )
         speculative = smol_engine.complete(
-            GenerationRequest(messages=messages, drafter={"name": drafter}, sampling={"max_tokens": 48}, num_draft_tokens=6)
+            GenerationRequest(
+                messages=messages, drafter={"name": drafter}, sampling={"max_tokens": 48}, num_draft_tokens=6
+            )
         )
         assert speculative.token_ids == reference.token_ids
         assert speculative.text == reference.text and reference.text.strip()
@@ -49,7 +53,20 @@ def test_stop_strings_truncate_text_and_stream_consistently(smol_engine):
 
 def test_cli_generate_prints_text_and_metrics():
     result = CliRunner().invoke(
-        app, ["generate", "-p", PROMPTS[0], "--max-tokens", "16", "--drafter", "pld", "--policy", "fly", "--policy-param", "theta=0.5"]
+        app,
+        [
+            "generate",
+            "-p",
+            PROMPTS[0],
+            "--max-tokens",
+            "16",
+            "--drafter",
+            "pld",
+            "--policy",
+            "fly",
+            "--policy-param",
+            "theta=0.5",
+        ],
     )
     assert result.exit_code == 0, result.output
     assert "mean_accept_len=" in result.output and "tokens=" in result.output
@@ -81,9 +98,17 @@ def test_bench_writes_json_and_plot(tmp_path):
     result = CliRunner().invoke(
         app,
         [
-            "bench", "--methods", "target,hf:prompt_lookup,hf:assisted,specdec:greedy+pld,specdec:fly+mla",
-            "--categories", "summarization,math_reasoning", "--per-category", "1", "--max-new-tokens", "12",
-            "--out", str(tmp_path),
+            "bench",
+            "--methods",
+            "target,hf:prompt_lookup,hf:assisted,specdec:greedy+pld,specdec:fly+mla",
+            "--categories",
+            "summarization,math_reasoning",
+            "--per-category",
+            "1",
+            "--max-new-tokens",
+            "12",
+            "--out",
+            str(tmp_path),
         ],
     )
     assert result.exit_code == 0, result.output
@@ -91,13 +116,25 @@ def test_bench_writes_json_and_plot(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
     rows = {(row["method"], row["category"]): row for row in report["results"]}
     assert len(rows) == 5 * 3
-    keys = {"method", "category", "questions", "new_tokens", "tok_per_s", "speedup", "mean_accept_len",
-            "identical_to_target", "target_nll", "verify_ms_p50"}
+    keys = {
+        "method",
+        "category",
+        "questions",
+        "new_tokens",
+        "tok_per_s",
+        "speedup",
+        "mean_accept_len",
+        "identical_to_target",
+        "target_nll",
+        "verify_ms_p50",
+    }
     assert all(keys <= set(row) for row in report["results"])
     assert rows[("target", "overall")]["speedup"] == 1.0
     assert rows[("specdec:greedy+pld", "overall")]["identical_to_target"] == 1.0
     assert rows[("hf:prompt_lookup", "overall")]["identical_to_target"] == 1.0
-    assert rows[("specdec:fly+mla", "overall")]["mean_accept_len"] >= 1.0
+    fly = rows[("specdec:fly+mla", "overall")]
+    assert fly["mean_accept_len"] > 2.0 and "loose" in fly  # mla drafts get accepted; FLy counts loose ones
+    assert "loose" not in rows[("specdec:greedy+pld", "overall")]
     assert report["config"]["max_new_tokens"] == 12
     outputs = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
     assert len(outputs) == 5 * 2 and {"prompt_ids", "token_ids", "seconds", "prefill_ms"} <= set(outputs[0])
@@ -113,7 +150,14 @@ def test_lookup_ceiling_needs_a_greedy_bench_run(tmp_path):
     (tmp_path / "outputs.jsonl").write_text("")
     result = CliRunner().invoke(app, ["lookup-ceiling", str(tmp_path)])
     assert result.exit_code == 2 and "temperature 0" in result.output
-    config = {"temperature": 0, "pld_max_ngram": 3, "pld_min_ngram": 1, "pld_tokens": 10, "drafter_params": {}, "num_draft_tokens": 10}
+    config = {
+        "temperature": 0,
+        "pld_max_ngram": 3,
+        "pld_min_ngram": 1,
+        "pld_tokens": 10,
+        "drafter_params": {},
+        "num_draft_tokens": 10,
+    }
     (tmp_path / "bench.json").write_text(json.dumps({"config": config}))
     result = CliRunner().invoke(app, ["lookup-ceiling", str(tmp_path)])
     assert result.exit_code == 2 and "no outputs" in result.output
@@ -127,7 +171,11 @@ def test_bench_rejects_unknown_category(tmp_path):
 def test_verify_cost_prints_the_block_cost_curve():
     result = CliRunner().invoke(app, ["verify-cost", "--max-tokens", "3", "--repeats", "1", "--context", "40"])
     assert result.exit_code == 0, result.output
-    rows = [line.split("│")[1:-1] for line in result.output.splitlines() if line.startswith("│") and line.split("│")[1].strip().isdigit()]
+    rows = [
+        line.split("│")[1:-1]
+        for line in result.output.splitlines()
+        if line.startswith("│") and line.split("│")[1].strip().isdigit()
+    ]
     assert [int(cells[0]) for cells in rows] == [1, 2, 3]
     assert float(rows[0][2]) == 1.0 and float(rows[0][4]) == 1.0  # the one-token forward is the unit
     printed = re.search(r"verify_cost=(\[.*\])'", result.output)  # ready to pass to the drafters

@@ -1,10 +1,11 @@
-"""Drafters by name: `none`, `pld`, `model`, `mla` (DESIGN.md section 5)."""
+"""Drafters by name: `none`, `pld`, `model`, `mla` (docs/policies.md)."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
+
 from ..errors import SpecdecError, validate_params
 from .base import Drafter, NoDrafter
 from .model import ModelDrafter, MultiLevelDrafter
@@ -13,7 +14,6 @@ from .pld import PromptLookupDrafter
 DRAFTERS: dict[str, type[Drafter]] = {
     cls.name: cls for cls in (NoDrafter, PromptLookupDrafter, ModelDrafter, MultiLevelDrafter)
 }
-MODEL_DRAFTERS = {"model", "mla"}
 
 
 class DrafterError(SpecdecError):
@@ -34,7 +34,7 @@ def make_drafter(
     name: str, params: Optional[dict[str, Any]] = None, draft_model: Optional[torch.nn.Module] = None
 ) -> Drafter:
     validated = validate_drafter(name, params)
-    if name in MODEL_DRAFTERS:
+    if DRAFTERS[name].needs_model:
         if draft_model is None:
             raise DrafterError(f"drafter {name!r} needs a draft model, and none is loaded")
         return DRAFTERS[name](draft_model, validated)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar, Sequence
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from ..sampling import SamplingParams
@@ -25,20 +24,22 @@ class DrafterParams(BaseModel):
 
 
 class Drafter(ABC):
-    """`reset(prompt)`, then per step `propose(max_tokens)` and `commit(new_tokens)` with the
-    tokens the verifier committed (accepted drafts + the correction/bonus token)."""
+    """A `DraftSession` (sessions.py): `reset(prompt, sampling)`, then per step
+    `propose(max_tokens)` and `commit(new_tokens)` with the tokens the verifier committed
+    (accepted drafts + the correction/bonus token)."""
 
     name: ClassVar[str]
     Params: ClassVar[type[DrafterParams]] = DrafterParams
+    needs_model: ClassVar[bool] = False  # True: constructed as Drafter(draft_model, params)
 
     def __init__(self, params: DrafterParams | None = None):
         self.params = params if params is not None else self.Params()
         self.context: list[int] = []
 
-    def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams, generator: torch.Generator) -> None:
+    def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         self.context = list(prompt_ids)
         self.sampling = sampling
-        self.generator = generator
+        self.generator = sampling.generator("draft")
 
     @abstractmethod
     def propose(self, max_tokens: int) -> DraftBlock: ...

@@ -22,8 +22,8 @@ from typing import ClassVar, Optional, Sequence
 import torch
 from pydantic import Field
 
+from ..kernels.kv_cache import crop_cache, make_cache
 from ..sampling import argmax, sample, sampling_probs
-from ..target import crop_cache, make_cache
 from ..types import DraftBlock
 from .base import Drafter, common_prefix_length
 from .block_length import AcceptanceEstimate, AdaptiveLengthParams, best_block_length
@@ -49,6 +49,7 @@ class MultiLevelParams(ModelDrafterParams, PromptLookupParams):
 class ModelDrafter(Drafter):
     name = "model"
     Params = ModelDrafterParams
+    needs_model = True
     deterministic: ClassVar[bool] = False  # True: proposals never sampled (one-hot p_d)
 
     def __init__(self, model: torch.nn.Module, params: Optional[ModelDrafterParams] = None):
@@ -60,8 +61,8 @@ class ModelDrafter(Drafter):
     def lookup(self, context: Sequence[int], max_tokens: int) -> list[int]:
         return []
 
-    def reset(self, prompt_ids, sampling, generator) -> None:
-        super().reset(prompt_ids, sampling, generator)
+    def reset(self, prompt_ids, sampling) -> None:
+        super().reset(prompt_ids, sampling)
         self.cache = make_cache(self.model)
         self.cached_tokens = []
         # optimistic prior (mean 0.9, weight 2): a Beta(1, 1) start would price drafting as a
@@ -98,10 +99,16 @@ class ModelDrafter(Drafter):
             self.sync_cache(sequence)
             pending = sequence[len(self.cached_tokens) :]
             guess = self.lookup(sequence, max_tokens - len(tokens) - 1)
-            logits = self.model(
-                input_ids=torch.tensor([pending + guess]), past_key_values=self.cache, use_cache=True,
-                logits_to_keep=len(guess) + 1,
-            ).logits[0].float()
+            logits = (
+                self.model(
+                    input_ids=torch.tensor([pending + guess]),
+                    past_key_values=self.cache,
+                    use_cache=True,
+                    logits_to_keep=len(guess) + 1,
+                )
+                .logits[0]
+                .float()
+            )
             self.forwards += 1
             self.cached_tokens.extend(pending + guess)
             if sampled:

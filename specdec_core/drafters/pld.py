@@ -61,8 +61,8 @@ class PromptLookupDrafter(Drafter):
     name = "pld"
     Params = AdaptiveLookupParams
 
-    def reset(self, prompt_ids, sampling, generator) -> None:
-        super().reset(prompt_ids, sampling, generator)
+    def reset(self, prompt_ids, sampling) -> None:
+        super().reset(prompt_ids, sampling)
         self.estimates = [AcceptanceEstimate() for _ in range(self.params.max_ngram + 1)]  # per n-gram size
         self.last_proposal: tuple[int, list[int]] = (0, [])
 

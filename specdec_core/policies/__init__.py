@@ -7,8 +7,8 @@ from typing import Any, Optional
 from ..errors import SpecdecError, validate_params
 from .base import AcceptancePolicy, PolicyParams
 from .dropmatch import DropMatchPolicy
-from .easd import EasdPolicy
 from .ears import EarsPolicy
+from .easd import EasdPolicy
 from .fly import FlyPolicy
 from .greedy import GreedyPolicy
 from .rejection import RejectionPolicy
@@ -18,6 +18,8 @@ POLICIES: dict[str, type[AcceptancePolicy]] = {
     cls.name: cls
     for cls in (GreedyPolicy, RejectionPolicy, TypicalPolicy, EasdPolicy, EarsPolicy, DropMatchPolicy, FlyPolicy)
 }
+# every counter some policy reports (a bench table's columns)
+POLICY_COUNTERS = tuple(sorted({counter for cls in POLICIES.values() for counter in cls.counters}))
 
 
 class PolicyError(SpecdecError):
@@ -35,4 +37,4 @@ def make_policy(name: str, params: Optional[dict[str, Any]] = None) -> Acceptanc
         raise PolicyError(str(error)) from None
 
 
-__all__ = ["AcceptancePolicy", "PolicyParams", "POLICIES", "PolicyError", "make_policy"]
+__all__ = ["AcceptancePolicy", "PolicyParams", "POLICIES", "POLICY_COUNTERS", "PolicyError", "make_policy"]

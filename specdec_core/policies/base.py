@@ -42,6 +42,7 @@ class AcceptancePolicy(ABC):
     name: ClassVar[str]
     Params: ClassVar[type[PolicyParams]] = PolicyParams
     needs_hidden: ClassVar[bool] = False  # the target must return final hidden states + LM head
+    counters: ClassVar[tuple[str, ...]] = ()  # trace flags the metrics count (penalized, loose, ...)
     supports_sampling: ClassVar[bool] = True  # False: temperature must be 0
 
     def __init__(self, params: Optional[PolicyParams] = None):

@@ -1,4 +1,5 @@
-"""DropMatch, MC-dropout LM-head paths (papers/dropmatch_mc_dropout_acceptance.txt).
+"""DropMatch, MC-dropout LM-head paths (Lee et al., "Training-free Dropout Sampling for Semantic
+Token Acceptance in Speculative Decoding", arXiv:2603.03333).
 
 N inverted-dropout masks (prob p) on the target's final hidden state, all paths through the LM
 head in one batched matmul (the KV cache is untouched: only the head input is perturbed).
@@ -37,6 +38,7 @@ def js_divergence(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
 class DropMatchPolicy(AcceptancePolicy):
     name = "dropmatch"
     Params = DropMatchParams
+    counters = ("loose",)
     needs_hidden = True
 
     def needs_draft_logits(self) -> bool:
@@ -54,9 +56,7 @@ class DropMatchPolicy(AcceptancePolicy):
             rows = rows[draft_tokens != argmax(target.logits[:num_draft])]
         hidden = target.hidden[rows].float()  # [R, H]
         keep = 1.0 - self.params.dropout
-        masks = torch.bernoulli(
-            torch.full((self.params.num_paths, *hidden.shape), keep), generator=generator
-        ) / keep
+        masks = torch.bernoulli(torch.full((self.params.num_paths, *hidden.shape), keep), generator=generator) / keep
         path_logits = target.lm_head(hidden[None] * masks).float()  # [N, R, V], one matmul
         if sampling.greedy:
             path_tokens = argmax(path_logits)

@@ -1,4 +1,5 @@
-"""EARS, adaptive rejection tolerance (papers/ears_adaptive_rejection_sampling.txt).
+"""EARS, adaptive rejection tolerance (Sun et al., "EARS: Efficient Adaptive Rejection Sampling
+for Accelerating Speculative Decoding in Large Language Models", arXiv:2512.13194).
 
 R = p_t(c) / max(p_d(c), 1e-10); accept if R >= U; otherwise "pardon" if
 R >= max(U - beta * (1 - max p_t), 0); otherwise reject and resample from the residual.
@@ -20,6 +21,7 @@ class EarsParams(PolicyParams):
 class EarsPolicy(AcceptancePolicy):
     name = "ears"
     Params = EarsParams
+    counters = ("pardoned",)
 
     def verify(self, draft, target, sampling, generator) -> Verdict:
         decision = base_decision(draft, target, sampling, generator)

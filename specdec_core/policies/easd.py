@@ -1,4 +1,5 @@
-"""EASD, entropy-aware penalty (papers/easd_entropy_aware_sd.txt, Algorithm 1).
+"""EASD, entropy-aware penalty (Su et al., "Entropy-Aware Speculative Decoding Toward Improved
+LLM Reasoning", arXiv:2512.23765, Algorithm 1).
 
 At position i, if H(p_d) > tau_H and H(p_t) > tau_H (full-vocab, T = 1, nats; H(p_t) is a
 target-side feature, so at T = 0 only top-n target rows travel) and the top-n
@@ -29,6 +30,7 @@ class EasdParams(PolicyParams):
 class EasdPolicy(AcceptancePolicy):
     name = "easd"
     Params = EasdParams
+    counters = ("penalized",)
 
     def wire_top_k(self, sampling):
         # T = 0 reads the top-n sets and, after a penalty, the runner-up; the target entropy

@@ -1,5 +1,6 @@
-"""FLy, loosely speculative decoding (papers/fly_loosely_speculative_decoding.txt; reference code
-AMD-AGI/FLy fly/models/FLy.py, whose behaviour is the default here).
+"""FLy, loosely speculative decoding (Li et al., "Training-Free Loosely Speculative Decoding:
+Accepting Semantically Correct Drafts Beyond Exact Match", arXiv:2511.22972; reference code
+github.com/AMD-AGI/FLy fly/models/FLy.py, whose behaviour is the default here).
 
 On the base accept vector (exact match at T = 0):
   * entropy gate: a mismatch whose target entropy is < theta stays rejected. Reference entropy
@@ -45,6 +46,7 @@ def top3_entropy(logits: torch.Tensor) -> torch.Tensor:
 class FlyPolicy(AcceptancePolicy):
     name = "fly"
     Params = FlyParams
+    counters = ("loose",)
 
     def wire_top_k(self, sampling):
         return 3 if sampling.greedy and self.params.entropy == "top3" else None

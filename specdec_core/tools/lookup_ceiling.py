@@ -19,16 +19,18 @@ from typing import Sequence
 
 import torch
 
-from .drafters.base import common_prefix_length
-from .drafters.block_length import block_cost
-from .drafters.pld import AdaptiveLookupParams, PromptLookupDrafter, lookup_continuation
-from .sampling import SamplingParams
+from ..drafters.base import common_prefix_length
+from ..drafters.block_length import block_cost
+from ..drafters.pld import AdaptiveLookupParams, PromptLookupDrafter, lookup_continuation
+from ..sampling import SamplingParams
 
 
-def replay_drafter(prompt_ids: Sequence[int], output_ids: Sequence[int], params: AdaptiveLookupParams, max_draft: int) -> list[int]:
+def replay_drafter(
+    prompt_ids: Sequence[int], output_ids: Sequence[int], params: AdaptiveLookupParams, max_draft: int
+) -> list[int]:
     """Drafts proposed at each step when the pld drafter runs against a known greedy output."""
     drafter = PromptLookupDrafter(params)
-    drafter.reset(prompt_ids, SamplingParams(), torch.Generator())
+    drafter.reset(prompt_ids, SamplingParams())
     proposed, position = [], 0
     while position < len(output_ids):
         proposal = drafter.propose(min(max_draft, len(output_ids) - position - 1)).tokens.tolist()
@@ -39,7 +41,9 @@ def replay_drafter(prompt_ids: Sequence[int], output_ids: Sequence[int], params:
     return proposed
 
 
-def copyable_lengths(prompt_ids: Sequence[int], output_ids: Sequence[int], max_draft: int, key_length: int = 0) -> list[int]:
+def copyable_lengths(
+    prompt_ids: Sequence[int], output_ids: Sequence[int], max_draft: int, key_length: int = 0
+) -> list[int]:
     """For each output position i: the longest run output[i : i + m] (m <= max_draft, and short
     enough to leave the last token to the target) that prompt + output[:i] holds at a start s
     whose preceding `key_length` tokens equal the context's last ones (0: any start)."""
@@ -66,7 +70,9 @@ def copyable_lengths(prompt_ids: Sequence[int], output_ids: Sequence[int], max_d
     return lengths
 
 
-def lookup_lengths(prompt_ids: Sequence[int], output_ids: Sequence[int], params: AdaptiveLookupParams, max_draft: int) -> list[int]:
+def lookup_lengths(
+    prompt_ids: Sequence[int], output_ids: Sequence[int], params: AdaptiveLookupParams, max_draft: int
+) -> list[int]:
     """For each output position: how many tokens of the drafter's lookup (before its block-length
     choice) match the upcoming output."""
     context = [*prompt_ids, *output_ids]
@@ -90,7 +96,9 @@ def cheapest_cost(max_drafts: Sequence[int], verify_cost: Sequence[float]) -> fl
 ORACLES = ("length_oracle", "ngram_oracle", "copy_oracle")
 
 
-def lookup_ceiling(outputs: list[dict], params: AdaptiveLookupParams, max_draft: int, measured_method: str) -> list[dict]:
+def lookup_ceiling(
+    outputs: list[dict], params: AdaptiveLookupParams, max_draft: int, measured_method: str
+) -> list[dict]:
     """One row per category and overall: the measured speedup of `measured_method` (when the
     outputs hold it), the replayed drafter's modeled decode speedup, each oracle's, and the
     n-gram oracle's end to end."""
@@ -108,9 +116,13 @@ def lookup_ceiling(outputs: list[dict], params: AdaptiveLookupParams, max_draft:
         prefill_s = (target["prefill_ms"] or 0.0) / 1e3
         target_decode_s = target["seconds"] - prefill_s
         costs = {
-            "replayed": sum(block_cost(params.verify_cost, k) for k in replay_drafter(prompt_ids, tokens, params, max_draft)),
+            "replayed": sum(
+                block_cost(params.verify_cost, k) for k in replay_drafter(prompt_ids, tokens, params, max_draft)
+            ),
             "length_oracle": cheapest_cost(lookup_lengths(prompt_ids, tokens, params, max_draft), params.verify_cost),
-            "ngram_oracle": cheapest_cost(copyable_lengths(prompt_ids, tokens, max_draft, params.min_ngram), params.verify_cost),
+            "ngram_oracle": cheapest_cost(
+                copyable_lengths(prompt_ids, tokens, max_draft, params.min_ngram), params.verify_cost
+            ),
             "copy_oracle": cheapest_cost(copyable_lengths(prompt_ids, tokens, max_draft), params.verify_cost),
         }
         for key in (category, "overall"):
@@ -125,6 +137,7 @@ def lookup_ceiling(outputs: list[dict], params: AdaptiveLookupParams, max_draft:
                 measured = runs[measured_method]
                 total["measured_s"] += measured["seconds"]
                 total["measured_decode_s"] += measured["seconds"] - (measured["prefill_ms"] or 0.0) / 1e3
+
     def ratio(numerator: float, denominator: float):
         return round(numerator / denominator, 3) if denominator else None
 
@@ -132,15 +145,17 @@ def lookup_ceiling(outputs: list[dict], params: AdaptiveLookupParams, max_draft:
     for category in sorted(key for key in totals if key != "overall") + ["overall"]:
         total = totals[category]
         target_s = total["prefill_s"] + total["target_decode_s"]
-        rows.append({
-            "category": category,
-            "questions": int(total["questions"]),
-            "tokens": int(total["tokens"]),
-            "prefill_share": ratio(total["prefill_s"], target_s),
-            "measured": ratio(target_s, total["measured_s"]),
-            "measured_decode": ratio(total["target_decode_s"], total["measured_decode_s"]),
-            "replayed_decode": ratio(total["target_decode_s"], total["replayed_decode_s"]),
-            **{f"{name}_decode": ratio(total["target_decode_s"], total[f"{name}_decode_s"]) for name in ORACLES},
-            "ngram_oracle": ratio(target_s, total["prefill_s"] + total["ngram_oracle_decode_s"]),
-        })
+        rows.append(
+            {
+                "category": category,
+                "questions": int(total["questions"]),
+                "tokens": int(total["tokens"]),
+                "prefill_share": ratio(total["prefill_s"], target_s),
+                "measured": ratio(target_s, total["measured_s"]),
+                "measured_decode": ratio(total["target_decode_s"], total["measured_decode_s"]),
+                "replayed_decode": ratio(total["target_decode_s"], total["replayed_decode_s"]),
+                **{f"{name}_decode": ratio(total["target_decode_s"], total[f"{name}_decode_s"]) for name in ORACLES},
+                "ngram_oracle": ratio(target_s, total["prefill_s"] + total["ngram_oracle_decode_s"]),
+            }
+        )
     return rows

@@ -1,0 +1,138 @@
+"""The OpenAI-compatible HTTP API: a FastAPI app over an engine with `stream(request,
+request_id)` and `session_counts()` (RemoteEngine). The Serve deployment builds it per replica
+(server.py); tests build it over in-process workers.
+
+Status codes: bad input 400 (404 unknown model, 413 oversized body); a target worker that is
+gone or late 503 with Retry-After; anything else is a bug: 500 with the request id, whose
+traceback is logged. A stream that fails after its first chunk ends with an SSE event carrying
+the same error object, then `[DONE]`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, AsyncIterator, Iterator, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from specdec_core.errors import SpecdecError
+from specdec_core.request import StreamChunk
+
+from .config import AppConfig
+from .errors import describe
+from .openai_api import ChatCompletionRequest, CompletionRequest, ResponseBuilder, error_body
+
+RETRY_AFTER_S = 5
+
+
+def failure(error: Exception, request_id: str) -> tuple[int, dict, dict]:
+    """(status, body, headers) for an error raised while serving `request_id`."""
+    described = describe(error, request_id)
+    if described.kind == "invalid":
+        return 400, error_body(described.message, param=described.param), {}
+    if described.kind == "unavailable":
+        body = error_body(described.message, "server_error", code="worker_unavailable")
+        return 503, body, {"Retry-After": str(RETRY_AFTER_S)}
+    return 500, error_body(described.message, "server_error", code="internal_error"), {}
+
+
+def error_response(error: Exception, request_id: str) -> JSONResponse:
+    status, body, headers = failure(error, request_id)
+    return JSONResponse(status_code=status, content=body, headers=headers)
+
+
+def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
+    api = FastAPI(title="specdec", description="OpenAI-compatible speculative decoding")
+
+    async def parse(
+        http_request: Request, model_cls: type[BaseModel], request_id: str
+    ) -> Union[BaseModel, JSONResponse]:
+        raw = await http_request.body()
+        if len(raw) > config.max_body_bytes:
+            return JSONResponse(
+                status_code=413, content=error_body(f"request body exceeds {config.max_body_bytes} bytes")
+            )
+        try:
+            payload = json.loads(raw)
+        except (ValueError, RecursionError) as error:  # bad JSON or UTF-8, or nesting past Python's limit
+            return JSONResponse(status_code=400, content=error_body(f"malformed JSON: {error}"))
+        if not isinstance(payload, dict):
+            return JSONResponse(status_code=400, content=error_body("request body must be a JSON object"))
+        try:
+            parsed = model_cls(**payload)
+        except ValidationError as error:
+            return error_response(error, request_id)
+        if parsed.model is not None and parsed.model != config.model_name:
+            message = f"model {parsed.model!r} not found; serving {config.model_name!r}"
+            return JSONResponse(status_code=404, content=error_body(message, code="model_not_found"))
+        return parsed
+
+    async def respond(http_request: Request, model_cls: type[BaseModel], chat: bool):
+        request_id = uuid.uuid4().hex
+        parsed = await parse(http_request, model_cls, request_id)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        try:  # validation happens here, once
+            chunks = engine.stream(parsed.to_generation_request(), request_id)
+        except (ValidationError, SpecdecError) as error:
+            return error_response(error, request_id)
+        builder = ResponseBuilder(chat, config.model_name, request_id)
+        loop = asyncio.get_running_loop()
+        try:  # a streamed request's first chunk carries the prefill: a failure there keeps its status
+            if not parsed.stream:
+                return JSONResponse(builder.full(await loop.run_in_executor(None, list, chunks)))
+            first = await loop.run_in_executor(None, next, chunks, None)
+        except Exception as error:  # noqa: BLE001 - mapped to 400 / 503 / 500 (logged) by `failure`
+            return error_response(error, request_id)
+        events = server_sent_events(builder, first, chunks, http_request, request_id)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    @api.get("/health")
+    async def health():
+        sessions = await asyncio.get_running_loop().run_in_executor(None, engine.session_counts)
+        down = sorted(role for role, count in sessions.items() if count is None)
+        body = {"status": "degraded" if down else "ok", "down": down, "sessions": sessions}
+        if "target" in down:
+            return JSONResponse(status_code=503, content={**body, "status": "unavailable"})
+        return body
+
+    @api.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "owned_by": "specdec"}]}
+
+    @api.post("/v1/completions")
+    async def completions(http_request: Request):
+        return await respond(http_request, CompletionRequest, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(http_request: Request):
+        return await respond(http_request, ChatCompletionRequest, chat=True)
+
+    return api
+
+
+async def server_sent_events(
+    builder: ResponseBuilder,
+    first: Optional[StreamChunk],
+    chunks: Iterator[StreamChunk],
+    http_request: Request,
+    request_id: str,
+) -> AsyncIterator[str]:
+    loop = asyncio.get_running_loop()
+    chunk = first
+    try:
+        while chunk is not None:
+            yield f"data: {json.dumps(builder.chunk(chunk))}\n\n"
+            if await http_request.is_disconnected():
+                return
+            chunk = await loop.run_in_executor(None, next, chunks, None)
+        yield "data: [DONE]\n\n"
+    except Exception as error:  # noqa: BLE001 - reported to the client as an error event (and logged)
+        _, body, _ = failure(error, request_id)
+        yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # disconnect or cancellation: close the loop so both sessions are released
+        await loop.run_in_executor(None, chunks.close)

@@ -1,0 +1,79 @@
+"""The served engine: validates a request (specdec_core's Frontend), opens a session on the
+draft worker and on the target worker, and runs specdec_core's speculative loop against them
+over gRPC. It holds no model weights (only the tokenizer and the target's config) and knows
+nothing of Ray: the server points it at workers with `connect`."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Callable, Iterator, Optional
+
+import grpc
+
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from specdec_core.engine import speculative_loop
+from specdec_core.frontend import Frontend, PreparedRequest
+from specdec_core.request import GenerationRequest, StreamChunk
+
+from .proxies import RemoteDrafter, RemoteTarget
+from .servicers import MESSAGE_LIMITS
+
+STUBS = {"draft": pb_grpc.DrafterStub, "target": pb_grpc.TargetStub}
+
+
+class RemoteEngine:
+    def __init__(
+        self,
+        frontend: Frontend,
+        addresses: dict[str, str],
+        deadline_s: float = 30.0,
+        on_finish: Callable[[PreparedRequest, dict], None] = lambda request, metrics: None,
+    ):
+        self.frontend = frontend
+        self.deadline_s = deadline_s
+        self.on_finish = on_finish  # called with each finished request's metrics
+        self.stubs: dict[str, object] = {}
+        for role, address in addresses.items():
+            self.connect(role, address)
+
+    def connect(self, role: str, address: str) -> None:
+        """Send the next requests of `role` ("draft" or "target") to the worker at `address`;
+        requests in flight keep the channel they started on."""
+        self.stubs[role] = STUBS[role](grpc.insecure_channel(address, options=MESSAGE_LIMITS))
+
+    def stream(self, request: GenerationRequest, request_id: Optional[str] = None) -> Iterator[StreamChunk]:
+        """Validates `request` now (SpecdecError), then decodes it as the iterator is consumed;
+        `request_id` names its worker sessions."""
+        prepared = self.frontend.prepare(request)
+        return self._decode(prepared, request_id or uuid.uuid4().hex)
+
+    def _decode(self, request: PreparedRequest, session_id: str) -> Iterator[StreamChunk]:
+        target = RemoteTarget(self.stubs["target"], session_id, self.deadline_s)
+        drafter = RemoteDrafter(
+            self.stubs["draft"], session_id, request.drafter, request.policy.needs_draft_logits(), self.deadline_s
+        )
+        try:
+            for chunk in speculative_loop(request, drafter, target, self.frontend.output(request.sampling)):
+                if chunk.metrics is not None:
+                    steps = max(chunk.metrics["num_steps"], 1)
+                    chunk.metrics.update(
+                        wire_bytes_per_step=round((target.bytes_received + drafter.bytes_received) / steps, 1),
+                        full_logits_bytes_per_step=round(target.full_rows_bytes / steps, 1),
+                        draft_fallback=drafter.failed is not None,
+                    )
+                    self.on_finish(request, chunk.metrics)
+                yield chunk
+        finally:  # also on client disconnect (GeneratorExit): free both sessions
+            target.release()
+            drafter.release()
+
+    def session_counts(self) -> dict[str, Optional[int]]:
+        """Open sessions per worker; None for a worker that does not answer."""
+        counts: dict[str, Optional[int]] = {}
+        for role, stub in self.stubs.items():
+            try:
+                counts[role] = stub.Stats(pb.Empty(), timeout=self.deadline_s).sessions
+            except grpc.RpcError:
+                counts[role] = None
+        return counts

@@ -1,0 +1,51 @@
+"""Per-request sessions of a worker, keyed by request id: freed on Release, or once idle for
+`idle_timeout_s` (a coordinator that died mid-request never releases). Idle sessions are
+dropped when a session is opened or the table is inspected, so no thread is needed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional
+
+
+class SessionTable:
+    def __init__(self, idle_timeout_s: float):
+        self.idle_timeout_s = idle_timeout_s
+        self.sessions: dict[str, tuple[Any, float]] = {}  # id -> (session, last use)
+        self.requests = 0
+        self.lock = threading.Lock()
+
+    def put(self, session_id: str, session: Any) -> None:
+        with self.lock:
+            self._drop_idle()
+            self.sessions[session_id] = (session, time.monotonic())
+            self.requests += 1
+
+    def get(self, session_id: str) -> Optional[Any]:
+        """The session, or None when it was released or has expired."""
+        with self.lock:
+            entry = self.sessions.get(session_id)
+            if entry is None:
+                return None
+            now = time.monotonic()
+            if now - entry[1] > self.idle_timeout_s:
+                del self.sessions[session_id]
+                return None
+            self.sessions[session_id] = (entry[0], now)
+            return entry[0]
+
+    def release(self, session_id: str) -> None:
+        with self.lock:
+            self.sessions.pop(session_id, None)
+
+    def counts(self) -> tuple[int, int]:
+        """(open sessions, requests served)."""
+        with self.lock:
+            self._drop_idle()
+            return len(self.sessions), self.requests
+
+    def _drop_idle(self) -> None:
+        cutoff = time.monotonic() - self.idle_timeout_s
+        for session_id in [sid for sid, (_, used) in self.sessions.items() if used < cutoff]:
+            del self.sessions[session_id]

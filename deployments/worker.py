@@ -1,0 +1,69 @@
+"""The draft and target workers as named Ray actors: each loads its model and serves its gRPC
+service (servicers.py) on a port of its own. Ray restarts a dead worker (on a new port);
+`worker_address` finds it wherever it is now."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import ray
+
+from .config import AppConfig
+
+WORKER_NAMESPACE = "specdec"
+Role = Literal["draft", "target"]
+
+
+@ray.remote
+class WorkerActor:
+    """Hosts one model behind a gRPC service ("draft": Drafter, "target": Target)."""
+
+    def __init__(self, role: Role, config: dict):
+        from protos import specdec_pb2_grpc as pb_grpc
+        from specdec_core.kernels.cpu import configure_cpu
+        from specdec_core.loader import load_model
+
+        from .servicers import DraftServicer, TargetServicer, on_torch_thread, start_server
+
+        app_config = AppConfig(**config)
+        resources = app_config.draft_worker if role == "draft" else app_config.target_worker
+        on_torch_thread(configure_cpu, app_config.torch_threads or max(1, int(resources.num_cpus)))
+        model_spec = app_config.draft if role == "draft" else app_config.target
+        model = on_torch_thread(load_model, model_spec) if model_spec else None
+        if role == "draft":
+            servicer = DraftServicer(model, app_config.session_idle_timeout_s)
+            add = pb_grpc.add_DrafterServicer_to_server
+        else:
+            servicer = TargetServicer(model, app_config.session_idle_timeout_s)
+            add = pb_grpc.add_TargetServicer_to_server
+        bind_host = "127.0.0.1" if app_config.host in ("127.0.0.1", "localhost") else "0.0.0.0"
+        self.server, port = start_server(servicer, add, host=bind_host)
+        node_ip = "127.0.0.1" if bind_host == "127.0.0.1" else ray.util.get_node_ip_address()
+        self.address = f"{node_ip}:{port}"
+
+    def get_address(self) -> str:
+        return self.address
+
+
+def worker_name(role: Role, config: AppConfig) -> str:
+    return f"{config.model_name}-{role}-worker"
+
+
+def start_worker(role: Role, config: AppConfig) -> ray.actor.ActorHandle:
+    """The named worker, started unless it runs already (coordinator replicas share it)."""
+    resources = config.draft_worker if role == "draft" else config.target_worker
+    return WorkerActor.options(
+        name=worker_name(role, config),
+        namespace=WORKER_NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        num_cpus=resources.num_cpus,
+        num_gpus=resources.num_gpus,
+        max_restarts=-1,
+    ).remote(role, config.model_dump())
+
+
+def worker_address(role: Role, config: AppConfig, timeout_s: float) -> str:
+    """host:port of the worker's gRPC service now (raises while it is down or restarting)."""
+    actor = ray.get_actor(worker_name(role, config), namespace=WORKER_NAMESPACE)
+    return ray.get(actor.get_address.remote(), timeout=timeout_s)

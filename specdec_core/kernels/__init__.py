@@ -1,0 +1,18 @@
+"""CPU kernels and the KV cache, beside the loop as gpt-fast keeps `quantize.py` and `tp.py`:
+packed linears (linear.py), weight-only int4 (int4.py), grouped-head attention (attention.py),
+the growable KV cache (kv_cache.py) and process-wide CPU settings (cpu.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import use_grouped_attention
+from .linear import use_packed_matmul
+
+
+def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Eval mode with this project's CPU kernels: packed linears and grouped-head SDPA (both fall
+    back to transformers' own path off CPU)."""
+    use_packed_matmul(model)
+    use_grouped_attention(model)
+    return model.eval()

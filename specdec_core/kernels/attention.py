@@ -1,0 +1,74 @@
+"""Grouped-head attention for CPU: `grouped_sdpa`, registered with transformers as an attention
+implementation by `use_grouped_attention`."""
+
+from __future__ import annotations
+
+import torch
+
+GROUPED_SDPA = "sdpa_grouped"
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' "sdpa" attention, except that on CPU the grouped K/V heads go to SDPA as they
+    are (`enable_gqa`) also under a mask. transformers repeats K and V to the query heads' count
+    whenever a mask is passed, i.e. in every multi-token block after the prefill (each verify):
+    for SmolLM2 (9 query, 3 KV heads) that copied every layer's whole cache 3x per verify. CPU's
+    flash kernel takes the groups natively, bitwise equal.
+    Other devices, position biases, ungrouped heads, and a causal flag with a longer cache
+    (which SDPA would align top-left) take transformers' path. A one-token step in bf16 or fp16
+    takes `grouped_decode_attention`."""
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    if (
+        query.device.type != "cpu"
+        or getattr(module, "num_key_value_groups", 1) == 1
+        or kwargs.get("position_bias") is not None
+        or (is_causal and key.shape[2] != query.shape[2])
+    ):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    if query.shape[2] == 1 and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0.0:
+        return grouped_decode_attention(query, key, value, attention_mask, scaling), None
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=is_causal,
+        enable_gqa=True,
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+def grouped_decode_attention(query, key, value, attention_mask, scaling=None) -> torch.Tensor:
+    """Attention of one query token per head in low precision, as two matmuls per KV head with
+    the group's query heads stacked as rows and the softmax in fp32; returns `[B, 1, H, D]`.
+    CPU SDPA's bf16 flash kernel is slow for a single query (several times slower than this for
+    SmolLM2's shapes at 1,000 tokens of context), which made a bf16 draft's own decode steps
+    pay mostly for attention."""
+    batch, num_heads, _, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    scale = head_dim**-0.5 if scaling is None else scaling
+    # query heads h * g .. h * g + g - 1 share KV head h (transformers' repeat_kv order)
+    grouped_query = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(grouped_query, key.transpose(-1, -2)).float() * scale
+    if attention_mask is not None:  # [B, 1, 1, L]: bool (True attends) or additive
+        mask = attention_mask[:, :, 0, None, :]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = scores.softmax(-1).to(value.dtype)
+    return torch.matmul(weights, value).reshape(batch, 1, num_heads, head_dim)
+
+
+def use_grouped_attention(model: torch.nn.Module) -> None:
+    """Switch a model on transformers' sdpa attention to `grouped_sdpa` (same masks)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    if model.config._attn_implementation != "sdpa":
+        return
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    model.set_attn_implementation(GROUPED_SDPA)

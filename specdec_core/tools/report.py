@@ -1,0 +1,133 @@
+"""What `specdec bench` reports: rows per method and category (`aggregate`), written as
+bench.json, outputs.jsonl and a plot.
+
+Each row: throughput, speedup vs `target` in the same category, mean acceptance length,
+agreement with target-only greedy output, the target's NLL of the produced continuation, the
+policy's decision time, its counters, and bytes on the wire per step for served methods."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from ..policies import POLICY_COUNTERS
+
+if TYPE_CHECKING:
+    from .bench import BenchConfig, MethodRun
+
+TABLE_COLUMNS = (
+    "method",
+    "category",
+    "questions",
+    "new_tokens",
+    "tok_per_s",
+    "speedup",
+    "mean_accept_len",
+    "identical_to_target",
+    "target_nll",
+    "verify_ms_p50",
+    *POLICY_COUNTERS,
+)
+
+
+def aggregate(runs: list[tuple[str, str, "MethodRun", Optional[bool], float]], methods: list[str]) -> list[dict]:
+    """One row per (method, category) and per method overall, from (method, category, run,
+    identical to target or None, mean target NLL) per run."""
+    grouped: dict[tuple[str, str], list] = defaultdict(list)
+    for method, category, run, identical, nll in runs:
+        grouped[(method, category)].append((run, identical, nll))
+        grouped[(method, "overall")].append((run, identical, nll))
+    rows = []
+    categories = sorted({category for _, category in grouped if category != "overall"}) + ["overall"]
+    for category in categories:
+        target_rate = None
+        for method in methods:
+            entries = grouped.get((method, category), [])
+            if not entries:
+                continue
+            new_tokens = sum(len(run.token_ids) for run, _, _ in entries)
+            seconds = sum(run.seconds for run, _, _ in entries)
+            rate = new_tokens / seconds if seconds else 0.0
+            if method == "target":
+                target_rate = rate
+            drafts = sum(run.metrics.get("spec_decode_num_drafts", 0) for run, _, _ in entries)
+            accepted = sum(run.metrics.get("spec_decode_num_accepted_tokens", 0) for run, _, _ in entries)
+            verify_ms = [run.metrics["verify_ms_p50"] for run, _, _ in entries if "verify_ms_p50" in run.metrics]
+            identical = [flag for _, flag, _ in entries if flag is not None]
+            nll_total = sum(nll * len(run.token_ids) for run, _, nll in entries)
+            rows.append(
+                {
+                    "method": method,
+                    "category": category,
+                    "questions": len(entries),
+                    "new_tokens": new_tokens,
+                    "tok_per_s": round(rate, 3),
+                    "speedup": round(rate / target_rate, 3) if target_rate else None,
+                    "mean_accept_len": round(1 + accepted / drafts, 3) if drafts else None,
+                    "identical_to_target": round(sum(identical) / len(identical), 3) if identical else None,
+                    "target_nll": round(nll_total / new_tokens, 4) if new_tokens else None,
+                    "verify_ms_p50": round(statistics.median(verify_ms), 4) if verify_ms else None,
+                    **{
+                        counter: sum(run.metrics.get(counter, 0) for run, _, _ in entries)
+                        for counter in POLICY_COUNTERS
+                        if any(counter in run.metrics for run, _, _ in entries)
+                    },
+                    **{  # served methods: bytes on the wire per step vs full fp32 logits
+                        key: round(statistics.mean(run.metrics[key] for run, _, _ in entries), 1)
+                        for key in ("wire_bytes_per_step", "full_logits_bytes_per_step")
+                        if all(key in run.metrics for run, _, _ in entries)
+                    },
+                }
+            )
+    return rows
+
+
+def write_report(
+    rows: list[dict], outputs: list[dict], config: "BenchConfig", out_dir: Path, extra_config: dict
+) -> Path:
+    """OUT/outputs.jsonl, OUT/bench.json (config and rows) and OUT/bench.png."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "outputs.jsonl").write_text("".join(json.dumps(record) + "\n" for record in outputs))
+    config_dict = {key: str(value) if isinstance(value, Path) else value for key, value in config.__dict__.items()}
+    (out_dir / "bench.json").write_text(
+        json.dumps({"config": {**config_dict, **extra_config}, "results": rows}, indent=2)
+    )
+    plot(rows, out_dir / "bench.png")
+    return out_dir / "bench.json"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    categories = list(dict.fromkeys(row["category"] for row in rows))
+    figure, axes = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(categories) * max(1, len(methods)) / 3), 8))
+    width = 0.8 / max(1, len(methods))
+    for axis, key, label in (
+        (axes[0], "speedup", "speedup vs target"),
+        (axes[1], "mean_accept_len", "mean acceptance length"),
+    ):
+        for index, method in enumerate(methods):
+            values = {row["category"]: row[key] for row in rows if row["method"] == method}
+            axis.bar(
+                [position + index * width for position in range(len(categories))],
+                [values.get(category) or 0 for category in categories],
+                width,
+                label=method,
+            )
+        axis.set_xticks(
+            [position + 0.4 - width / 2 for position in range(len(categories))], categories, rotation=30, ha="right"
+        )
+        axis.set_ylabel(label)
+        if key == "speedup":
+            axis.axhline(1.0, color="black", linewidth=0.8)
+    axes[0].legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

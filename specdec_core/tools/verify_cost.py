@@ -1,0 +1,53 @@
+"""`specdec verify-cost`: what one forward over n new tokens costs, for the target and the draft
+model, and the drafter parameters (`verify_cost`, `draft_cost`) that price blocks with it."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from ..policies import make_policy
+from ..sampling import SamplingParams
+from ..target import TargetScorer
+
+
+@torch.inference_mode()
+def block_cost_curve(model: torch.nn.Module, prompt_ids: list[int], max_tokens: int, repeats: int) -> list[dict]:
+    """What one forward over `n` new tokens costs after `prompt_ids`, for n = 1..max_tokens:
+    a target verify of K drafts is n = K + 1. Sizes are interleaved within each repeat and each
+    size is priced against the 1-token forward of its own repeat (median of those ratios), so
+    that the machine's slow and fast stretches cancel; the cache is rolled back after every
+    forward."""
+    scorer = TargetScorer(model)
+    scorer.reset(prompt_ids, make_policy("greedy"), SamplingParams())
+    samples: dict[int, list[float]] = defaultdict(list)
+    for _ in range(repeats + 1):  # the first round warms up
+        for num_tokens in range(1, max_tokens + 1):
+            start = time.perf_counter()
+            scorer.score(prompt_ids[-num_tokens:])
+            samples[num_tokens].append((time.perf_counter() - start) * 1e3)
+            scorer.commit(0)
+    return [
+        {
+            "tokens": num_tokens,
+            "ms_p50": round(statistics.median(times[1:]), 2),
+            "vs_one_token": round(statistics.median(ms / one_ms for ms, one_ms in zip(times[1:], samples[1][1:])), 3),
+        }
+        for num_tokens, times in samples.items()
+    ]
+
+
+def drafter_cost_params(target_curve: list[dict], draft_curve: list[dict] | None) -> dict:
+    """`verify_cost` (k = 1.. drafts: a (k + 1)-token forward, made non-decreasing so that timing
+    noise cannot make a longer block look cheaper) and, with a draft model, `draft_cost` (its
+    1-token forward in target steps)."""
+    params = {}
+    if len(target_curve) > 1:
+        params["verify_cost"] = list(itertools.accumulate((row["vs_one_token"] for row in target_curve[1:]), max))
+    if draft_curve is not None:
+        params["draft_cost"] = round(draft_curve[0]["ms_p50"] / target_curve[0]["ms_p50"], 3)
+    return params
