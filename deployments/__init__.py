@@ -1,1 +1,2 @@
-"""Ray Serve deployment of specdec: ingress, verifier coordinator, draft and target workers."""
+"""Ray Serve deployment of specdec: the SpecdecServer deployment (HTTP and gRPC ingress, the
+weight-free RemoteEngine) and the draft and target worker actors (docs/architecture.md)."""

@@ -20,9 +20,8 @@ from .http_ingress import build_http_app
 from .metrics import ServeMetrics
 from .remote_engine import RemoteEngine
 from .watcher import WorkerWatcher
-from .worker import start_worker, worker_address
+from .worker import ROLES, start_worker, worker_address
 
-ROLES = ("draft", "target")
 # a lookup of a worker's address while it restarts gives up after this long (the next round retries)
 LOOKUP_TIMEOUT_S = 2.0
 

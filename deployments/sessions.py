@@ -1,5 +1,5 @@
 """Per-request sessions of a worker, keyed by request id: freed on Release, or once idle for
-`idle_timeout_s` (a coordinator that died mid-request never releases). Idle sessions are
+`idle_timeout_s` (a server replica that died mid-request never releases). Idle sessions are
 dropped when a session is opened or the table is inspected, so no thread is needed."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ service (servicers.py) on a port of its own. Ray restarts a dead worker (on a ne
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import ray
 
@@ -12,6 +12,7 @@ from .config import AppConfig
 
 WORKER_NAMESPACE = "specdec"
 Role = Literal["draft", "target"]
+ROLES: tuple[Role, ...] = get_args(Role)
 
 
 @ray.remote
@@ -50,7 +51,7 @@ def worker_name(role: Role, config: AppConfig) -> str:
 
 
 def start_worker(role: Role, config: AppConfig) -> ray.actor.ActorHandle:
-    """The named worker, started unless it runs already (coordinator replicas share it)."""
+    """The named worker, started unless it runs already (server replicas share it)."""
     resources = config.draft_worker if role == "draft" else config.target_worker
     return WorkerActor.options(
         name=worker_name(role, config),

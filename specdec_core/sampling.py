@@ -60,8 +60,8 @@ def sampling_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tens
 
 def sample(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token id per row of `weights [N, V]` (non-negative, not necessarily normalized), by
-    inverse CDF from one uniform draw per row: on CPU torch.multinomial took over a millisecond
-    per 49k-entry row, ~15x the cumulative sum. Draws lie in (0, total], so the first index whose CDF
+    inverse CDF from one uniform draw per row (on CPU, torch.multinomial costs many times the
+    cumulative sum over a large vocabulary). Draws lie in (0, total], so the first index whose CDF
     reaches the draw always has positive weight."""
     cdf = weights.double().cumsum(-1)
     uniform = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64)
@@ -70,7 +70,7 @@ def sample(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 def argmax(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """`logits.argmax(-1)` (first maximum) for `[..., V]`. torch's CPU argmax over a long last dim
-    is not vectorized, amax is (10-20x faster over a verify block): take the max of each chunk
+    is not vectorized while amax is (docs/performance.md): take the max of each chunk
     of `chunk` entries, then argmax only inside the first chunk holding the row maximum."""
     vocab_size = logits.shape[-1]
     num_chunks = vocab_size // chunk

@@ -61,7 +61,8 @@ def service(checkpoints):
 
     target_dir, draft_dir = checkpoints
     apply_serve_env_defaults()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    # no dashboard: the tests do not use it, and it is one more process starting on a 2-core machine
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     cluster.add_node(num_cpus=2)  # a second (simulated) node for the workers
     ray.init(address=cluster.address, namespace="specdec")
     serve.start(
@@ -270,3 +271,24 @@ def test_draft_worker_killed_mid_stream_falls_back_then_speculation_resumes(serv
         time.sleep(2)
     assert payload["speculative"]["draft_fallback"] is False
     assert payload["speculative"]["spec_decode_num_drafts"] > 0
+
+
+def test_bench_against_the_endpoint_matches_in_process(service, checkpoints, tmp_path):
+    """`specdec bench --endpoint` (the console script hands the bench its HTTP client) on the
+    service's own checkpoints: the served method's outputs equal the in-process ones."""
+    from typer.testing import CliRunner
+
+    from deployments.cli import app, connect_endpoint
+
+    target_dir, draft_dir = checkpoints
+    args = ["bench", "--methods", "target,specdec:greedy+pld,endpoint:greedy+pld", "--categories", "writing,coding"]
+    args += ["--per-category", "1", "--max-new-tokens", "8", "--endpoint", URL, "--out", str(tmp_path)]
+    args += ["--target", target_dir, "--draft", draft_dir, "--draft-dtype", "float32"]
+    result = CliRunner().invoke(app, args, obj={"endpoint_client": connect_endpoint})
+    assert result.exit_code == 0, result.output
+    rows = {
+        (row["method"], row["category"]): row for row in json.loads((tmp_path / "bench.json").read_text())["results"]
+    }
+    served = rows[("endpoint:greedy+pld", "overall")]
+    assert served["identical_to_target"] == 1.0 and served["new_tokens"] > 0
+    assert served["wire_bytes_per_step"] < served["full_logits_bytes_per_step"]

@@ -168,6 +168,12 @@ def test_bench_rejects_unknown_category(tmp_path):
     assert result.exit_code == 2 and "unknown categories" in result.output
 
 
+def test_bench_endpoint_needs_the_serving_side(tmp_path):
+    """specdec_core's own CLI has no HTTP client: `--endpoint` works through the console script."""
+    result = CliRunner().invoke(app, ["bench", "--endpoint", "http://127.0.0.1:9", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "needs the serving side" in result.output
+
+
 def test_verify_cost_prints_the_block_cost_curve():
     result = CliRunner().invoke(app, ["verify-cost", "--max-tokens", "3", "--repeats", "1", "--context", "40"])
     assert result.exit_code == 0, result.output

@@ -17,13 +17,9 @@ from pydantic import Field
 
 from .base import DrafterParams, common_prefix_length
 
-# Cost of a target step that scores k = 1, 2, .. drafts, relative to a 1-token step: the mean of
-# two runs of `specdec verify-cost --draft none --repeats 40` on this project's 2-core VM (AMD
-# EPYC Zen 4, AVX-512; torch 2.13, oneDNN linears padded to 4 rows, grouped-head SDPA,
-# SmolLM2-135M fp32, 200 tokens of context), made non-decreasing. On this VM scoring 1-5 drafts
-# adds 4-5% to a 1-token step, 8 drafts 13%, 15 drafts 38%. A Zen 3 (AVX2) VM of the same name
-# measured a steeper curve (1.73 at 15 drafts): run `specdec verify-cost` and pass its curve
-# where it differs.
+# Cost of a target step that scores k = 1, 2, .. drafts, relative to a 1-token step, as
+# `specdec verify-cost --draft none` measured it for the embedded target on the project's CPU VM
+# (docs/performance.md). Other machines have other curves: run it there and pass what it prints.
 DEFAULT_VERIFY_COST = (1.04, 1.05, 1.05, 1.05, 1.05, 1.10, 1.12, 1.13, 1.21, 1.22, 1.24, 1.28, 1.34, 1.37, 1.38)
 
 

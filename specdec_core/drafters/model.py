@@ -34,9 +34,8 @@ class ModelDrafterParams(AdaptiveLengthParams):
     confidence_threshold: float = Field(
         0.0, ge=0.0, le=1.0, description="stop drafting when the draft's top prob is below this"
     )
-    # the embedded default pair on the 2-core Zen 4: the int4 draft's 1-token step over the fp32
-    # target's, the mean of two runs of `specdec verify-cost --repeats 20` (0.623, 0.468; this
-    # VM's timings are noisy). The bf16 draft measured 0.82.
+    # the embedded pair's: the int4 draft's 1-token step over the fp32 target's, from
+    # `specdec verify-cost` (docs/performance.md)
     draft_cost: float = Field(
         0.55, ge=0.0, le=100.0, description="one draft forward, in 1-token target steps (specdec verify-cost)"
     )

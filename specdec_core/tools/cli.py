@@ -187,7 +187,7 @@ def generate(
 
 @app.command()
 def bench(
-    context: typer.Context,
+    cli_context: typer.Context,
     methods: str = typer.Option(
         "target,hf:prompt_lookup,specdec:greedy+pld",
         "--methods",
@@ -239,7 +239,7 @@ def bench(
     )
     endpoint_client = None
     if endpoint:
-        connect = (context.obj or {}).get("endpoint_client")
+        connect = (cli_context.obj or {}).get("endpoint_client")
         if connect is None:
             fail("--endpoint needs the serving side: run the `specdec` console script with specdec[serve] installed")
         endpoint_client = connect(endpoint)
@@ -269,37 +269,16 @@ def verify_cost(
 ):
     """Cost of one forward over n = 1..max-tokens new tokens, target and draft model: the
     curve that decides when speculation pays (a K-draft verify is n = K + 1)."""
-    from ..request import GenerationRequest
-    from .questions import first_turn, load_questions
-    from .verify_cost import block_cost_curve, drafter_cost_params
+    from .verify_cost import measure
 
     if max_tokens < 1 or repeats < 1 or context < max_tokens:
         fail("need --max-tokens >= 1, --repeats >= 1 and --context >= --max-tokens")
     engine = build_engine(target, target_dtype, draft, draft_dtype, draft_layers)
-    prompt_ids: list[int] = []
-    for question in load_questions(DEFAULT_QUESTIONS, ["all"], 1):
-        prompt_ids += engine.frontend.encode(GenerationRequest(messages=first_turn(question)))
-    if len(prompt_ids) < context:
-        fail(f"the Spec-Bench prompts give only {len(prompt_ids)} tokens of context")
-    prompt_ids = prompt_ids[:context]
-    models = {
-        "target": engine.target_model,
-        **({"draft": engine.draft_model} if engine.draft_model is not None else {}),
-    }
-    curves = {name: block_cost_curve(model, prompt_ids, max_tokens, repeats) for name, model in models.items()}
-    rows = [
-        {
-            "tokens": index + 1,
-            **{
-                f"{name}_{key}": curve[index][key]
-                for name, curve in curves.items()
-                for key in ("ms_p50", "vs_one_token")
-            },
-        }
-        for index in range(max_tokens)
-    ]
+    try:
+        rows, params = measure(engine, max_tokens, repeats, context)
+    except ValueError as error:
+        fail(str(error))
     print_table(rows, rows[0], left=())
-    params = drafter_cost_params(curves["target"], curves.get("draft"))
     if "verify_cost" in params:  # the curve starts at one draft, a 2-token forward
         console.print(
             f"pld drafter on this machine: --drafter-param 'verify_cost={json.dumps(params['verify_cost'])}'",
@@ -321,29 +300,11 @@ def lookup_ceiling(
 ):
     """Replay the bench's target-only greedy outputs through the pld drafter and through three
     oracles under the verify cost curve: what prompt lookup earns and could at most earn."""
-    from pydantic import ValidationError
-
-    from ..drafters.pld import AdaptiveLookupParams
-    from .bench import pld_params
+    from .lookup_ceiling import load_bench_run
     from .lookup_ceiling import lookup_ceiling as ceiling_rows
 
     try:
-        config = json.loads((bench_dir / "bench.json").read_text())["config"]
-        outputs = [json.loads(line) for line in (bench_dir / "outputs.jsonl").read_text().splitlines() if line]
-        greedy = config["temperature"] == 0
-    except (OSError, ValueError, KeyError) as error:
-        fail(f"cannot read a bench run from {bench_dir}: {error}")
-    if not greedy:
-        fail("lookup-ceiling replays greedy outputs: the bench must run at temperature 0")
-    try:
-        settings = {**pld_params(config), **config["drafter_params"].get("pld", {})}
-        params = AdaptiveLookupParams(**{**settings, **parse_params(drafter_param)})
-        max_draft = config["num_draft_tokens"]
-    except KeyError as error:
-        fail(f"cannot read a bench run from {bench_dir}: its config lacks {error}")
-    except ValidationError as error:
-        fail(format_validation_errors(error.errors(), "drafter 'pld'"))
-    try:
+        outputs, params, max_draft = load_bench_run(bench_dir, parse_params(drafter_param))
         rows = ceiling_rows(outputs, params, max_draft, method)
     except ValueError as error:
         fail(str(error))

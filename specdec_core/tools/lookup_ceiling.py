@@ -14,15 +14,20 @@ The bench's measured prefill time converts decode speedups into end-to-end ones.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
+from pydantic import ValidationError
 
 from ..drafters.base import common_prefix_length
 from ..drafters.block_length import block_cost
 from ..drafters.pld import AdaptiveLookupParams, PromptLookupDrafter, lookup_continuation
+from ..errors import format_validation_errors
 from ..sampling import SamplingParams
+from .bench import pld_params
 
 
 def replay_drafter(
@@ -159,3 +164,23 @@ def lookup_ceiling(
             }
         )
     return rows
+
+
+def load_bench_run(bench_dir: Path, overrides: dict[str, Any]) -> tuple[list[dict], AdaptiveLookupParams, int]:
+    """(outputs, the pld parameters the run used with `overrides` on top, its K) of a greedy
+    `specdec bench --out` directory; raises ValueError saying what is wrong with it."""
+    try:
+        config = json.loads((bench_dir / "bench.json").read_text())["config"]
+        outputs = [json.loads(line) for line in (bench_dir / "outputs.jsonl").read_text().splitlines() if line]
+        greedy = config["temperature"] == 0
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"cannot read a bench run from {bench_dir}: {error}") from None
+    if not greedy:
+        raise ValueError("lookup-ceiling replays greedy outputs: the bench must run at temperature 0")
+    try:
+        settings = {**pld_params(config), **config["drafter_params"].get("pld", {})}
+        return outputs, AdaptiveLookupParams(**{**settings, **overrides}), config["num_draft_tokens"]
+    except KeyError as error:
+        raise ValueError(f"cannot read a bench run from {bench_dir}: its config lacks {error}") from None
+    except ValidationError as error:
+        raise ValueError(format_validation_errors(error.errors(), "drafter 'pld'")) from None

@@ -10,9 +10,12 @@ from collections import defaultdict
 
 import torch
 
+from ..engine import SpeculativeEngine
 from ..policies import make_policy
+from ..request import GenerationRequest
 from ..sampling import SamplingParams
 from ..target import TargetScorer
+from .questions import DEFAULT_QUESTIONS, first_turn, load_questions
 
 
 @torch.inference_mode()
@@ -51,3 +54,32 @@ def drafter_cost_params(target_curve: list[dict], draft_curve: list[dict] | None
     if draft_curve is not None:
         params["draft_cost"] = round(draft_curve[0]["ms_p50"] / target_curve[0]["ms_p50"], 3)
     return params
+
+
+def measure(engine: SpeculativeEngine, max_tokens: int, repeats: int, context: int) -> tuple[list[dict], dict]:
+    """(one row per block size with each model's ms_p50 and vs_one_token, drafter parameters)
+    after `context` tokens of Spec-Bench prompts (the first question of each category, joined)."""
+    prompt_ids: list[int] = []
+    for question in load_questions(DEFAULT_QUESTIONS, ["all"], 1):
+        prompt_ids += engine.frontend.encode(GenerationRequest(messages=first_turn(question)))
+    if len(prompt_ids) < context:
+        raise ValueError(f"the Spec-Bench prompts give only {len(prompt_ids)} tokens of context")
+    models = {"target": engine.target_model}
+    if engine.draft_model is not None:
+        models["draft"] = engine.draft_model
+    curves = {
+        name: block_cost_curve(model, prompt_ids[:context], max_tokens, repeats) for name, model in models.items()
+    }
+    rows = [
+        {
+            "tokens": size + 1,
+            **{
+                f"{name}_{key}": curve[size][key]
+                for name, curve in curves.items()
+                for key in curve[size]
+                if key != "tokens"
+            },
+        }
+        for size in range(max_tokens)
+    ]
+    return rows, drafter_cost_params(curves["target"], curves.get("draft"))
