@@ -98,16 +98,11 @@ class ModelDrafter(Drafter):
             self.sync_cache(sequence)
             pending = sequence[len(self.cached_tokens) :]
             guess = self.lookup(sequence, max_tokens - len(tokens) - 1)
-            logits = (
-                self.model(
-                    input_ids=torch.tensor([pending + guess]),
-                    past_key_values=self.cache,
-                    use_cache=True,
-                    logits_to_keep=len(guess) + 1,
-                )
-                .logits[0]
-                .float()
+            input_ids = torch.tensor([pending + guess])
+            output = self.model(
+                input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=len(guess) + 1
             )
+            logits = output.logits[0].float()
             self.forwards += 1
             self.cached_tokens.extend(pending + guess)
             if sampled:
