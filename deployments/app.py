@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Optional
 
 from .config import AppConfig
 from .server import SpecdecServer
+
+API_KEY_ENV = "SPECDEC_API_KEY"
 
 # Serve's proxy readiness/health checks default to 5-10 s; on a busy 2-core machine starting
 # two model workers they time out and Serve kills a healthy proxy. Set before Ray starts.
@@ -22,7 +25,13 @@ def apply_serve_env_defaults() -> None:
 
 
 def build_app(args: Optional[dict] = None):
+    """The app for `args` (an AppConfig dict). The API key may come from $SPECDEC_API_KEY; the
+    workers' secret is drawn here, once, so every replica and every restart of a worker shares it."""
     config = AppConfig(**(args or {}))
+    if config.api_key is None and os.environ.get(API_KEY_ENV):
+        config.api_key = os.environ[API_KEY_ENV]
+    if config.worker_secret is None:
+        config.worker_secret = secrets.token_hex(16)
     return SpecdecServer.options(num_replicas=config.replicas, max_ongoing_requests=config.max_ongoing_requests).bind(
         config.model_dump()
     )

@@ -18,15 +18,15 @@ from specdec_core.tools.cli import app, console, fail, request_from_options
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "cluster" / "local.yaml"
 
 
-def load_serve_config(path: Path) -> tuple[dict, dict]:
-    """(app args, serve options) from a Serve config YAML (first application)."""
+def load_serve_config(path: Path) -> dict:
+    """The app args of a Serve config YAML (its first application)."""
     import yaml
 
     if not path.exists():
         fail(f"config not found: {path}")
     document = yaml.safe_load(path.read_text()) or {}
     applications = document.get("applications") or [{}]
-    return applications[0].get("args") or {}, document
+    return applications[0].get("args") or {}
 
 
 @app.command()
@@ -41,13 +41,12 @@ def serve(
     import ray
     from pydantic import ValidationError
     from ray import serve as ray_serve
-    from ray.serve.config import gRPCOptions
 
     from .app import apply_serve_env_defaults, build_app
     from .config import AppConfig
 
     start = time.perf_counter()
-    args, document = load_serve_config(config)
+    args = load_serve_config(config)
     args.update(
         {
             key: value
@@ -65,13 +64,8 @@ def serve(
         resolve_source(spec.source)  # convert GGUF checkpoints once, here, with a progress bar
     apply_serve_env_defaults()
     ray.init(address=address, namespace="specdec", log_to_driver=False)
-    servicers = (document.get("grpc_options") or {}).get("grpc_servicer_functions") or [
-        "protos.specdec_pb2_grpc.add_SpecdecServicer_to_server"
-    ]
-    ray_serve.start(
-        http_options={"host": app_config.host, "port": app_config.http_port},
-        grpc_options=gRPCOptions(port=app_config.grpc_port, grpc_servicer_functions=servicers),
-    )
+    # no Serve gRPC proxy: it would listen on every interface; the replicas serve gRPC (grpc_ingress.py)
+    ray_serve.start(http_options={"host": app_config.host, "port": app_config.http_port})
     ray_serve.run(build_app(app_config.model_dump()), name="specdec", route_prefix="/")
     url = f"http://{app_config.host}:{app_config.http_port}"
     grpc_url = f"{app_config.host}:{app_config.grpc_port}"
@@ -113,6 +107,7 @@ def client(
     temperature: float = typer.Option(0.0, "--temperature"),
     seed: int = typer.Option(0, "--seed"),
     stream: bool = typer.Option(True, help="print the reply as it arrives"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY"),
 ):
     """Send one chat request to a running service and print the reply and its metrics."""
     from .client import SpecdecGrpcClient, SpecdecHttpClient
@@ -126,7 +121,9 @@ def client(
         [],
         num_draft_tokens,
     )
-    service = SpecdecGrpcClient(grpc_address) if grpc_address else SpecdecHttpClient(url)
+    service = (
+        SpecdecGrpcClient(grpc_address, api_key=api_key) if grpc_address else SpecdecHttpClient(url, api_key=api_key)
+    )
     start = time.perf_counter()
     num_tokens, metrics = 0, {}
     try:

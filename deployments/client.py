@@ -1,6 +1,7 @@
-"""Clients for a running specdec service: HTTP (OpenAI API + specdec fields) and gRPC (Serve's
-gRPC ingress, `specdec.Specdec`). Both give a whole reply (`generate`) or its chunks as they
-arrive (`stream`), as dicts `{"token_ids", "text", "speculative"}` (metrics on the last chunk)."""
+"""Clients for a running specdec service: HTTP (OpenAI API + specdec fields) and gRPC
+(`specdec.Specdec`), each sending the service's API key when it has one. Both give a whole
+reply (`generate`) or its chunks as they arrive (`stream`), as dicts `{"token_ids", "text",
+"speculative"}` (metrics on the last chunk)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from .wire import component_to_proto, sampling_to_proto
 
 
 class SpecdecHttpClient:
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
+    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: Optional[str] = None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
 
     @staticmethod
     def route(request: GenerationRequest) -> tuple[str, dict]:
@@ -70,10 +72,10 @@ class SpecdecHttpClient:
 
 
 class SpecdecGrpcClient:
-    def __init__(self, address: str, timeout_s: float = 600.0, application: Optional[str] = None):
+    def __init__(self, address: str, timeout_s: float = 600.0, api_key: Optional[str] = None):
         self.stub = pb_grpc.SpecdecStub(grpc.insecure_channel(address))
         self.timeout_s = timeout_s
-        self.metadata = (("application", application),) if application else ()
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     @staticmethod
     def message(request: GenerationRequest) -> pb.GenerateRequest:

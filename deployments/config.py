@@ -31,7 +31,13 @@ class AppConfig(BaseModel):
     max_ongoing_requests: int = Field(16, ge=1)
     draft_worker: WorkerResources = Field(default_factory=WorkerResources)
     target_worker: WorkerResources = Field(default_factory=WorkerResources)
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="every listener binds this address: HTTP, gRPC, both workers")
+    api_key: Optional[str] = Field(
+        None, repr=False, description="required as `Authorization: Bearer` (HTTP) and `authorization` metadata (gRPC)"
+    )
+    worker_secret: Optional[str] = Field(
+        None, repr=False, description="workers refuse calls without it; generated per deployment when unset"
+    )
     http_port: int = Field(8000, ge=0, le=65535)
     grpc_port: int = Field(9000, ge=0, le=65535)
     rpc_deadline_s: float = Field(30.0, gt=0)

@@ -26,12 +26,29 @@ class Failure:
     param: Optional[str] = None  # the request field at fault, for field errors
 
 
+UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "ComponentSpec"}
+
+
+def field_of(error: dict) -> Optional[str]:
+    """The request field a pydantic error is about, as the client named it: a request's sampling
+    settings are top-level fields in the OpenAI API."""
+    if "param" in error.get("ctx", {}):
+        return error["ctx"]["param"]
+    parts = [str(part) for part in error["loc"] if part != "body"]
+    if parts[:1] == ["sampling"]:
+        parts = parts[1:]
+    for index, part in enumerate(parts):  # a union's member tag ("str", "list[int]") ends the field path
+        if part in UNION_TAGS or "[" in part:
+            parts = parts[:index]
+            break
+    return ".".join(parts) or None
+
+
 def describe(error: Exception, request_id: str) -> Failure:
     if isinstance(error, ValidationError):
-        first = ".".join(str(part) for part in error.errors()[0]["loc"]) or None
-        return Failure("invalid", format_validation_errors(error.errors(), "body"), first)
+        return Failure("invalid", format_validation_errors(error.errors(), "body"), field_of(error.errors()[0]))
     if isinstance(error, SpecdecError):
-        return Failure("invalid", str(error))
+        return Failure("invalid", str(error), error.param)
     if isinstance(error, WorkerUnavailable):
         return Failure("unavailable", f"{error}; retry later (request id {request_id})")
     logger.error("request %s failed", request_id, exc_info=error)

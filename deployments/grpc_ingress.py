@@ -1,22 +1,29 @@
-"""The client-facing gRPC API (`specdec.Specdec` in protos/specdec.proto), served through Ray
-Serve's gRPC ingress, which calls a deployment's methods by RPC name: a deployment inherits
-`GrpcIngress` and sets `self.engine` (a RemoteEngine).
+"""The client-facing gRPC API (`specdec.Specdec` in protos/specdec.proto). Each server replica
+serves it itself, bound to the configured host: Ray Serve's own gRPC proxy (Ray 2.60,
+`serve/_private/grpc_util.py: start_grpc_server`) always listens on `[::]`, every interface,
+whatever the config says. Replicas on one node share the port (SO_REUSEPORT, the kernel spreads
+connections); beyond `max_ongoing_requests` streams a replica answers RESOURCE_EXHAUSTED.
 
-Status codes mirror the HTTP ones: INVALID_ARGUMENT for bad input, UNAVAILABLE for a target
-worker that is gone or late, INTERNAL with the request id (traceback logged) for a bug."""
+Status codes mirror the HTTP ones: INVALID_ARGUMENT for bad input, UNAUTHENTICATED without the
+API key, UNAVAILABLE for a target worker that is gone or late, INTERNAL with the request id
+(traceback logged, never sent) for a bug. Every reply carries `x-request-id` metadata."""
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Iterator
+from concurrent import futures
+from typing import Any, Iterator, Optional
 
 import grpc
 
 from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
 from specdec_core.errors import SpecdecError
-from specdec_core.request import ComponentSpec, GenerationRequest
+from specdec_core.request import ComponentSpec, GenerationRequest, StreamChunk
 
+from .auth import bearer_matches, metadata_value
+from .config import AppConfig
 from .errors import describe
 from .wire import sampling_from_proto
 
@@ -27,7 +34,7 @@ STATUS = {
 }
 
 
-def component_or_none(message: pb.Component) -> ComponentSpec | None:
+def component_or_none(message: pb.Component) -> Optional[ComponentSpec]:
     if not message.name:
         return None
     try:
@@ -53,32 +60,58 @@ def request_from_message(message: pb.GenerateRequest) -> GenerationRequest:
     )
 
 
-class GrpcIngress:
-    engine: Any
+def chunk_message(chunk: StreamChunk) -> pb.GenerateChunk:
+    message = pb.GenerateChunk(
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        finish_reason=chunk.finish_reason or "",
+        metrics_json=json.dumps(chunk.metrics) if chunk.metrics is not None else "",
+    )
+    for entry in chunk.log_probs or ():
+        message.log_probs.add(
+            chosen=pb.LogProb(token_id=entry.chosen.token_id, token=entry.chosen.token, log_prob=entry.chosen.log_prob),
+            top=[pb.LogProb(token_id=top.token_id, token=top.token, log_prob=top.log_prob) for top in entry.top],
+        )
+    return message
 
-    def Generate(self, message: pb.GenerateRequest, grpc_context=None) -> Iterator[pb.GenerateChunk]:
+
+class SpecdecGrpcService(pb_grpc.SpecdecServicer):
+    def __init__(self, engine: Any, api_key: Optional[str] = None):
+        self.engine = engine  # a RemoteEngine
+        self.api_key = api_key
+
+    def Generate(self, message: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
         request_id = uuid.uuid4().hex
+        context.send_initial_metadata((("x-request-id", request_id),))
+        authorization = metadata_value(context.invocation_metadata(), "authorization")
+        if self.api_key and not bearer_matches(authorization, self.api_key):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key (authorization: Bearer ...)")
         try:
-            chunks = self.engine.stream(request_from_message(message), request_id)
-            for chunk in chunks:
-                yield pb.GenerateChunk(
-                    token_ids=chunk.token_ids,
-                    text=chunk.text,
-                    finish_reason=chunk.finish_reason or "",
-                    metrics_json=json.dumps(chunk.metrics) if chunk.metrics is not None else "",
-                )
+            for chunk in self.engine.stream(request_from_message(message), request_id):
+                yield chunk_message(chunk)
         except Exception as error:  # noqa: BLE001 - mapped to a status by `describe` (bugs logged there)
             failure = describe(error, request_id)
-            grpc_context.set_code(STATUS[failure.kind])
-            grpc_context.set_details(failure.message)
+            context.abort(STATUS[failure.kind], failure.message)
 
-    def GenerateUnary(self, message: pb.GenerateRequest, grpc_context=None) -> pb.GenerateChunk:
-        chunks = list(self.Generate(message, grpc_context))
-        if not chunks:
-            return pb.GenerateChunk()
-        return pb.GenerateChunk(
-            token_ids=[token for chunk in chunks for token in chunk.token_ids],
-            text="".join(chunk.text for chunk in chunks),
-            finish_reason=chunks[-1].finish_reason,
-            metrics_json=chunks[-1].metrics_json,
-        )
+    def GenerateUnary(self, message: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateChunk:
+        reply = pb.GenerateChunk()
+        for chunk in self.Generate(message, context):
+            reply.token_ids.extend(chunk.token_ids)
+            reply.text += chunk.text
+            reply.log_probs.extend(chunk.log_probs)
+            reply.finish_reason, reply.metrics_json = chunk.finish_reason, chunk.metrics_json
+        return reply
+
+
+def start_grpc_ingress(engine: Any, config: AppConfig) -> tuple[grpc.Server, int]:
+    """Serve the gRPC API on config.host:config.grpc_port (0: a free port), up to
+    `max_ongoing_requests` streams; returns the server and its port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.max_ongoing_requests, thread_name_prefix="grpc-ingress"),
+        maximum_concurrent_rpcs=config.max_ongoing_requests,
+        options=[("grpc.so_reuseport", 1)],
+    )
+    pb_grpc.add_SpecdecServicer_to_server(SpecdecGrpcService(engine, config.api_key), server)
+    port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    server.start()
+    return server, port

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from specdec_core.errors import SpecdecError
 from specdec_core.request import StreamChunk
 
+from .auth import bearer_matches
 from .config import AppConfig
 from .errors import describe
 from .openai_api import ChatCompletionRequest, CompletionRequest, ResponseBuilder, error_body
@@ -44,8 +45,33 @@ def error_response(error: Exception, request_id: str) -> JSONResponse:
     return JSONResponse(status_code=status, content=body, headers=headers)
 
 
+def client_request_id(header: Optional[str]) -> Optional[str]:
+    """A client's own x-request-id, if it is a plain token (it names worker sessions and logs)."""
+    if header and len(header) <= 64 and all(char.isalnum() or char in "-_." for char in header):
+        return header
+    return None
+
+
 def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
     api = FastAPI(title="specdec", description="OpenAI-compatible speculative decoding")
+
+    @api.middleware("http")
+    async def authenticate_and_tag(http_request: Request, call_next):
+        """Every /v1 call needs the API key when one is configured (/health stays open for
+        probes); every response carries its request id."""
+        request_id = client_request_id(http_request.headers.get("x-request-id")) or uuid.uuid4().hex
+        http_request.state.request_id = request_id
+        if (
+            config.api_key
+            and http_request.url.path.startswith("/v1")
+            and not bearer_matches(http_request.headers.get("authorization"), config.api_key)
+        ):
+            body = error_body("invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+            response = JSONResponse(status_code=401, content=body)
+        else:
+            response = await call_next(http_request)
+        response.headers["x-request-id"] = request_id
+        return response
 
     async def parse(
         http_request: Request, model_cls: type[BaseModel], request_id: str
@@ -71,7 +97,7 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
         return parsed
 
     async def respond(http_request: Request, model_cls: type[BaseModel], chat: bool):
-        request_id = uuid.uuid4().hex
+        request_id = http_request.state.request_id
         parsed = await parse(http_request, model_cls, request_id)
         if isinstance(parsed, JSONResponse):
             return parsed

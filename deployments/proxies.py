@@ -82,7 +82,8 @@ class RemoteTarget:
                 tensor_from_proto(reply.top_ids), tensor_from_proto(reply.top_log_probs), reply.vocab_size
             )
         features = {name: tensor_from_proto(tensor) for name, tensor in reply.features.items()}
-        return TargetBlock(logits=logits, features=features)
+        token_log_probs = tensor_from_proto(reply.token_log_probs) if reply.HasField("token_log_probs") else None
+        return TargetBlock(logits=logits, features=features, token_log_probs=token_log_probs)
 
     def commit(self, num_keep: int) -> None:
         self.pending_keep = num_keep

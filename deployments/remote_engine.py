@@ -16,6 +16,7 @@ from specdec_core.engine import speculative_loop
 from specdec_core.frontend import Frontend, PreparedRequest
 from specdec_core.request import GenerationRequest, StreamChunk
 
+from .auth import SendSecret
 from .proxies import RemoteDrafter, RemoteTarget
 from .servicers import MESSAGE_LIMITS
 
@@ -29,10 +30,12 @@ class RemoteEngine:
         addresses: dict[str, str],
         deadline_s: float = 30.0,
         on_finish: Callable[[PreparedRequest, dict], None] = lambda request, metrics: None,
+        secret: Optional[str] = None,
     ):
         self.frontend = frontend
         self.deadline_s = deadline_s
         self.on_finish = on_finish  # called with each finished request's metrics
+        self.secret = secret  # the workers' shared secret, sent with every call
         self.stubs: dict[str, object] = {}
         for role, address in addresses.items():
             self.connect(role, address)
@@ -40,7 +43,10 @@ class RemoteEngine:
     def connect(self, role: str, address: str) -> None:
         """Send the next requests of `role` ("draft" or "target") to the worker at `address`;
         requests in flight keep the channel they started on."""
-        self.stubs[role] = STUBS[role](grpc.insecure_channel(address, options=MESSAGE_LIMITS))
+        channel = grpc.insecure_channel(address, options=MESSAGE_LIMITS)
+        if self.secret:
+            channel = grpc.intercept_channel(channel, SendSecret(self.secret))
+        self.stubs[role] = STUBS[role](channel)
 
     def stream(self, request: GenerationRequest, request_id: Optional[str] = None) -> Iterator[StreamChunk]:
         """Validates `request` now (SpecdecError), then decodes it as the iterator is consumed;

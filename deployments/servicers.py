@@ -4,22 +4,29 @@ protos/specdec.proto). Each holds per-request sessions (sessions.py) over one mo
 
 from __future__ import annotations
 
+import functools
+import logging
 from concurrent import futures
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import grpc
 import torch
+from pydantic import ValidationError
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec_core.compact import compact_rows
+from specdec_core.compact import compact_rows, wire_top_k
 from specdec_core.drafters import make_drafter
-from specdec_core.errors import SpecdecError
+from specdec_core.errors import SpecdecError, check_token_ids
 from specdec_core.policies import make_policy
+from specdec_core.request import MAX_DRAFT_TOKENS
 from specdec_core.target import TargetScorer
 
+from .auth import RequireSecret
 from .sessions import SessionTable
 from .wire import component_from_proto, sampling_from_proto, tensor_to_proto
+
+logger = logging.getLogger(__name__)
 
 MESSAGE_LIMITS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
@@ -37,51 +44,97 @@ def on_torch_thread(call: Callable[..., Any], *args: Any) -> Any:
     return TORCH_THREAD.submit(call, *args).result()
 
 
-class SessionServicer:
-    """What both workers share: the session table, Release and Stats."""
+class SessionMissing(LookupError):
+    """A call on a session that was released or expired (or died with a restarted worker)."""
 
-    def __init__(self, idle_timeout_s: float):
+
+def checked(handler: Callable) -> Callable:
+    """A handler whose bad input (SpecdecError, a field out of range) is INVALID_ARGUMENT and whose
+    bugs are INTERNAL with a short message (the traceback is logged here, never sent)."""
+
+    @functools.wraps(handler)
+    def wrapper(self, request, context):
+        try:
+            return handler(self, request, context)
+        except (SpecdecError, ValidationError) as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except SessionMissing as error:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+        except Exception:  # noqa: BLE001 - logged with the session id; the caller sees INTERNAL
+            session_id = getattr(request, "session_id", "")
+            logger.exception("%s failed for session %r", handler.__name__, session_id)
+            context.abort(grpc.StatusCode.INTERNAL, f"{handler.__name__} failed (session {session_id!r})")
+
+    return wrapper
+
+
+class SessionServicer:
+    """What both workers share: the session table, input checks, Release and Stats. Every token
+    id, size and setting a worker receives is checked here as well as at the server, so a direct
+    caller can neither crash a worker nor read past its vocabulary or cache."""
+
+    def __init__(self, target_config: Any, idle_timeout_s: float):
+        """`target_config`: the target model's config (the ids are the target's)."""
+        self.vocab_size = target_config.vocab_size
+        self.max_positions = getattr(target_config, "max_position_embeddings", 1 << 20)
         self.table = SessionTable(idle_timeout_s)
 
-    def session(self, session_id: str, context: grpc.ServicerContext) -> Any:
+    def session(self, session_id: str) -> Any:
         session = self.table.get(session_id)
         if session is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no session {session_id!r} (released or expired)")
+            raise SessionMissing(f"no session {session_id!r} (released or expired)")
         return session
 
-    @staticmethod
-    def build(context: grpc.ServicerContext, make: Callable[[], Any]) -> Any:
-        """`make()`, with a user error (unknown policy, bad parameters) as INVALID_ARGUMENT."""
-        try:
-            return make()
-        except SpecdecError as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        if not 0 < len(prompt_ids) < self.max_positions:
+            raise SpecdecError(f"prompt_ids must hold 1 to {self.max_positions - 1} tokens")
+        check_token_ids(prompt_ids, self.vocab_size, "prompt_ids")
+        return list(prompt_ids)
 
+    def check_tokens(self, tokens: Sequence[int], param: str, max_count: int) -> list[int]:
+        if len(tokens) > max_count:
+            raise SpecdecError(f"{param} holds {len(tokens)} tokens; at most {max_count}")
+        check_token_ids(tokens, self.vocab_size, param)
+        return list(tokens)
+
+    @checked
     def Release(self, request, context):
         self.table.release(request.session_id)
         return pb.Empty()
 
+    @checked
     def Stats(self, request, context):
         sessions, requests = self.table.counts()
         return pb.WorkerStats(sessions=sessions, requests=requests)
 
 
 class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
-    def __init__(self, draft_model: Optional[torch.nn.Module], idle_timeout_s: float = 120.0):
-        super().__init__(idle_timeout_s)
+    def __init__(
+        self,
+        draft_model: Optional[torch.nn.Module],
+        target_config: Any,
+        idle_timeout_s: float = 120.0,
+    ):
+        super().__init__(target_config, idle_timeout_s)
         self.draft_model = draft_model
 
+    @checked
     def Reset(self, request, context):
+        prompt_ids = self.check_prompt(request.prompt_ids)
         spec = component_from_proto(request.drafter)
-        drafter = self.build(context, lambda: make_drafter(spec.name, spec.params, self.draft_model))
-        drafter.reset(list(request.prompt_ids), sampling_from_proto(request.sampling))
+        drafter = make_drafter(spec.name, spec.params, self.draft_model)
+        drafter.reset(prompt_ids, sampling_from_proto(request.sampling))
         self.table.put(request.session_id, (drafter, request.with_logits))
         return pb.Empty()
 
+    @checked
     def Propose(self, request, context):
-        drafter, with_logits = self.session(request.session_id, context)
-        if request.commit_tokens:
-            drafter.commit(list(request.commit_tokens))
+        drafter, with_logits = self.session(request.session_id)
+        if not 0 <= request.max_tokens <= MAX_DRAFT_TOKENS:
+            raise SpecdecError(f"max_tokens must lie in [0, {MAX_DRAFT_TOKENS}]")
+        commit_tokens = self.check_tokens(request.commit_tokens, "commit_tokens", MAX_DRAFT_TOKENS + 1)
+        if commit_tokens:
+            drafter.commit(commit_tokens)
         block = drafter.propose(request.max_tokens)
         reply = pb.DraftReply(tokens=block.tokens.tolist())
         if block.sampled:
@@ -93,24 +146,34 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
 
 class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
     def __init__(self, target_model: torch.nn.Module, idle_timeout_s: float = 120.0):
-        super().__init__(idle_timeout_s)
+        super().__init__(target_model.config, idle_timeout_s)
         self.target_model = target_model
 
+    @checked
     def Reset(self, request, context):
+        prompt_ids = self.check_prompt(request.prompt_ids)
         spec = component_from_proto(request.policy)
-        policy = self.build(context, lambda: make_policy(spec.name, spec.params))
+        policy = make_policy(spec.name, spec.params)
         scorer = TargetScorer(self.target_model)
-        scorer.reset(list(request.prompt_ids), policy, sampling_from_proto(request.sampling))
+        scorer.reset(prompt_ids, policy, sampling_from_proto(request.sampling))
         self.table.put(request.session_id, scorer)
         return pb.Empty()
 
+    @checked
     def Score(self, request, context):
-        scorer = self.session(request.session_id, context)
+        scorer = self.session(request.session_id)
+        if not 0 <= request.commit_keep <= scorer.num_scored:
+            raise SpecdecError(f"commit_keep must lie in [0, {scorer.num_scored}] (the tokens last scored)")
+        tokens = self.check_tokens(request.tokens, "tokens", MAX_DRAFT_TOKENS + 1)
+        if not tokens:
+            raise SpecdecError("tokens must hold the last committed token and the drafts")
         if request.commit_keep > 0:
             scorer.commit(request.commit_keep)
-        block = scorer.score(list(request.tokens))
+        if scorer.committed_len + len(tokens) > self.max_positions:
+            raise SpecdecError(f"the session would exceed {self.max_positions} positions")
+        block = scorer.score(tokens)
         reply = pb.ScoreReply(vocab_size=block.vocab_size)
-        top_k = scorer.policy.wire_top_k(scorer.sampling)
+        top_k = wire_top_k(scorer.policy, scorer.sampling)
         if top_k is None:
             reply.logits.CopyFrom(tensor_to_proto(block.logits))
         else:
@@ -119,15 +182,18 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
             reply.top_log_probs.CopyFrom(tensor_to_proto(log_probs))
         for name, tensor in block.features.items():
             reply.features[name].CopyFrom(tensor_to_proto(tensor))
+        if block.token_log_probs is not None:
+            reply.token_log_probs.CopyFrom(tensor_to_proto(block.token_log_probs))
         return reply
 
 
 def start_server(
-    servicer: Any, add_to_server: Callable, host: str = "127.0.0.1", port: int = 0
+    servicer: Any, add_to_server: Callable, host: str = "127.0.0.1", port: int = 0, secret: Optional[str] = None
 ) -> tuple[grpc.Server, int]:
-    """Serve `servicer` on host:port (0 picks a free port), its handlers on the torch thread;
-    returns the server and its port."""
-    server = grpc.server(TORCH_THREAD, options=MESSAGE_LIMITS)
+    """Serve `servicer` on host:port (0 picks a free port), its handlers on the torch thread, to
+    callers that hold `secret` (when given); returns the server and its port."""
+    interceptors = [RequireSecret(secret)] if secret else []
+    server = grpc.server(TORCH_THREAD, interceptors=interceptors, options=MESSAGE_LIMITS)
     add_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     server.start()

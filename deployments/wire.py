@@ -30,10 +30,11 @@ def tensor_from_proto(message: pb.Tensor) -> torch.Tensor:
 
 
 def sampling_to_proto(sampling: SamplingParams) -> pb.Sampling:
-    return pb.Sampling(**sampling.model_dump())
+    return pb.Sampling(**sampling.model_dump(exclude_none=True))
 
 
 def sampling_from_proto(message: pb.Sampling) -> SamplingParams:
+    """Validated like any request (pydantic's ValidationError on a bad field)."""
     return SamplingParams(
         temperature=message.temperature,
         top_p=message.top_p,
@@ -42,6 +43,7 @@ def sampling_from_proto(message: pb.Sampling) -> SamplingParams:
         stop=list(message.stop),
         seed=message.seed,
         ignore_eos=message.ignore_eos,
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
     )
 
 

@@ -13,6 +13,7 @@ from .config import AppConfig
 WORKER_NAMESPACE = "specdec"
 Role = Literal["draft", "target"]
 ROLES: tuple[Role, ...] = get_args(Role)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @ray.remote
@@ -22,7 +23,7 @@ class WorkerActor:
     def __init__(self, role: Role, config: dict):
         from protos import specdec_pb2_grpc as pb_grpc
         from specdec_core.kernels.cpu import configure_cpu
-        from specdec_core.loader import load_model
+        from specdec_core.loader import load_configs, load_model
 
         from .servicers import DraftServicer, TargetServicer, on_torch_thread, start_server
 
@@ -32,15 +33,17 @@ class WorkerActor:
         model_spec = app_config.draft if role == "draft" else app_config.target
         model = on_torch_thread(load_model, model_spec) if model_spec else None
         if role == "draft":
-            servicer = DraftServicer(model, app_config.session_idle_timeout_s)
+            target_config, _ = load_configs(app_config.target)
+            servicer = DraftServicer(model, target_config, app_config.session_idle_timeout_s)
             add = pb_grpc.add_DrafterServicer_to_server
         else:
             servicer = TargetServicer(model, app_config.session_idle_timeout_s)
             add = pb_grpc.add_TargetServicer_to_server
-        bind_host = "127.0.0.1" if app_config.host in ("127.0.0.1", "localhost") else "0.0.0.0"
-        self.server, port = start_server(servicer, add, host=bind_host)
-        node_ip = "127.0.0.1" if bind_host == "127.0.0.1" else ray.util.get_node_ip_address()
-        self.address = f"{node_ip}:{port}"
+        # loopback when the service is; else the one address Ray uses for this node (the server
+        # may run on another node), never every interface
+        host = "127.0.0.1" if app_config.host in LOOPBACK else ray.util.get_node_ip_address()
+        self.server, port = start_server(servicer, add, host=host, secret=app_config.worker_secret)
+        self.address = f"{host}:{port}"
 
     def get_address(self) -> str:
         return self.address

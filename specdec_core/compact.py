@@ -9,7 +9,21 @@ entry is <= the k-th probability, so the argmax and the top-k set are unchanged)
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from .policies import AcceptancePolicy
+from .sampling import SamplingParams
+
+
+def wire_top_k(policy: AcceptancePolicy, sampling: SamplingParams) -> Optional[int]:
+    """How many top entries per row a request reads: its policy's need, widened to the top
+    log-probs it asked for; None: full rows."""
+    top_k = policy.wire_top_k(sampling)
+    if top_k is None or not sampling.logprobs:
+        return top_k
+    return max(top_k, sampling.logprobs)
 
 
 def compact_rows(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 from .drafters import make_drafter
 from .frontend import Frontend, OutputTracker, PreparedRequest
 from .loader import ModelSpec, load_model, load_tokenizer
+from .logprobs import emitted_log_probs
 from .metrics import SpecMetrics
 from .request import Completion, GenerationRequest, RequestDefaults, StreamChunk
 from .sessions import DraftSession, TargetSession
@@ -45,7 +46,10 @@ def speculative_loop(
         drafter.commit(new_tokens)
         metrics.record(draft, verdict)
         last_token = new_tokens[-1]
-        chunk = output.append(new_tokens)
+        log_probs = None
+        if sampling.logprobs is not None:
+            log_probs = emitted_log_probs(block, new_tokens, verdict.num_accepted, sampling.logprobs)
+        chunk = output.append(new_tokens, log_probs)
         if output.finish_reason is not None:
             chunk.metrics = {
                 **metrics.summary(),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, Sequence, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -10,7 +10,21 @@ ParamsT = TypeVar("ParamsT", bound=BaseModel)
 
 
 class SpecdecError(ValueError):
-    """Invalid user input (request, policy, drafter): the message says what and why."""
+    """Invalid user input (request, policy, drafter): the message says what and why, `param`
+    names the request field at fault where there is one."""
+
+    param: Optional[str] = None
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        if param is not None:
+            self.param = param
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """Every id within the vocabulary (a direct caller of a worker is checked the same way)."""
+    if not all(0 <= token < vocab_size for token in token_ids):
+        raise SpecdecError(f"{param}: token ids must lie in [0, {vocab_size})", param)
 
 
 def format_validation_errors(errors: list[dict], root: str) -> str:

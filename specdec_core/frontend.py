@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .drafters import validate_drafter
-from .errors import SpecdecError
+from .errors import SpecdecError, check_token_ids
 from .policies import AcceptancePolicy, make_policy
-from .request import ComponentSpec, GenerationRequest, RequestDefaults, StreamChunk
+from .request import ComponentSpec, GenerationRequest, LogProb, RequestDefaults, StreamChunk, TokenLogProbs
 from .sampling import SamplingParams
 
 
@@ -42,7 +42,8 @@ class OutputTracker:
     def remaining(self) -> int:
         return self.sampling.max_tokens - len(self.token_ids)
 
-    def append(self, new_tokens: Sequence[int]) -> StreamChunk:
+    def append(self, new_tokens: Sequence[int], log_probs: Optional[list] = None) -> StreamChunk:
+        """`log_probs`: logprobs.emitted_log_probs of `new_tokens`, when the request asks."""
         start = len(self.token_ids)
         for token in new_tokens:
             if token in self.eos_ids and not self.sampling.ignore_eos:
@@ -55,7 +56,17 @@ class OutputTracker:
         if self.tokenizer is not None:
             self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
             self._apply_stop_strings()
-        return StreamChunk(self.token_ids[start:], self._text_delta(), self.finish_reason)
+        chunk = StreamChunk(self.token_ids[start:], self._text_delta(), self.finish_reason)
+        if log_probs is not None:
+            chunk.log_probs = [
+                TokenLogProbs(self._log_prob(token, log_prob), [self._log_prob(*entry) for entry in top])
+                for token, log_prob, top in log_probs[: len(chunk.token_ids)]
+            ]
+        return chunk
+
+    def _log_prob(self, token_id: int, log_prob: float) -> LogProb:
+        token = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+        return LogProb(token_id, token, log_prob)
 
     def _apply_stop_strings(self) -> None:
         hits = [index for index in (self.text.find(stop) for stop in self.sampling.stop) if index >= 0]
@@ -106,11 +117,10 @@ class Frontend:
 
     def encode(self, request: GenerationRequest) -> list[int]:
         if request.prompt_ids is not None:
-            if not all(0 <= token < self.vocab_size for token in request.prompt_ids):
-                raise SpecdecError(f"prompt_ids must lie in [0, {self.vocab_size})")
+            check_token_ids(request.prompt_ids, self.vocab_size, "prompt")
             return list(request.prompt_ids)
         if self.tokenizer is None:
-            raise SpecdecError("this engine has no tokenizer: send prompt_ids")
+            raise SpecdecError("this engine has no tokenizer: send prompt_ids", "prompt")
         if request.messages is not None:
             text = self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
             return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -120,22 +130,26 @@ class Frontend:
         """Validate a request and fill in its defaults; raises SpecdecError with a clear message."""
         sampling = request.sampling
         if self.max_tokens_limit is not None and sampling.max_tokens > self.max_tokens_limit:
-            raise SpecdecError(f"max_tokens must be <= {self.max_tokens_limit}")
+            raise SpecdecError(f"max_tokens must be <= {self.max_tokens_limit}", "max_tokens")
+        if sampling.top_k > self.vocab_size:
+            raise SpecdecError(f"top_k must be <= the vocabulary size ({self.vocab_size})", "top_k")
         policy_spec = request.policy or self.defaults.policy_for(sampling)
         policy = make_policy(policy_spec.name, policy_spec.params)
         if not sampling.greedy and not policy.supports_sampling:
-            raise SpecdecError(f"policy {policy.name!r} needs temperature 0; use 'rejection' to sample")
+            raise SpecdecError(f"policy {policy.name!r} needs temperature 0; use 'rejection' to sample", "policy")
         drafter = request.drafter or self.defaults.drafter
         validate_drafter(drafter.name, drafter.params)
         num_draft_tokens = request.num_draft_tokens or self.defaults.num_draft_tokens
         prompt_ids = self.encode(request)
+        prompt_field = "messages" if request.messages is not None else "prompt"
         if not prompt_ids:
-            raise SpecdecError("prompt encodes to zero tokens")
+            raise SpecdecError("prompt encodes to zero tokens", prompt_field)
         budget = self.max_positions - sampling.max_tokens - num_draft_tokens
         if len(prompt_ids) > budget:
             raise SpecdecError(
                 f"prompt has {len(prompt_ids)} tokens; with max_tokens={sampling.max_tokens} "
-                f"the limit is {max(budget, 0)}"
+                f"the limit is {max(budget, 0)}",
+                prompt_field,
             )
         return PreparedRequest(prompt_ids, sampling, policy, drafter, num_draft_tokens)
 

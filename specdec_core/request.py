@@ -4,13 +4,14 @@ streamed chunks and completion. No tensors and no weights here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .sampling import SamplingParams
 
 MAX_DRAFT_TOKENS = 64
+Role = Literal["system", "user", "assistant", "developer", "tool"]
 
 
 class ComponentSpec(BaseModel):
@@ -51,6 +52,14 @@ class GenerationRequest(BaseModel):
     drafter: Optional[ComponentSpec] = None
     num_draft_tokens: Optional[int] = Field(None, ge=1, le=MAX_DRAFT_TOKENS)
 
+    @field_validator("messages")
+    @classmethod
+    def _known_roles(cls, messages):
+        for message in messages or ():
+            if message.get("role") not in get_args(Role):
+                raise ValueError(f"unknown role {message.get('role')!r}; roles: {', '.join(get_args(Role))}")
+        return messages
+
     @model_validator(mode="after")
     def _one_prompt(self):
         given = [name for name in ("prompt", "messages", "prompt_ids") if getattr(self, name) is not None]
@@ -62,11 +71,27 @@ class GenerationRequest(BaseModel):
 
 
 @dataclass
+class LogProb:
+    token_id: int
+    token: str  # the token decoded alone
+    log_prob: float
+
+
+@dataclass
+class TokenLogProbs:
+    """An emitted token's log-prob under the target, and the target's top alternatives."""
+
+    chosen: LogProb
+    top: list[LogProb]
+
+
+@dataclass
 class StreamChunk:
     token_ids: list[int]
     text: str
     finish_reason: Optional[str] = None  # "stop" | "length" on the last chunk
     metrics: Optional[dict] = None  # on the last chunk
+    log_probs: Optional[list[TokenLogProbs]] = None  # one per token id, when the request asks
 
 
 @dataclass
@@ -76,13 +101,16 @@ class Completion:
     text: str
     finish_reason: str
     metrics: dict
+    log_probs: Optional[list[TokenLogProbs]] = None
 
     @classmethod
     def from_chunks(cls, chunks: list[StreamChunk]) -> "Completion":
+        asked = chunks[-1].log_probs is not None
         return cls(
             prompt_tokens=chunks[-1].metrics["prompt_tokens"],
             token_ids=[token for chunk in chunks for token in chunk.token_ids],
             text="".join(chunk.text for chunk in chunks),
             finish_reason=chunks[-1].finish_reason,
             metrics=chunks[-1].metrics,
+            log_probs=[entry for chunk in chunks for entry in chunk.log_probs] if asked else None,
         )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+INT32_MAX = (1 << 31) - 1
+MAX_TOP_LOGPROBS = 20
 
 
 class SamplingParams(BaseModel):
@@ -15,11 +18,14 @@ class SamplingParams(BaseModel):
 
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k filtering")
+    top_k: int = Field(0, ge=0, le=INT32_MAX, description="0 disables top-k filtering")
     max_tokens: int = Field(128, ge=1, le=32768)
     stop: list[str] = Field(default_factory=list)
-    seed: int = 0
+    seed: int = Field(0, ge=-(1 << 63), lt=1 << 63, description="a signed 64-bit integer")
     ignore_eos: bool = False
+    logprobs: Optional[int] = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="return the target log-prob of each token and this many top ones"
+    )
 
     @property
     def greedy(self) -> bool:

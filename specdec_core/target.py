@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from .kernels.kv_cache import crop_cache, make_cache
+from .logprobs import token_log_probs
 from .policies import AcceptancePolicy
 from .sampling import SamplingParams
 from .types import TargetBlock
@@ -25,6 +26,7 @@ class TargetScorer:
         self.model = model
         self.cache = None
         self.committed_len = 0
+        self.num_scored = 0  # tokens of the last `score`, of which `commit` keeps some
 
     @torch.inference_mode()
     def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
@@ -36,6 +38,7 @@ class TargetScorer:
         self.features_rng = sampling.generator("target")
         self.cache = make_cache(self.model)
         self.committed_len = 0
+        self.num_scored = 0
         if len(prompt_ids) > 1:
             self.model.model(
                 input_ids=torch.tensor([list(prompt_ids[:-1])]), past_key_values=self.cache, use_cache=True
@@ -47,12 +50,15 @@ class TargetScorer:
         """Logits `[len(tokens), V]` (fp32) for the tokens appended after the committed prefix,
         plus the policy's target-side features for the `len(tokens) - 1` draft positions."""
         crop_cache(self.cache, self.committed_len)
+        self.num_scored = len(tokens)
         output = self.model.model(input_ids=torch.tensor([list(tokens)]), past_key_values=self.cache, use_cache=True)
         hidden = output.last_hidden_state[0]
         block = TargetBlock(logits=self.model.lm_head(hidden).float())
         if self.policy.needs_hidden:
             block.hidden, block.lm_head = hidden, self.model.lm_head
         draft_tokens = torch.tensor(list(tokens[1:]), dtype=torch.long)
+        if self.sampling.logprobs is not None:
+            block.token_log_probs = token_log_probs(block.logits[:-1], draft_tokens)
         block.features = self.policy.target_features(block, draft_tokens, self.sampling, self.features_rng)
         return block
 

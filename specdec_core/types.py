@@ -45,12 +45,15 @@ class DraftBlock:
 class TargetBlock:
     """Target scores for `[last committed, d_1..d_K]`: row i scores draft token i, row K the bonus.
     `hidden [K+1, H]` is the final (post-norm) hidden state and `lm_head` maps it to logits;
-    both are present when the scorer was asked for them (DropMatch)."""
+    both are present when the scorer was asked for them (DropMatch). `token_log_probs [K]` is the
+    target's log-prob of each draft token, exact even where a compact row (compact.py) holds only
+    the top entries; present when the request asks for log-probs."""
 
     logits: torch.Tensor  # [K+1, V] float32
     hidden: Optional[torch.Tensor] = None
     lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     features: dict[str, torch.Tensor] = field(default_factory=dict)  # policy.target_features
+    token_log_probs: Optional[torch.Tensor] = None
 
     @property
     def vocab_size(self) -> int:

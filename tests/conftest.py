@@ -75,3 +75,18 @@ def repeating_prompt(seed: int, length: int = 24, vocab_size: int = TINY_VOCAB) 
     generator = torch.Generator().manual_seed(seed)
     block = torch.randint(0, vocab_size, (length // 2,), generator=generator).tolist()
     return block + block
+
+
+def assert_target_log_probs(log_probs, model, prompt_ids: list[int], token_ids: list[int], num_top: int) -> None:
+    """`log_probs` (TokenLogProbs per emitted token, or their OpenAI dicts' values) equal the
+    target's log-softmax at each emitted token, from one plain forward over the whole text (1e-4)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + token_ids])).logits[0].float()
+    rows = logits[len(prompt_ids) - 1 : -1].log_softmax(-1)
+    assert len(log_probs) == len(token_ids)
+    for row, token, entry in zip(rows, token_ids, log_probs):
+        assert entry.chosen.token_id == token
+        assert abs(entry.chosen.log_prob - row[token].item()) < 1e-4
+        top_values, top_ids = row.topk(num_top)
+        assert [alt.token_id for alt in entry.top] == top_ids.tolist()
+        assert all(abs(alt.log_prob - value) < 1e-4 for alt, value in zip(entry.top, top_values.tolist()))

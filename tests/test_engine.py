@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, perturbed_copy, repeating_prompt, tiny_llama
+from conftest import TINY_VOCAB, assert_target_log_probs, perturbed_copy, repeating_prompt, tiny_llama
 from scipy.stats import chisquare
 
 from specdec_core import GenerationRequest, SpecdecError, SpeculativeEngine
@@ -221,6 +221,8 @@ def test_bad_requests_raise_clear_errors(tiny_engine):
         (dict(prompt_ids=prompt, sampling={"temperature": -0.5}), "greater than or equal to 0"),
         (dict(prompt_ids=prompt, sampling={"top_p": 0.0}), "greater than 0"),
         (dict(prompt_ids=prompt, sampling={"max_tokens": 0}), "greater than or equal to 1"),
+        (dict(prompt_ids=prompt, sampling={"seed": 2**70}), "less than 9223372036854775808"),
+        (dict(prompt_ids=prompt, sampling={"logprobs": 21}), "less than or equal to 20"),
     ]
     for fields, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -229,13 +231,15 @@ def test_bad_requests_raise_clear_errors(tiny_engine):
         (request(prompt, policy="nope"), "unknown policy 'nope'"),
         (request(prompt, drafter="nope"), "unknown drafter 'nope'"),
         (request(prompt, policy="greedy", temperature=0.7), "needs temperature 0"),
-        (request([TINY_VOCAB + 5]), r"prompt_ids must lie in \[0, 512\)"),
+        (request([TINY_VOCAB + 5]), r"prompt: token ids must lie in \[0, 512\)"),
         (request(prompt, max_tokens=2000), "prompt has 24 tokens"),
         (GenerationRequest(prompt="hi"), "this engine has no tokenizer"),
+        (GenerationRequest(prompt_ids=prompt, sampling={"top_k": 3_000_000_000 % 2**31}), "top_k must be <= the voc"),
     ]
     for bad, message in engine_cases:
-        with pytest.raises(SpecdecError, match=message):
+        with pytest.raises(SpecdecError, match=message) as raised:
             tiny_engine.complete(bad)
+        assert raised.value.param in ("policy", "drafter", "prompt", "top_k")
     with pytest.raises(DrafterError, match="needs a draft model"):
         SpeculativeEngine(tiny_engine.target_model).complete(request(prompt, drafter="model"))
     with pytest.raises(DrafterError, match="num_pred_tokens"):
@@ -247,6 +251,29 @@ def test_bad_requests_raise_clear_errors(tiny_engine):
             tiny_engine.complete(
                 GenerationRequest(prompt_ids=prompt, drafter={"name": "pld", "params": {"verify_cost": verify_cost}})
             )
+
+
+LOOSE_FLY = {"name": "fly", "params": {"theta": 0.0, "window": 0}}  # accepts mismatches on the tiny pair
+
+
+@pytest.mark.parametrize(
+    "policy, temperature", [({"name": "greedy"}, 0.0), (LOOSE_FLY, 0.0), ({"name": "rejection"}, 0.8)]
+)
+def test_log_probs_are_the_targets_at_the_emitted_tokens(tiny_engine, policy, temperature):
+    """Accepted drafts (loose ones too), corrections and bonus tokens alike: the target's own
+    log-prob at T = 1."""
+    prompt = repeating_prompt(3)
+    completion = tiny_engine.complete(
+        GenerationRequest(
+            prompt_ids=prompt,
+            policy=policy,
+            drafter={"name": "model"},
+            sampling={"max_tokens": 24, "temperature": temperature, "seed": 1, "logprobs": 3},
+        )
+    )
+    assert completion.metrics["spec_decode_num_accepted_tokens"] > 0
+    assert completion.metrics.get("loose", 1) > 0
+    assert_target_log_probs(completion.log_probs, tiny_engine.target_model, prompt, completion.token_ids, 3)
 
 
 def test_metrics_count_drafts_and_the_policys_own_counters(tiny_target):

@@ -5,6 +5,7 @@ request (fallback, 503, 500 with a request id, an error event mid-stream)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
 from deployments.http_ingress import build_http_app  # noqa: E402
 from deployments.remote_engine import RemoteEngine  # noqa: E402
-from deployments.servicers import DraftServicer, TargetServicer, start_server  # noqa: E402
+from deployments.servicers import DraftServicer, TargetServicer, checked, start_server  # noqa: E402
 from deployments.watcher import WorkerWatcher  # noqa: E402
 from deployments.wire import component_to_proto, sampling_to_proto  # noqa: E402
 from protos import specdec_pb2 as pb  # noqa: E402
@@ -39,7 +40,7 @@ class Workers:
 
     def __init__(self, engine, draft=None, target=None, deadline_s: float = 30.0, idle_timeout_s: float = 60.0):
         servicers = {
-            "draft": draft or DraftServicer(engine.draft_model, idle_timeout_s),
+            "draft": draft or DraftServicer(engine.draft_model, engine.target_model.config, idle_timeout_s),
             "target": target or TargetServicer(engine.target_model, idle_timeout_s),
         }
         self.servers, addresses = {}, {}
@@ -164,7 +165,9 @@ def test_the_watcher_reconnects_a_worker_that_came_back_elsewhere(tiny_engine):
     try:
         workers.servers["draft"].stop(None)
         assert remote_complete(engine, request("greedy", "model"))[1]["draft_fallback"] is True
-        replacement, port = start_server(DraftServicer(tiny_engine.draft_model), ADD["draft"])
+        replacement, port = start_server(
+            DraftServicer(tiny_engine.draft_model, tiny_engine.target_model.config), ADD["draft"]
+        )
         addresses["draft"] = f"127.0.0.1:{port}"
         watcher.check()
         _, metrics = remote_complete(engine, request("greedy", "model"))
@@ -178,6 +181,7 @@ def test_the_watcher_reconnects_a_worker_that_came_back_elsewhere(tiny_engine):
 class ResetRaises(DraftServicer):
     """A draft worker with a bug in Reset."""
 
+    @checked
     def Reset(self, request, context):
         raise RuntimeError("draft reset exploded")
 
@@ -185,6 +189,7 @@ class ResetRaises(DraftServicer):
 class ScoreRaisesLater(TargetServicer):
     """A target worker whose third Score fails with a bug (after the stream has begun)."""
 
+    @checked
     def Score(self, request, context):
         self.calls = getattr(self, "calls", 0) + 1
         if self.calls == 3:
@@ -201,7 +206,7 @@ def completion_body(**fields) -> dict:
 
 
 def test_a_bug_in_the_draft_worker_is_a_500_with_a_request_id_not_a_fallback(tiny_engine, caplog):
-    workers = Workers(tiny_engine, draft=ResetRaises(tiny_engine.draft_model))
+    workers = Workers(tiny_engine, draft=ResetRaises(tiny_engine.draft_model, tiny_engine.target_model.config))
     try:
         with caplog.at_level(logging.ERROR, logger="deployments"):
             response = http_client(workers).post("/v1/completions", json=completion_body())
@@ -262,7 +267,7 @@ def test_http_matches_the_engine_and_rejects_bad_input_once(tiny_engine, cluster
     for fields, status, message, param in [
         ({"max_tokens": 0}, 400, "max_tokens", "max_tokens"),
         ({"num_draft_tokens": 500}, 400, "num_draft_tokens", "num_draft_tokens"),
-        ({"policy": {"name": "greedy"}, "temperature": 0.5}, 400, "needs temperature 0", None),
+        ({"policy": {"name": "greedy"}, "temperature": 0.5}, 400, "needs temperature 0", "policy"),
     ]:
         response = client.post("/v1/completions", json=completion_body(**fields))
         assert response.status_code == status and message in response.json()["error"]["message"]
@@ -272,3 +277,274 @@ def test_http_matches_the_engine_and_rejects_bad_input_once(tiny_engine, cluster
     )
     assert bad_utf8.status_code == 400 and "malformed JSON" in bad_utf8.json()["error"]["message"]
     assert cluster.session_counts() == {"draft": 0, "target": 0}
+
+
+# ---------------------------------------------------------------- hostile input, keys, log-probs
+
+DEEP_JSON = b"[" * 100_000 + b"]" * 100_000
+COMPLETION_CASES = [  # (body fields or raw bytes, status, param)
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"max_tokens": 10**6}, 400, "max_tokens"),
+    ({"temperature": -1}, 400, "temperature"),
+    ({"temperature": "hot"}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"top_k": 3e9}, 400, "top_k"),
+    ({"top_k": 100_000}, 400, "top_k"),
+    ({"seed": 2**70}, 400, "seed"),
+    ({"seed": -(2**70)}, 400, "seed"),
+    ({"stream": "yes"}, 400, "stream"),
+    ({"n": 2}, 400, "n"),
+    ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"echo": True}, 400, "echo"),
+    ({"best_of": 3}, 400, "best_of"),
+    ({"logprobs": 50}, 400, "logprobs"),
+    ({"logprobs": True}, 400, "logprobs"),
+    ({"prompt": [999_999]}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": {"a": 1}}, 400, "prompt"),
+    ({"prompt": None}, 400, "prompt"),
+    ({"model": "other"}, 404, None),
+    ({"policy": {"name": "nope"}}, 400, "policy"),
+    ({"policy": {"name": "fly", "params": {"theta": -1}}}, 400, "policy"),
+    ({"drafter": "nope"}, 400, "drafter"),
+    ({"num_draft_tokens": 500}, 400, "num_draft_tokens"),
+    ({"num_draft_tokens": 0}, 400, "num_draft_tokens"),
+    ({"stop": 5}, 400, "stop"),
+    (b'{"prompt": "\xff"}', 400, None),
+    (DEEP_JSON, 400, None),
+    (b"[1, 2]", 400, None),
+    (b'{"prompt": "' + b"a" * (2 << 20) + b'"}', 413, None),
+]
+CHAT_CASES = [
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ({"top_logprobs": 5}, 400, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"logprobs": "yes"}, 400, "logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ({"messages": None}, 400, "messages"),
+]
+
+
+def chat_body(**fields) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0, **fields}
+
+
+def post(client: TestClient, path: str, case, base: dict):
+    if isinstance(case, bytes):
+        return client.post(path, content=case, headers={"Content-Type": "application/json"})
+    return client.post(path, json={**base, **case})
+
+
+@pytest.fixture(scope="module")
+def tokenizer_engine():
+    """A tiny random pair with SmolLM2's vocabulary behind its real tokenizer, so chat requests
+    and token strings work."""
+    from conftest import perturbed_copy, tiny_llama
+
+    from specdec_core import ModelSpec, SpeculativeEngine
+    from specdec_core.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelSpec())
+    target = tiny_llama(vocab_size=len(tokenizer))
+    engine = SpeculativeEngine(target, tokenizer, perturbed_copy(target, 0.002))
+    workers = Workers(engine)
+    yield engine, workers
+    workers.stop()
+
+
+def test_hostile_http_inputs_get_a_4xx_naming_the_field_and_the_service_goes_on(tokenizer_engine):
+    _, workers = tokenizer_engine
+    client = http_client(workers)
+    cases = [("/v1/completions", case, completion_body()) for case in COMPLETION_CASES]
+    cases += [("/v1/chat/completions", case, chat_body()) for case in CHAT_CASES]
+    assert len(cases) >= 30
+    for path, (fields, status, param), base in cases:
+        response = post(client, path, fields, base)
+        assert response.status_code == status, (fields if not isinstance(fields, bytes) else fields[:40], response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and error["message"], (fields, error)
+        assert "Traceback" not in response.text and 'File "' not in response.text
+    good = client.post("/v1/chat/completions", json=chat_body())
+    assert good.status_code == 200 and good.json()["choices"][0]["message"]["content"] is not None
+    assert workers.engine.session_counts() == {"draft": 0, "target": 0}
+
+
+def test_content_parts_are_joined_text(tokenizer_engine):
+    _, workers = tokenizer_engine
+    client = http_client(workers)
+    parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello."}]
+    as_parts = client.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user", "content": parts}]))
+    as_text = client.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user", "content": "Say\nhello."}]))
+    assert as_parts.status_code == 200, as_parts.text
+    assert as_parts.json()["choices"][0]["token_ids"] == as_text.json()["choices"][0]["token_ids"]
+
+
+def target_rows(model, prompt_ids: list[int], token_ids: list[int]):
+    """The target's log-softmax rows that scored each emitted token, from one plain forward."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + token_ids])).logits[0].float()
+    return logits[len(prompt_ids) - 1 : -1].log_softmax(-1)
+
+
+@pytest.mark.parametrize("policy", [{"name": "greedy"}, {"name": "fly", "params": {"theta": 0.0, "window": 0}}])
+def test_log_probs_on_both_endpoints_are_the_targets(tokenizer_engine, policy):
+    """Over the compact wire too: loosely accepted drafts (FLy) may lie outside the shipped top-k
+    rows; their log-probs come exact from the worker (1e-4)."""
+    engine, workers = tokenizer_engine
+    client = http_client(workers)
+    prompt = repeating_prompt(3, vocab_size=engine.frontend.vocab_size)
+    body = completion_body(prompt=prompt, policy=policy, logprobs=2, max_tokens=16)
+    completion = client.post("/v1/completions", json=body).json()
+    choice, logprobs = completion["choices"][0], completion["choices"][0]["logprobs"]
+    assert completion["speculative"].get("loose", 1) > 0 and completion["speculative"]["spec_decode_num_drafts"] > 0
+    rows = target_rows(engine.target_model, prompt, choice["token_ids"])
+    for row, token, value, top in zip(rows, choice["token_ids"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert abs(value - row[token].item()) < 1e-4
+        assert sorted(top.values(), reverse=True) == pytest.approx(row.topk(len(top)).values.tolist(), abs=1e-4)
+    assert len(logprobs["tokens"]) == len(choice["token_ids"]) == len(logprobs["text_offset"])
+
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat = client.post("/v1/chat/completions", json=chat_body(messages=messages, policy=policy, logprobs=True))
+    chat_choice = chat.json()["choices"][0]
+    prompt_ids = engine.frontend.encode(GenerationRequest(messages=messages))
+    rows = target_rows(engine.target_model, prompt_ids, chat_choice["token_ids"])
+    content = chat_choice["logprobs"]["content"]
+    assert len(content) == len(chat_choice["token_ids"]) and content[0]["top_logprobs"] == []
+    for row, token, entry in zip(rows, chat_choice["token_ids"], content):
+        assert abs(entry["logprob"] - row[token].item()) < 1e-4 and entry["bytes"] == list(entry["token"].encode())
+
+
+GRPC_CASES = [  # GenerateRequest fields -> INVALID_ARGUMENT
+    {"prompt": ""},
+    {"prompt": "hi", "sampling": {"top_p": 0.0, "max_tokens": 8}},
+    {"prompt": "hi", "sampling": {"top_p": 1.0, "top_k": 100_000, "max_tokens": 8}},
+    {"prompt": "hi", "sampling": {"top_p": 1.0, "max_tokens": 0}},
+    {"prompt": "hi", "sampling": {"top_p": 1.0, "max_tokens": 8, "logprobs": 50}},
+    {"prompt": "hi", "policy": {"name": "nope"}},
+    {"prompt": "hi", "policy": {"name": "fly", "params_json": "{"}},
+    {"prompt": "hi", "drafter": {"name": "nope"}},
+    {"messages": [{"role": "wizard", "content": "hi"}]},
+    {"prompt": "hi", "num_draft_tokens": 500},
+]
+
+
+@pytest.fixture(scope="module")
+def grpc_ingress(tokenizer_engine):
+    from deployments.grpc_ingress import start_grpc_ingress
+
+    _, workers = tokenizer_engine
+    server, port = start_grpc_ingress(workers.engine, AppConfig(grpc_port=0, api_key="sk-test"))
+    yield f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_hostile_grpc_inputs_are_invalid_argument_without_internals(grpc_ingress):
+    from deployments.client import SpecdecGrpcClient
+
+    stub = SpecdecGrpcClient(grpc_ingress, api_key="sk-test")
+    for fields in GRPC_CASES:
+        with pytest.raises(grpc.RpcError) as failure:
+            stub.stub.GenerateUnary(pb.GenerateRequest(**fields), metadata=stub.metadata, timeout=30)
+            pytest.fail(f"accepted {fields}")
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (fields, failure.value.details())
+        assert "Traceback" not in failure.value.details() and 'File "' not in failure.value.details()
+    good = stub.generate(GenerationRequest(prompt="hi", sampling={"max_tokens": 4, "logprobs": 1}))
+    assert len(good["token_ids"]) == 4
+
+
+def test_api_key_is_required_on_http_and_grpc(tokenizer_engine, grpc_ingress):
+    from deployments.client import SpecdecGrpcClient
+
+    _, workers = tokenizer_engine
+    client = TestClient(build_http_app(workers.engine, AppConfig(model_name="tiny", api_key="sk-test")))
+    body = chat_body()
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test"}):
+        refused = client.post("/v1/chat/completions", json=body, headers=headers)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert client.get("/v1/models").status_code == 401 and client.get("/health").status_code == 200
+    accepted = client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-test"})
+    assert accepted.status_code == 200
+    assert accepted.headers["x-request-id"] in accepted.json()["id"]
+    tagged = client.post(
+        "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-test", "x-request-id": "trace-7"}
+    )
+    assert tagged.headers["x-request-id"] == "trace-7" and tagged.json()["id"] == "chatcmpl-trace-7"
+    request = GenerationRequest(prompt="hi", sampling={"max_tokens": 4})
+    for api_key in (None, "wrong"):
+        with pytest.raises(grpc.RpcError) as failure:
+            SpecdecGrpcClient(grpc_ingress, api_key=api_key).generate(request)
+        assert failure.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert len(SpecdecGrpcClient(grpc_ingress, api_key="sk-test").generate(request)["token_ids"]) == 4
+
+
+def test_workers_check_the_secret_and_everything_they_receive(tiny_engine):
+    """A direct caller of a worker: refused without the secret; with it, out-of-vocabulary ids,
+    oversized blocks and bad settings are INVALID_ARGUMENT, and the worker keeps serving."""
+    draft = DraftServicer(tiny_engine.draft_model, tiny_engine.target_model.config)
+    target = TargetServicer(tiny_engine.target_model)
+    servers, stubs = [], {}
+    for role, servicer in (("draft", draft), ("target", target)):
+        server, port = start_server(servicer, ADD[role], secret="s3cret")
+        servers.append(server)
+        stubs[role] = pb_grpc.DrafterStub if role == "draft" else pb_grpc.TargetStub
+        stubs[role] = stubs[role](grpc.insecure_channel(f"127.0.0.1:{port}"))
+    secret = (("x-specdec-secret", "s3cret"),)
+    greedy, sampling = component_to_proto(ComponentSpec(name="greedy")), sampling_to_proto(SamplingParams())
+    pld = component_to_proto(ComponentSpec(name="pld"))
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            stubs["target"].Stats(pb.Empty(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        target_reset = functools.partial(pb.TargetReset, session_id="a", policy=greedy)
+        bad_calls = [
+            (stubs["target"].Reset, target_reset(prompt_ids=[999_999], sampling=sampling)),
+            (stubs["target"].Reset, target_reset(prompt_ids=[], sampling=sampling)),
+            (stubs["target"].Reset, target_reset(prompt_ids=[1], sampling=pb.Sampling())),
+            (stubs["draft"].Reset, pb.DraftReset(session_id="a", prompt_ids=[-3], sampling=sampling, drafter=pld)),
+        ]
+        for call, message in bad_calls:
+            with pytest.raises(grpc.RpcError) as failure:
+                call(message, metadata=secret, timeout=10)
+            assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
+        stubs["target"].Reset(
+            pb.TargetReset(session_id="s", prompt_ids=[1, 2, 3], sampling=sampling, policy=greedy), metadata=secret
+        )
+        for score in (
+            pb.ScoreRequest(session_id="s", tokens=[3, 999_999]),
+            pb.ScoreRequest(session_id="s", tokens=[3] * 100),
+            pb.ScoreRequest(session_id="s", tokens=[]),
+            pb.ScoreRequest(session_id="s", tokens=[3], commit_keep=5),
+        ):
+            with pytest.raises(grpc.RpcError) as failure:
+                stubs["target"].Score(score, metadata=secret, timeout=10)
+            assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
+        reply = stubs["target"].Score(pb.ScoreRequest(session_id="s", tokens=[3, 4]), metadata=secret, timeout=10)
+        assert reply.vocab_size == tiny_engine.target_model.config.vocab_size
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
+def listening_addresses(port: int) -> list[str]:
+    """The local addresses of this machine's listening sockets on `port` (IPv4-mapped made plain)."""
+    import ipaddress
+
+    import psutil
+
+    addresses = []
+    for conn in psutil.net_connections("inet"):
+        if conn.status == "LISTEN" and conn.laddr.port == port:
+            ip = ipaddress.ip_address(conn.laddr.ip)
+            addresses.append(str(getattr(ip, "ipv4_mapped", None) or ip))
+    return addresses
+
+
+def test_the_grpc_ingress_binds_the_configured_host(grpc_ingress):
+    assert set(listening_addresses(int(grpc_ingress.rsplit(":", 1)[1]))) == {"127.0.0.1"}

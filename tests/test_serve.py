@@ -76,7 +76,6 @@ def start_cluster(attempts: int = 3):
 @pytest.fixture(scope="module")
 def service(checkpoints):
     from ray import serve
-    from ray.serve.config import gRPCOptions
 
     from deployments.app import apply_serve_env_defaults, build_app
 
@@ -84,12 +83,7 @@ def service(checkpoints):
     apply_serve_env_defaults()
     cluster = start_cluster()
     ray.init(address=cluster.address, namespace="specdec")
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": HTTP_PORT},
-        grpc_options=gRPCOptions(
-            port=GRPC_PORT, grpc_servicer_functions=["protos.specdec_pb2_grpc.add_SpecdecServicer_to_server"]
-        ),
-    )
+    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
     config = {
         "model_name": MODEL,
         "target": {"source": target_dir},
@@ -290,6 +284,44 @@ def test_draft_worker_killed_mid_stream_falls_back_then_speculation_resumes(serv
         time.sleep(2)
     assert payload["speculative"]["draft_fallback"] is False
     assert payload["speculative"]["spec_decode_num_drafts"] > 0
+
+
+def test_target_worker_killed_mid_stream_ends_it_with_an_error_then_the_service_recovers(service):
+    """The stream in flight ends with an error event and [DONE]; while the target restarts,
+    requests get 503 with Retry-After and /health says what is down; then 200 again."""
+    body = dict(body_for("greedy", 0.0), max_tokens=200, stream=True, drafter="pld")
+    events = []
+    with httpx.stream("POST", URL + "/v1/completions", json={"model": MODEL, **body}, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+                if len(events) == 1:
+                    ray.kill(ray.get_actor(f"{MODEL}-target-worker", namespace="specdec"), no_restart=False)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "worker_unavailable" and "request id" in error["message"]
+    statuses, deadline = [], time.time() + 120
+    while time.time() < deadline:
+        response = completion(dict(body_for("greedy", 0.0), max_tokens=4))
+        statuses.append((response.status_code, httpx.get(URL + "/health", timeout=30).status_code))
+        if response.status_code == 200:
+            break
+        assert response.status_code == 503 and response.headers["Retry-After"], response.text
+        time.sleep(1)
+    assert statuses[-1] == (200, 200), statuses
+
+
+def test_every_listener_binds_the_configured_host(service):
+    """HTTP, gRPC and both workers listen on loopback only (the config's host)."""
+    from test_remote import listening_addresses
+
+    worker_ports = [
+        int(ray.get(ray.get_actor(f"{MODEL}-{role}-worker", namespace="specdec").get_address.remote()).rsplit(":")[1])
+        for role in ("draft", "target")
+    ]
+    for port in (HTTP_PORT, GRPC_PORT, *worker_ports):
+        assert set(listening_addresses(port)) == {"127.0.0.1"}, port
 
 
 def test_bench_against_the_endpoint_matches_in_process(service, checkpoints, tmp_path):

@@ -19,6 +19,8 @@ DRAFTERS: dict[str, type[Drafter]] = {
 class DrafterError(SpecdecError):
     """Unknown drafter, bad parameters, or a model drafter without a draft model."""
 
+    param = "drafter"
+
 
 def validate_drafter(name: str, params: Optional[dict[str, Any]] = None):
     """The drafter's validated params; raises DrafterError with a readable message."""

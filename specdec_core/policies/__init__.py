@@ -25,6 +25,8 @@ POLICY_COUNTERS = tuple(sorted({counter for cls in POLICIES.values() for counter
 class PolicyError(SpecdecError):
     """Unknown policy name or invalid policy parameters."""
 
+    param = "policy"
+
 
 def make_policy(name: str, params: Optional[dict[str, Any]] = None) -> AcceptancePolicy:
     """Build a policy by registry name; raises PolicyError with a readable message."""
