@@ -85,17 +85,14 @@ class SessionServicer:
             raise SessionMissing(f"no session {session_id!r} (released or expired)")
         return session
 
-    def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
-        if not 0 < len(prompt_ids) < self.max_positions:
-            raise SpecdecError(f"prompt_ids must hold 1 to {self.max_positions - 1} tokens")
-        check_token_ids(prompt_ids, self.vocab_size, "prompt_ids")
-        return list(prompt_ids)
-
-    def check_tokens(self, tokens: Sequence[int], param: str, max_count: int) -> list[int]:
-        if len(tokens) > max_count:
-            raise SpecdecError(f"{param} holds {len(tokens)} tokens; at most {max_count}")
+    def check_tokens(self, tokens: Sequence[int], param: str, min_count: int, max_count: int) -> list[int]:
+        if not min_count <= len(tokens) <= max_count:
+            raise SpecdecError(f"{param} must hold {min_count} to {max_count} tokens, got {len(tokens)}")
         check_token_ids(tokens, self.vocab_size, param)
         return list(tokens)
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        return self.check_tokens(prompt_ids, "prompt_ids", 1, self.max_positions - 1)
 
     @checked
     def Release(self, request, context):
@@ -132,7 +129,7 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
         drafter, with_logits = self.session(request.session_id)
         if not 0 <= request.max_tokens <= MAX_DRAFT_TOKENS:
             raise SpecdecError(f"max_tokens must lie in [0, {MAX_DRAFT_TOKENS}]")
-        commit_tokens = self.check_tokens(request.commit_tokens, "commit_tokens", MAX_DRAFT_TOKENS + 1)
+        commit_tokens = self.check_tokens(request.commit_tokens, "commit_tokens", 0, MAX_DRAFT_TOKENS + 1)
         if commit_tokens:
             drafter.commit(commit_tokens)
         block = drafter.propose(request.max_tokens)
@@ -164,9 +161,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         scorer = self.session(request.session_id)
         if not 0 <= request.commit_keep <= scorer.num_scored:
             raise SpecdecError(f"commit_keep must lie in [0, {scorer.num_scored}] (the tokens last scored)")
-        tokens = self.check_tokens(request.tokens, "tokens", MAX_DRAFT_TOKENS + 1)
-        if not tokens:
-            raise SpecdecError("tokens must hold the last committed token and the drafts")
+        tokens = self.check_tokens(request.tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)  # [last, drafts]
         if request.commit_keep > 0:
             scorer.commit(request.commit_keep)
         if scorer.committed_len + len(tokens) > self.max_positions:

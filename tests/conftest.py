@@ -77,12 +77,17 @@ def repeating_prompt(seed: int, length: int = 24, vocab_size: int = TINY_VOCAB) 
     return block + block
 
 
-def assert_target_log_probs(log_probs, model, prompt_ids: list[int], token_ids: list[int], num_top: int) -> None:
-    """`log_probs` (TokenLogProbs per emitted token, or their OpenAI dicts' values) equal the
-    target's log-softmax at each emitted token, from one plain forward over the whole text (1e-4)."""
+def target_rows(model, prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:
+    """The target's log-softmax rows that scored each emitted token, from one plain forward."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + token_ids])).logits[0].float()
-    rows = logits[len(prompt_ids) - 1 : -1].log_softmax(-1)
+    return logits[len(prompt_ids) - 1 : -1].log_softmax(-1)
+
+
+def assert_target_log_probs(log_probs, model, prompt_ids: list[int], token_ids: list[int], num_top: int) -> None:
+    """`log_probs` (TokenLogProbs per emitted token) equal the target's log-softmax at each
+    emitted token and its top `num_top` (1e-4)."""
+    rows = target_rows(model, prompt_ids, token_ids)
     assert len(log_probs) == len(token_ids)
     for row, token, entry in zip(rows, token_ids, log_probs):
         assert entry.chosen.token_id == token

@@ -11,7 +11,7 @@ import logging
 import time
 
 import pytest
-from conftest import repeating_prompt
+from conftest import repeating_prompt, target_rows
 
 pytest.importorskip("grpc")
 pytest.importorskip("fastapi")
@@ -382,15 +382,6 @@ def test_content_parts_are_joined_text(tokenizer_engine):
     as_text = client.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user", "content": "Say\nhello."}]))
     assert as_parts.status_code == 200, as_parts.text
     assert as_parts.json()["choices"][0]["token_ids"] == as_text.json()["choices"][0]["token_ids"]
-
-
-def target_rows(model, prompt_ids: list[int], token_ids: list[int]):
-    """The target's log-softmax rows that scored each emitted token, from one plain forward."""
-    import torch
-
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids + token_ids])).logits[0].float()
-    return logits[len(prompt_ids) - 1 : -1].log_softmax(-1)
 
 
 @pytest.mark.parametrize("policy", [{"name": "greedy"}, {"name": "fly", "params": {"theta": 0.0, "window": 0}}])
