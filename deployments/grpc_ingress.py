@@ -85,12 +85,14 @@ class SpecdecGrpcService(pb_grpc.SpecdecServicer):
         context.send_initial_metadata((("x-request-id", request_id),))
         authorization = metadata_value(context.invocation_metadata(), "authorization")
         if self.api_key and not bearer_matches(authorization, self.api_key):
+            self.engine.metrics.failed("grpc", grpc.StatusCode.UNAUTHENTICATED.name)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key (authorization: Bearer ...)")
         try:
             for chunk in self.engine.stream(request_from_message(message), request_id):
                 yield chunk_message(chunk)
         except Exception as error:  # noqa: BLE001 - mapped to a status by `describe` (bugs logged there)
             failure = describe(error, request_id)
+            self.engine.metrics.failed("grpc", STATUS[failure.kind].name)
             context.abort(STATUS[failure.kind], failure.message)
 
     def GenerateUnary(self, message: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateChunk:

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API: a FastAPI app over an engine with `stream(request,
-request_id)` and `session_counts()` (RemoteEngine). The Serve deployment builds it per replica
+request_id)`, `session_counts()` and `metrics` (RemoteEngine). The Serve deployment builds it per replica
 (server.py); tests build it over in-process workers.
 
 Status codes: bad input 400 (404 unknown model, 413 oversized body); a target worker that is
@@ -25,6 +25,7 @@ from .auth import bearer_matches
 from .config import AppConfig
 from .errors import describe
 from .openai_api import ChatCompletionRequest, CompletionRequest, ResponseBuilder, error_body
+from .remote_engine import MetricsSink
 
 RETRY_AFTER_S = 5
 
@@ -71,6 +72,8 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
         else:
             response = await call_next(http_request)
         response.headers["x-request-id"] = request_id
+        if response.status_code >= 400 and http_request.url.path.startswith("/v1"):
+            engine.metrics.failed("http", str(response.status_code))
         return response
 
     async def parse(
@@ -113,7 +116,7 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
             first = await loop.run_in_executor(None, next, chunks, None)
         except Exception as error:  # noqa: BLE001 - mapped to 400 / 503 / 500 (logged) by `failure`
             return error_response(error, request_id)
-        events = server_sent_events(builder, first, chunks, http_request, request_id)
+        events = server_sent_events(builder, first, chunks, http_request, request_id, engine.metrics)
         return StreamingResponse(events, media_type="text/event-stream")
 
     @api.get("/health")
@@ -146,6 +149,7 @@ async def server_sent_events(
     chunks: Iterator[StreamChunk],
     http_request: Request,
     request_id: str,
+    metrics: MetricsSink,
 ) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     chunk = first
@@ -157,7 +161,8 @@ async def server_sent_events(
             chunk = await loop.run_in_executor(None, next, chunks, None)
         yield "data: [DONE]\n\n"
     except Exception as error:  # noqa: BLE001 - reported to the client as an error event (and logged)
-        _, body, _ = failure(error, request_id)
+        status, body, _ = failure(error, request_id)
+        metrics.failed("http", str(status))  # after a 200: the middleware did not see it
         yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
     finally:  # disconnect or cancellation: close the loop so both sessions are released

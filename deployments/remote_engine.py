@@ -1,12 +1,14 @@
 """The served engine: validates a request (specdec_core's Frontend), opens a session on the
 draft worker and on the target worker, and runs specdec_core's speculative loop against them
 over gRPC. It holds no model weights (only the tokenizer and the target's config) and knows
-nothing of Ray: the server points it at workers with `connect`."""
+nothing of Ray: the server points it at workers with `connect` and gives it a `MetricsSink`."""
 
 from __future__ import annotations
 
+import time
 import uuid
-from typing import Callable, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Protocol
 
 import grpc
 
@@ -23,18 +25,43 @@ from .servicers import MESSAGE_LIMITS
 STUBS = {"draft": pb_grpc.DrafterStub, "target": pb_grpc.TargetStub}
 
 
+@dataclass
+class RequestTimings:
+    """A finished request's latencies, from its arrival (after parsing) to its chunks."""
+
+    latency_s: float = 0.0
+    time_to_first_token_s: Optional[float] = None
+    inter_token_latencies_s: list[float] = field(default_factory=list)  # between successive chunks with tokens
+
+
+class MetricsSink(Protocol):
+    def finished(self, request: PreparedRequest, metrics: dict, timings: RequestTimings) -> None:
+        """A request finished: its metrics (the last chunk's) and its timings."""
+
+    def failed(self, protocol: str, status: str) -> None:
+        """A request failed: `protocol` "http" or "grpc", `status` its code."""
+
+
+class NoMetrics:
+    def finished(self, request: PreparedRequest, metrics: dict, timings: RequestTimings) -> None:
+        pass
+
+    def failed(self, protocol: str, status: str) -> None:
+        pass
+
+
 class RemoteEngine:
     def __init__(
         self,
         frontend: Frontend,
         addresses: dict[str, str],
         deadline_s: float = 30.0,
-        on_finish: Callable[[PreparedRequest, dict], None] = lambda request, metrics: None,
+        metrics: Optional[MetricsSink] = None,
         secret: Optional[str] = None,
     ):
         self.frontend = frontend
         self.deadline_s = deadline_s
-        self.on_finish = on_finish  # called with each finished request's metrics
+        self.metrics = metrics or NoMetrics()  # told of each finished request; the ingresses tell it of failures
         self.secret = secret  # the workers' shared secret, sent with every call
         self.stubs: dict[str, object] = {}
         for role, address in addresses.items():
@@ -51,16 +78,25 @@ class RemoteEngine:
     def stream(self, request: GenerationRequest, request_id: Optional[str] = None) -> Iterator[StreamChunk]:
         """Validates `request` now (SpecdecError), then decodes it as the iterator is consumed;
         `request_id` names its worker sessions."""
+        arrival = time.perf_counter()
         prepared = self.frontend.prepare(request)
-        return self._decode(prepared, request_id or uuid.uuid4().hex)
+        return self._decode(prepared, request_id or uuid.uuid4().hex, arrival)
 
-    def _decode(self, request: PreparedRequest, session_id: str) -> Iterator[StreamChunk]:
+    def _decode(self, request: PreparedRequest, session_id: str, arrival: float) -> Iterator[StreamChunk]:
         target = RemoteTarget(self.stubs["target"], session_id, self.deadline_s)
         drafter = RemoteDrafter(
             self.stubs["draft"], session_id, request.drafter, request.policy.needs_draft_logits(), self.deadline_s
         )
+        timings, last_chunk_at = RequestTimings(), arrival
         try:
             for chunk in speculative_loop(request, drafter, target, self.frontend.output(request.sampling)):
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    if timings.time_to_first_token_s is None:
+                        timings.time_to_first_token_s = now - arrival
+                    else:
+                        timings.inter_token_latencies_s.append(now - last_chunk_at)
+                    last_chunk_at = now
                 if chunk.metrics is not None:
                     steps = max(chunk.metrics["num_steps"], 1)
                     chunk.metrics.update(
@@ -68,7 +104,8 @@ class RemoteEngine:
                         full_logits_bytes_per_step=round(target.full_rows_bytes / steps, 1),
                         draft_fallback=drafter.failed is not None,
                     )
-                    self.on_finish(request, chunk.metrics)
+                    timings.latency_s = now - arrival
+                    self.metrics.finished(request, chunk.metrics, timings)
                 yield chunk
         finally:  # also on client disconnect (GeneratorExit): free both sessions
             target.release()

@@ -37,7 +37,7 @@ class SpecdecServer:
         workers = {role: start_worker(role, self.config) for role in ROLES}
         addresses = {role: ray.get(worker.get_address.remote()) for role, worker in workers.items()}
         self.engine = RemoteEngine(
-            frontend, addresses, self.config.rpc_deadline_s, ServeMetrics().record, self.config.worker_secret
+            frontend, addresses, self.config.rpc_deadline_s, ServeMetrics(), self.config.worker_secret
         )
         self.watcher = WorkerWatcher(
             lambda role: worker_address(role, self.config, LOOKUP_TIMEOUT_S),
