@@ -141,6 +141,52 @@ def client(
     )
 
 
+@app.command()
+def probe(
+    endpoint: str = typer.Option("http://127.0.0.1:8000", "--endpoint", help="the service's HTTP address (loopback)"),
+    grpc_address: str = typer.Option("127.0.0.1:9000", "--grpc", help="its gRPC ingress ('' skips the gRPC cases)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY"),
+    ray_address: str = typer.Option("auto", "--ray-address", help="the service's Ray cluster (kills, memory)"),
+    kills: bool = typer.Option(True, help="kill each worker mid-stream and read process memory (needs Ray)"),
+    streams: int = typer.Option(64, "--streams", min=1, help="concurrent streams"),
+    disconnects: int = typer.Option(16, "--disconnects", min=1, help="streams dropped after their first event"),
+    soak: int = typer.Option(1000, "--soak", min=1, help="requests in the soak"),
+    soak_concurrency: int = typer.Option(8, "--soak-concurrency", min=1),
+    timeout_s: float = typer.Option(120.0, "--timeout", help="a request unanswered this long counts as hung"),
+):
+    """The reliability suite against a running service on this machine: hostile inputs, concurrent
+    streams, disconnects, worker kills mid-stream, a soak with memory before and after. Prints a
+    table; exits 1 on a lost or hung request, an unexpected status or a leaked session."""
+    import asyncio
+
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .probe import LocalCluster, Probe
+
+    try:
+        suite = Probe(endpoint, grpc_address or None, api_key, timeout_s)
+    except ValueError as error:
+        fail(str(error))
+    cluster = LocalCluster(ray_address) if kills else None
+    report = asyncio.run(
+        suite.run(
+            streams, disconnects, soak, soak_concurrency, cluster, lambda phase: console.print(f"[dim]probe: {phase}")
+        )
+    )
+    inputs = Table("input", "expected", "got", title="hostile inputs (status, param)")
+    for row in report.inputs:
+        inputs.add_row(*map(escape, row), style=None if row[1] == row[2] else "red")
+    checks = Table("check", "result", "", title="specdec probe")
+    for name, result, passed in report.checks:
+        checks.add_row(escape(name), escape(result), "[green]ok[/green]" if passed else "[red]FAIL[/red]")
+    console.print(inputs, checks)
+    for failure in report.failures:
+        console.print(escape(failure), style="red", highlight=False)
+    if report.failures:
+        raise typer.Exit(1)
+
+
 def connect_endpoint(base_url: str):
     from .client import SpecdecHttpClient
 

@@ -4,6 +4,7 @@ service (servicers.py) on a port of its own. Ray restarts a dead worker (on a ne
 
 from __future__ import annotations
 
+import os
 from typing import Literal, get_args
 
 import ray
@@ -48,16 +49,24 @@ class WorkerActor:
     def get_address(self) -> str:
         return self.address
 
+    def pid(self) -> int:
+        return os.getpid()
 
-def worker_name(role: Role, config: AppConfig) -> str:
-    return f"{config.model_name}-{role}-worker"
+
+def worker_name(role: Role, model_name: str) -> str:
+    return f"{model_name}-{role}-worker"
+
+
+def worker_actor(role: Role, model_name: str) -> ray.actor.ActorHandle:
+    """The running worker (raises ValueError when there is none)."""
+    return ray.get_actor(worker_name(role, model_name), namespace=WORKER_NAMESPACE)
 
 
 def start_worker(role: Role, config: AppConfig) -> ray.actor.ActorHandle:
     """The named worker, started unless it runs already (server replicas share it)."""
     resources = config.draft_worker if role == "draft" else config.target_worker
     return WorkerActor.options(
-        name=worker_name(role, config),
+        name=worker_name(role, config.model_name),
         namespace=WORKER_NAMESPACE,
         get_if_exists=True,
         lifetime="detached",
@@ -69,5 +78,4 @@ def start_worker(role: Role, config: AppConfig) -> ray.actor.ActorHandle:
 
 def worker_address(role: Role, config: AppConfig, timeout_s: float) -> str:
     """host:port of the worker's gRPC service now (raises while it is down or restarting)."""
-    actor = ray.get_actor(worker_name(role, config), namespace=WORKER_NAMESPACE)
-    return ray.get(actor.get_address.remote(), timeout=timeout_s)
+    return ray.get(worker_actor(role, config.model_name).get_address.remote(), timeout=timeout_s)

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow  # the checkpoints use SmolLM2's tokenizer
 
 from conftest import perturbed_copy, tiny_llama  # noqa: E402
 
+from deployments.worker import worker_actor  # noqa: E402
 from specdec_core import GenerationRequest, ModelSpec, SpeculativeEngine  # noqa: E402
 from specdec_core.loader import load_model, load_tokenizer  # noqa: E402
 from specdec_core.policies import POLICIES  # noqa: E402
@@ -284,7 +285,7 @@ def test_draft_worker_killed_mid_stream_falls_back_without_stalls_then_speculati
                 continue
             events.append(json.loads(line[len("data: ") :]))
             if len(events) == 1:
-                ray.kill(ray.get_actor(f"{MODEL}-draft-worker", namespace="specdec"), no_restart=False)
+                ray.kill(worker_actor("draft", MODEL), no_restart=False)
     tokens = [token for event in events for token in event["choices"][0]["token_ids"]]
     assert events[-1]["speculative"]["draft_fallback"] is True
     assert tokens == local_tokens(local_engine, body)
@@ -311,7 +312,7 @@ def test_target_worker_killed_mid_stream_ends_it_with_an_error_then_the_service_
             if line.startswith("data: "):
                 events.append(line[len("data: ") :])
                 if len(events) == 1:
-                    ray.kill(ray.get_actor(f"{MODEL}-target-worker", namespace="specdec"), no_restart=False)
+                    ray.kill(worker_actor("target", MODEL), no_restart=False)
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == "worker_unavailable" and "request id" in error["message"]
@@ -331,8 +332,7 @@ def test_every_listener_binds_the_configured_host(service):
     from test_remote import listening_addresses
 
     worker_ports = [
-        int(ray.get(ray.get_actor(f"{MODEL}-{role}-worker", namespace="specdec").get_address.remote()).rsplit(":")[1])
-        for role in ("draft", "target")
+        int(ray.get(worker_actor(role, MODEL).get_address.remote()).rsplit(":")[1]) for role in ("draft", "target")
     ]
     for port in (HTTP_PORT, GRPC_PORT, *worker_ports):
         assert set(listening_addresses(port)) == {"127.0.0.1"}, port
@@ -411,3 +411,17 @@ def test_prometheus_metrics_are_exported(service):
     while not consistent() and time.time() < deadline:
         time.sleep(1)
     assert consistent()
+
+
+def test_probe_command_passes_against_the_service(service):
+    """`specdec probe`, with small counts, against the test service: hostile inputs over HTTP and
+    gRPC, concurrent streams, disconnects, both workers killed mid-stream, a soak. It exits 0
+    only when no request was lost, hung or answered unexpectedly and no session leaked."""
+    from typer.testing import CliRunner
+
+    from deployments.cli import app
+
+    args = ["probe", "--endpoint", URL, "--grpc", f"127.0.0.1:{GRPC_PORT}", "--streams", "8", "--disconnects", "4"]
+    result = CliRunner().invoke(app, [*args, "--soak", "15", "--soak-concurrency", "4", "--timeout", "60"])
+    assert result.exit_code == 0, result.output
+    assert "FAIL" not in result.output and "target worker" in result.output
