@@ -7,6 +7,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec_core.loader import DEFAULT_DRAFT, ModelSpec
+from specdec_core.profile import CalibrationSettings
 from specdec_core.request import RequestDefaults
 
 
@@ -46,3 +47,8 @@ class AppConfig(BaseModel):
         1.0, gt=0, description="how often the server looks up each worker's address (a restarted worker moves)"
     )
     torch_threads: Optional[int] = Field(None, ge=1, description="per worker; default: its CPUs")
+    calibration: Optional[CalibrationSettings] = Field(
+        default_factory=CalibrationSettings,
+        description="the target worker measures the target's profile (EASD's tau_h) at load, cached per "
+        "model; None: no profile (EASD then needs an explicit tau_h)",
+    )

@@ -5,6 +5,7 @@ nothing of Ray: the server points it at workers with `connect` and gives it a `M
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,10 +17,11 @@ from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec_core.engine import speculative_loop
 from specdec_core.frontend import Frontend, PreparedRequest
+from specdec_core.profile import TargetProfile
 from specdec_core.request import GenerationRequest, StreamChunk
 
 from .auth import SendSecret
-from .proxies import RemoteDrafter, RemoteTarget
+from .proxies import RemoteDrafter, RemoteTarget, classify
 from .servicers import MESSAGE_LIMITS
 
 STUBS = {"draft": pb_grpc.DrafterStub, "target": pb_grpc.TargetStub}
@@ -59,13 +61,28 @@ class RemoteEngine:
         metrics: Optional[MetricsSink] = None,
         secret: Optional[str] = None,
     ):
-        self.frontend = frontend
+        self.frontend = copy.copy(frontend)  # its profile is the target worker's, asked of it
         self.deadline_s = deadline_s
         self.metrics = metrics or NoMetrics()  # told of each finished request; the ingresses tell it of failures
         self.secret = secret  # the workers' shared secret, sent with every call
         self.stubs: dict[str, object] = {}
         for role, address in addresses.items():
             self.connect(role, address)
+        self.profiles: dict[object, Optional[TargetProfile]] = {}  # per target stub: a worker's own
+        self.frontend.profile = self.target_profile
+
+    def target_profile(self) -> Optional[TargetProfile]:
+        """The target worker's profile, asked of it once per connection (first need only)."""
+        stub = self.stubs["target"]
+        if stub not in self.profiles:
+            try:
+                reply = stub.Profile(pb.Empty(), timeout=self.deadline_s)
+            except grpc.RpcError as error:
+                raise classify(error, "target") from None
+            self.profiles = {
+                stub: TargetProfile.model_validate_json(reply.profile_json) if reply.profile_json else None
+            }
+        return self.profiles[stub]
 
     def connect(self, role: str, address: str) -> None:
         """Send the next requests of `role` ("draft" or "target") to the worker at `address`;

@@ -19,6 +19,7 @@ from specdec_core.compact import compact_rows, wire_top_k
 from specdec_core.drafters import make_drafter
 from specdec_core.errors import SpecdecError, check_token_ids
 from specdec_core.policies import make_policy
+from specdec_core.profile import TargetProfile
 from specdec_core.request import MAX_DRAFT_TOKENS
 from specdec_core.target import TargetScorer
 
@@ -142,15 +143,25 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
 
 
 class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
-    def __init__(self, target_model: torch.nn.Module, idle_timeout_s: float = 120.0):
+    def __init__(
+        self, target_model: torch.nn.Module, idle_timeout_s: float = 120.0, profile: Optional[TargetProfile] = None
+    ):
+        """`profile`: the target's, measured at load (the defaults of policies that need one)."""
         super().__init__(target_model.config, idle_timeout_s)
         self.target_model = target_model
+        self.profile = profile
+
+    @checked
+    def Profile(self, request, context):
+        return pb.TargetProfileReply(profile_json=self.profile.model_dump_json() if self.profile else "")
 
     @checked
     def Reset(self, request, context):
         prompt_ids = self.check_prompt(request.prompt_ids)
         spec = component_from_proto(request.policy)
         policy = make_policy(spec.name, spec.params)
+        if policy.needs_profile:
+            policy = policy.for_target(self.profile)
         scorer = TargetScorer(self.target_model)
         scorer.reset(prompt_ids, policy, sampling_from_proto(request.sampling))
         self.table.put(request.session_id, scorer)

@@ -23,8 +23,10 @@ class WorkerActor:
 
     def __init__(self, role: Role, config: dict):
         from protos import specdec_pb2_grpc as pb_grpc
+        from specdec_core.frontend import Frontend
         from specdec_core.kernels.cpu import configure_cpu
         from specdec_core.loader import load_configs, load_model
+        from specdec_core.profile import calibration_progress, load_profile
 
         from .servicers import DraftServicer, TargetServicer, on_torch_thread, start_server
 
@@ -38,7 +40,12 @@ class WorkerActor:
             servicer = DraftServicer(model, target_config, app_config.session_idle_timeout_s)
             add = pb_grpc.add_DrafterServicer_to_server
         else:
-            servicer = TargetServicer(model, app_config.session_idle_timeout_s)
+            profile = None
+            if app_config.calibration is not None:
+                frontend = Frontend.from_spec(model_spec)
+                progress = calibration_progress(model_spec.source)
+                profile = on_torch_thread(load_profile, model_spec, model, frontend, app_config.calibration, progress)
+            servicer = TargetServicer(model, app_config.session_idle_timeout_s, profile)
             add = pb_grpc.add_TargetServicer_to_server
         # loopback when the service is; else the one address Ray uses for this node (the server
         # may run on another node), never every interface

@@ -3,8 +3,10 @@ in-process engine that runs it over local models."""
 
 from __future__ import annotations
 
+import functools
+import json
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -13,6 +15,7 @@ from .frontend import Frontend, OutputTracker, PreparedRequest
 from .loader import ModelSpec, load_model, load_tokenizer
 from .logprobs import emitted_log_probs
 from .metrics import SpecMetrics
+from .profile import CalibrationSettings, TargetProfile, calibration_progress, load_profile, measure_profile
 from .request import Completion, GenerationRequest, RequestDefaults, StreamChunk
 from .sessions import DraftSession, TargetSession
 from .target import TargetScorer
@@ -52,6 +55,7 @@ def speculative_loop(
         chunk = output.append(new_tokens, log_probs)
         if output.finish_reason is not None:
             chunk.metrics = {
+                "policy": {"name": policy.name, "params": json.loads(policy.params.model_dump_json())},
                 **metrics.summary(),
                 "prompt_tokens": len(request.prompt_ids),
                 "completion_tokens": len(output.token_ids),
@@ -69,16 +73,30 @@ class SpeculativeEngine:
         tokenizer: Any = None,
         draft_model: Optional[torch.nn.Module] = None,
         defaults: Optional[RequestDefaults] = None,
+        profile: Optional[Callable[[torch.nn.Module, Frontend], TargetProfile]] = None,
     ):
+        """`profile(target_model, frontend)` gives the target's profile (profile.py), on first need
+        only; by default it is measured then, which needs a tokenizer (without one there is none)."""
         self.target_model = target_model
         self.draft_model = draft_model
-        self.frontend = Frontend(
-            tokenizer, target_model.config, getattr(target_model, "generation_config", None), defaults
-        )
+        generation_config = getattr(target_model, "generation_config", None)
+        self.frontend = Frontend(tokenizer, target_model.config, generation_config, defaults)
+        if profile is None and tokenizer is not None:
+            profile = lambda model, frontend: measure_profile(model, frontend, CalibrationSettings())  # noqa: E731
+        if profile is not None:
+            self.frontend.profile = functools.cache(lambda: profile(target_model, self.frontend))
 
     @classmethod
     def from_specs(cls, target: ModelSpec, draft: Optional[ModelSpec] = None) -> "SpeculativeEngine":
-        return cls(load_model(target), load_tokenizer(target), load_model(draft) if draft else None)
+        """The engine of a target and a draft spec; the target's profile is read from the cache, or
+        measured and cached on first need."""
+        progress = calibration_progress(target.source)
+        return cls(
+            load_model(target),
+            load_tokenizer(target),
+            load_model(draft) if draft else None,
+            profile=lambda model, frontend: load_profile(target, model, frontend, CalibrationSettings(), progress),
+        )
 
     def stream(self, request: GenerationRequest) -> Iterator[StreamChunk]:
         """Validates `request` now (SpecdecError), then decodes it as the iterator is consumed."""

@@ -6,11 +6,12 @@ and the served one (deployments/remote_engine.py) share it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .drafters import validate_drafter
 from .errors import SpecdecError, check_token_ids
 from .policies import AcceptancePolicy, make_policy
+from .profile import TargetProfile
 from .request import ComponentSpec, GenerationRequest, LogProb, RequestDefaults, StreamChunk, TokenLogProbs
 from .sampling import SamplingParams
 
@@ -94,8 +95,12 @@ class Frontend:
         generation_config: Any = None,
         defaults: Optional[RequestDefaults] = None,
         max_tokens_limit: Optional[int] = None,
+        profile: Callable[[], Optional[TargetProfile]] = lambda: None,
     ):
+        """`profile`: the target's profile, asked for only by requests whose policy takes a
+        default from it (EASD without tau_h); None where the target has none."""
         self.tokenizer = tokenizer
+        self.profile = profile
         self.vocab_size = model_config.vocab_size
         self.max_positions = getattr(model_config, "max_position_embeddings", 1 << 20)
         self.defaults = defaults or RequestDefaults()
@@ -135,6 +140,8 @@ class Frontend:
             raise SpecdecError(f"top_k must be <= the vocabulary size ({self.vocab_size})", "top_k")
         policy_spec = request.policy or self.defaults.policy_for(sampling)
         policy = make_policy(policy_spec.name, policy_spec.params)
+        if policy.needs_profile:
+            policy = policy.for_target(self.profile())
         if not sampling.greedy and not policy.supports_sampling:
             raise SpecdecError(f"policy {policy.name!r} needs temperature 0; use 'rejection' to sample", "policy")
         drafter = request.drafter or self.defaults.drafter

@@ -54,11 +54,18 @@ def tiny_target():
     return tiny_llama()
 
 
+def tiny_profile():
+    """What a tiny target without tokenizer cannot measure (profile.py): a fixed EASD tau_h."""
+    from specdec_core.profile import CalibrationSettings, TargetProfile
+
+    return TargetProfile(easd_tau_h=2.0, num_entropies=1, settings=CalibrationSettings())
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_target):
     from specdec_core import SpeculativeEngine
 
-    return SpeculativeEngine(tiny_target, None, perturbed_copy(tiny_target, 0.002))
+    return SpeculativeEngine(tiny_target, None, perturbed_copy(tiny_target, 0.002), profile=lambda *_: tiny_profile())
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specdec_core.errors import SpecdecError
 from specdec_core.policies import POLICIES, PolicyError, make_policy
 from specdec_core.policies.base import first_false
 from specdec_core.policies.easd import calibrate_tau_h
 from specdec_core.policies.fly import top3_entropy
+from specdec_core.profile import CalibrationSettings, TargetProfile
 from specdec_core.sampling import (
     SamplingParams,
     argmax,
@@ -27,6 +29,7 @@ from specdec_core.types import DraftBlock, TargetBlock
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLE = SamplingParams(temperature=1.0)
+PROFILE = TargetProfile(easd_tau_h=2.0, num_entropies=1, settings=CalibrationSettings())  # a target's measured defaults
 
 
 def rng(seed: int = 0) -> torch.Generator:
@@ -197,7 +200,7 @@ def test_dropmatch_zero_dropout_is_greedy():
         draft, target = dropmatch_case(seed)
         verdict = run_policy(make_policy("dropmatch", {"dropout": 0.0}), draft, target, GREEDY, seed)
         assert verdict_tuple(verdict) == verdict_tuple(make_policy("greedy").verify(draft, target, GREEDY, rng()))
-        naive = run_policy(make_policy("dropmatch", {"dropout": 0.0, "criterion": "naive"}), draft, target, GREEDY)
+        naive = run_policy(make_policy("dropmatch", {"dropout": 0.0, "criteria": ["naive"]}), draft, target, GREEDY)
         assert verdict_tuple(naive) == verdict_tuple(verdict)
 
 
@@ -277,7 +280,10 @@ def test_easd_needs_both_entropies_high():
         assert verdict.num_accepted == 1 and not verdict.trace["penalized"].any()
     prompt_lookup_draft = DraftBlock(tokens=torch.tensor([0]))  # no distribution: entropy 0
     target = TargetBlock(logits=torch.stack([high, high]))
-    assert run_policy(make_policy("easd", {"tau_o": 0.0}), prompt_lookup_draft, target, GREEDY).num_accepted == 1
+    assert (
+        run_policy(make_policy("easd", {"tau_h": 2.0, "tau_o": 0.0}), prompt_lookup_draft, target, GREEDY).num_accepted
+        == 1
+    )
 
 
 def test_easd_penalty_at_temperature_samples_from_penalized_target():
@@ -293,6 +299,16 @@ def test_easd_calibration_is_mean_of_top_fraction():
     entropies = torch.arange(1, 101, dtype=torch.float32)  # top 5% = 96..100
     assert calibrate_tau_h(entropies, 0.05) == pytest.approx(98.0)
     assert calibrate_tau_h(torch.tensor([1.0, 2.0, 3.0]), 0.05) == pytest.approx(3.0)  # ceil(0.15) = 1
+
+
+def test_easd_takes_tau_h_from_the_target_profile_unless_given():
+    assert make_policy("easd").needs_profile and not make_policy("easd", {"tau_h": 1.5}).needs_profile
+    assert make_policy("easd").for_target(PROFILE).params.tau_h == 2.0
+    assert make_policy("easd", {"tau_h": 1.5}).for_target(PROFILE).params.tau_h == 1.5
+    with pytest.raises(SpecdecError, match="no calibrated tau_h") as raised:
+        make_policy("easd").for_target(None)
+    assert raised.value.param == "policy"
+    assert not any(make_policy(name).needs_profile for name in POLICIES if name != "easd")
 
 
 # ---------------------------------------------------------------- FLy gate and window
@@ -388,6 +404,7 @@ def test_dropmatch_majority_criterion_accepts_the_paths_majority_token():
     target.features["path_tokens"] = torch.tensor([[1], [1], [1], [0], [2]])
     verdict = policy.verify(draft, target, GREEDY, rng())
     assert verdict.num_accepted == 1 and verdict.trace["loose"].tolist() == [True]
+    assert make_policy("dropmatch", {"criteria": ["js"]}).verify(draft, target, GREEDY, rng()).num_accepted == 0
     target.features["path_tokens"] = torch.tensor([[0], [0], [0], [1], [2]])
     assert policy.verify(draft, target, GREEDY, rng()).num_accepted == 0
 
@@ -406,10 +423,13 @@ def test_dropmatch_js_criterion_accepts_draft_inside_the_path_cloud():
     target.features["max_path_js"] = torch.tensor([0.01])
     assert policy.verify(close, target, GREEDY, rng()).num_accepted == 1
     assert policy.verify(far, target, GREEDY, rng()).num_accepted == 0
+    assert make_policy("dropmatch", {"criteria": ["majority"]}).verify(close, target, GREEDY, rng()).num_accepted == 0
+    with pytest.raises(PolicyError, match="at least one"):
+        make_policy("dropmatch", {"criteria": []})
 
 
 def test_dropmatch_naive_accepts_any_path_token():
-    policy = make_policy("dropmatch", {"criterion": "naive"})
+    policy = make_policy("dropmatch", {"criteria": ["naive"]})
     target = TargetBlock(logits=torch.tensor([[3.0, 0.0, 0.0], [3.0, 0.0, 0.0]]))
     target.features = {"rows": torch.tensor([0]), "path_tokens": torch.tensor([[0], [0], [2]])}
     assert policy.verify(DraftBlock(tokens=torch.tensor([2])), target, GREEDY, rng()).num_accepted == 1
@@ -485,7 +505,7 @@ def test_entropy_from_probs_and_log_weights_matches_the_definition(sampling):
 @pytest.mark.parametrize("name", sorted(POLICIES))
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLE])
 def test_every_policy_is_deterministic_under_a_seed_and_handles_empty_drafts(name, sampling):
-    policy = make_policy(name)
+    policy = make_policy(name).for_target(PROFILE)
     if not sampling.greedy and not policy.supports_sampling:
         pytest.skip("greedy-only policy")
     draft, target = dropmatch_case(5)
@@ -510,7 +530,7 @@ def test_compact_wire_rows_give_the_same_verdicts():
     penalized = 0
     for name in sorted(POLICIES):
         for params in variants.get(name, ({},)):
-            policy = make_policy(name, params)
+            policy = make_policy(name, params).for_target(PROFILE)
             top_k = policy.wire_top_k(GREEDY)
             if top_k is None:
                 continue

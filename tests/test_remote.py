@@ -42,7 +42,7 @@ class Workers:
     def __init__(self, engine, draft=None, target=None, deadline_s: float = 30.0, idle_timeout_s: float = 60.0):
         servicers = {
             "draft": draft or DraftServicer(engine.draft_model, engine.target_model.config, idle_timeout_s),
-            "target": target or TargetServicer(engine.target_model, idle_timeout_s),
+            "target": target or TargetServicer(engine.target_model, idle_timeout_s, engine.frontend.profile()),
         }
         self.servers, addresses = {}, {}
         for role, servicer in servicers.items():

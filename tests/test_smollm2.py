@@ -137,10 +137,63 @@ def test_bench_writes_json_and_plot(tmp_path):
     assert "loose" not in rows[("specdec:greedy+pld", "overall")]
     assert report["config"]["max_new_tokens"] == 12
     outputs = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
-    assert len(outputs) == 5 * 2 and {"prompt_ids", "token_ids", "seconds", "prefill_ms"} <= set(outputs[0])
+    assert len(outputs) == 5 * 2 and {"prompt_ids", "token_ids", "seconds", "prefill_ms", "correct"} <= set(outputs[0])
+    # GSM8K answers are checked (12 tokens rarely reach the answer: correct or not, but graded)
+    assert rows[("target", "math_reasoning")]["accuracy"] in (0.0, 1.0)
+    assert rows[("target", "summarization")]["accuracy"] is None
+    assert (tmp_path / "quality.png").stat().st_size > 0
     ceiling = CliRunner().invoke(app, ["lookup-ceiling", str(tmp_path)])
     assert ceiling.exit_code == 0, ceiling.output
     assert "ngram_oracle_decode" in ceiling.output and "overall" in ceiling.output
+
+
+def test_bench_runs_humaneval_with_its_execution_checks(tmp_path):
+    methods = 'target,specdec:dropmatch(criteria=["naive"],dropout=0.2)+pld'
+    args = ["bench", "--questions", "humaneval", "--per-category", "2", "--max-new-tokens", "8", "--methods", methods]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rows = {
+        (row["method"], row["category"]): row for row in json.loads((tmp_path / "bench.json").read_text())["results"]
+    }
+    assert rows[("target", "humaneval")]["questions"] == 2
+    assert rows[("target", "humaneval")]["correct"] == 0  # 8 tokens cannot complete a function
+    assert "loose" in rows[('specdec:dropmatch(criteria=["naive"],dropout=0.2)+pld', "overall")]
+
+
+def test_quality_compares_each_lossy_policy_with_its_lossless_base(tmp_path):
+    args = [
+        "quality",
+        "--sets",
+        "gsm8k",
+        "--questions",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "-k",
+        "4",
+        "--out",
+        str(tmp_path),
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "quality.json").read_text())["rows"]
+    by_method = {(row["T"], row["method"]): row for row in rows}
+    assert set(by_method) == {
+        *(
+            (0.0, method)
+            for method in ("target", *(f"specdec:{name}+mla@4" for name in ("greedy", "easd", "dropmatch", "fly")))
+        ),
+        *(
+            (0.9, method)
+            for method in ("target", *(f"specdec:{name}+mla@4" for name in ("rejection", "ears", "typical")))
+        ),
+    }
+    greedy, fly = by_method[(0.0, "specdec:greedy+mla@4")], by_method[(0.0, "specdec:fly+mla@4")]
+    assert greedy["identical_to_target"] == 1.0 and greedy["nll_change_pct"] is None  # the base itself
+    assert fly["nll_change_pct"] is not None and fly["correct_change"] is not None
+    assert "loose" in fly["counters"] and "pardoned" in by_method[(0.9, "specdec:ears+mla@4")]["counters"]
+    assert (tmp_path / "gsm8k-T0" / "bench.json").exists() and (tmp_path / "gsm8k-T0.9" / "quality.png").exists()
+    assert "| gsm8k | 0 | specdec:fly+mla@4 |" in (tmp_path / "quality.md").read_text()
 
 
 def test_lookup_ceiling_needs_a_greedy_bench_run(tmp_path):

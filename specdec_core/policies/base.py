@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -20,9 +20,13 @@ from pydantic import BaseModel, ConfigDict
 from ..sampling import SamplingParams, argmax, sample, sampling_probs
 from ..types import DraftBlock, TargetBlock, Verdict
 
+if TYPE_CHECKING:
+    from ..profile import TargetProfile
+
 
 class PolicyParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # JSON has no infinity (tau_h = inf disables EASD): it is written "Infinity", which parses back
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="strings")
 
 
 @dataclass
@@ -47,6 +51,15 @@ class AcceptancePolicy(ABC):
 
     def __init__(self, params: Optional[PolicyParams] = None):
         self.params = params if params is not None else self.Params()
+
+    @property
+    def needs_profile(self) -> bool:
+        """Whether a default of this policy comes from the target's profile (profile.py)."""
+        return False
+
+    def for_target(self, profile: Optional["TargetProfile"]) -> "AcceptancePolicy":
+        """This policy with its target-derived defaults taken from `profile`."""
+        return self
 
     def target_features(
         self, target: TargetBlock, draft_tokens: torch.Tensor, sampling: SamplingParams, generator: torch.Generator

@@ -2,30 +2,39 @@
 Token Acceptance in Speculative Decoding", arXiv:2603.03333).
 
 N inverted-dropout masks (prob p) on the target's final hidden state, all paths through the LM
-head in one batched matmul (the KV cache is untouched: only the head input is perturbed).
-Criterion "js" accepts c_i if it passes the base rule, or JS(p_d || centroid) <=
-max_k JS(p_k || centroid) (centroid = softmax of the mean path logits), or c_i is the majority
-(most frequent) path token. Criterion "naive" accepts c_i if any path token equals c_i (works
-across vocabularies and for trees). Path tokens are argmax at T = 0, sampled otherwise. The
-paper's text lost its numbers: N = 5, p = 0.1 are our defaults, both configurable. p = 0 makes
-every path equal the target, which reduces to greedy at T = 0."""
+head in one batched matmul (the KV cache is untouched: only the head input is perturbed). A
+token the base rule rejects is accepted if one of the chosen `criteria` holds: "majority", c_i is
+the most frequent path token; "js", JS(p_d || centroid) <= max_k JS(p_k || centroid) (centroid =
+softmax of the mean path logits); "naive", any path token equals c_i (works across vocabularies
+and for trees). The paper's rule is majority or JS. Path tokens are argmax at T = 0, sampled
+otherwise. The paper's text lost its numbers: N and p are parameters. p = 0 makes every path
+equal the target, which reduces to greedy at T = 0."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ..sampling import argmax, entropy, sample, sampling_probs
 from ..types import Verdict
 from .base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
 
+Criterion = Literal["majority", "js", "naive"]
+
 
 class DropMatchParams(PolicyParams):
     num_paths: int = Field(5, ge=1, le=64)
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    criterion: Literal["js", "naive"] = "js"
+    criteria: tuple[Criterion, ...] = Field(("majority", "js"), description="a rejected token passes if any holds")
+
+    @field_validator("criteria")
+    @classmethod
+    def _some_criteria(cls, criteria):
+        if not criteria:
+            raise ValueError("give at least one of majority, js, naive")
+        return tuple(dict.fromkeys(criteria))
 
 
 def js_divergence(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -42,10 +51,10 @@ class DropMatchPolicy(AcceptancePolicy):
     needs_hidden = True
 
     def needs_draft_logits(self) -> bool:
-        return self.params.criterion == "js"
+        return "js" in self.params.criteria
 
     def wire_top_k(self, sampling):
-        return 1 if sampling.greedy and self.params.criterion == "naive" else None
+        return 1 if sampling.greedy and "js" not in self.params.criteria else None
 
     def target_features(self, target, draft_tokens, sampling, generator):
         """Dropout paths for the positions whose outcome they can change: at T = 0 only where the
@@ -64,7 +73,7 @@ class DropMatchPolicy(AcceptancePolicy):
             path_probs = sampling_probs(path_logits.flatten(0, 1), sampling)
             path_tokens = sample(path_probs, generator).view(self.params.num_paths, len(rows))
         features = {"rows": rows, "path_tokens": path_tokens}
-        if self.params.criterion == "js":
+        if "js" in self.params.criteria:
             path_log_probs = path_logits.log_softmax(-1)
             centroid_log_probs = path_logits.mean(0).log_softmax(-1)  # [R, V]
             features["centroid_log_probs"] = centroid_log_probs
@@ -76,11 +85,14 @@ class DropMatchPolicy(AcceptancePolicy):
         features = target.features
         rows, path_tokens = features["rows"], features["path_tokens"]  # [R], [N, R]
         row_tokens = draft.tokens[rows]
-        if self.params.criterion == "naive":
-            row_matched = (path_tokens == row_tokens[None]).any(0)
-        else:
-            row_matched = path_tokens.mode(0).values == row_tokens
-            # the JS test only where neither the base rule nor the majority already accepts
+        criteria = self.params.criteria
+        row_matched = torch.zeros(len(rows), dtype=torch.bool)
+        if "naive" in criteria:
+            row_matched |= (path_tokens == row_tokens[None]).any(0)
+        if "majority" in criteria:
+            row_matched |= path_tokens.mode(0).values == row_tokens
+        if "js" in criteria:
+            # only where neither the base rule nor another criterion already accepts
             todo = (~row_matched & ~decision.accepted[rows]).nonzero().squeeze(-1)
             if draft.logits is None:  # a deterministic draft is one-hot
                 draft_log_probs = torch.full((len(todo), target.vocab_size), float("-inf"))

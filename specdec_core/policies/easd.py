@@ -7,22 +7,27 @@ overlap |T_d ∩ T_t| / n >= tau_O, the target probability of the draft token is
 p_t renormalized: the token is rejected and the replacement drawn from the penalized p_t
 (its argmax at T = 0). Otherwise the base rule applies. tau_H = inf is exactly the base rule.
 `>=` for the overlap: the paper's Table 7 rows for tau_O = 0 and 0.2 coincide, which only fits
-`>=`. Drafts without a distribution (prompt lookup) have zero entropy and are never penalized."""
+`>=`. Drafts without a distribution (prompt lookup) have zero entropy and are never penalized.
+tau_H is a per-model calibration in the paper; left out, it is the target's (profile.py)."""
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from pydantic import Field
 
+from ..errors import SpecdecError
 from ..sampling import entropy_of_logits, sample, warp_logits
 from ..types import Verdict
 from .base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
 
 
 class EasdParams(PolicyParams):
-    tau_h: float = Field(2.0, ge=0.0, description="entropy threshold in nats (inf disables)")
+    tau_h: Optional[float] = Field(
+        None, ge=0.0, description="entropy threshold in nats (inf disables); None: the target's calibrated value"
+    )
     tau_o: float = Field(0.8, ge=0.0, le=1.0, description="top-n overlap threshold")
     top_n: int = Field(5, ge=1, le=100)
 
@@ -31,6 +36,21 @@ class EasdPolicy(AcceptancePolicy):
     name = "easd"
     Params = EasdParams
     counters = ("penalized",)
+
+    @property
+    def needs_profile(self) -> bool:
+        return self.params.tau_h is None
+
+    def for_target(self, profile):
+        if self.params.tau_h is not None:
+            return self
+        if profile is None:
+            raise SpecdecError(
+                "policy 'easd': this target has no calibrated tau_h (calibration is off or it has no "
+                "tokenizer); pass tau_h",
+                "policy",
+            )
+        return EasdPolicy(self.params.model_copy(update={"tau_h": profile.easd_tau_h}))
 
     def wire_top_k(self, sampling):
         # T = 0 reads the top-n sets and, after a penalty, the runner-up; the target entropy

@@ -8,9 +8,9 @@ provides (`EndpointClient`). report.py aggregates the runs into rows."""
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -18,10 +18,12 @@ import torch
 from ..drafters import DRAFTERS
 from ..drafters.pld import PromptLookupParams
 from ..engine import SpeculativeEngine
+from ..questions import first_turn, load_questions
 from ..request import ComponentSpec, GenerationRequest
 from ..sampling import SamplingParams, entropy_of_logits
-from .questions import first_turn, load_questions
-from .report import aggregate
+from .grading import Grader
+from .params import parse_params, split_top_level
+from .report import MethodResult, aggregate
 
 
 class EndpointClient(Protocol):
@@ -40,7 +42,7 @@ class MethodRun:
 
 @dataclass
 class BenchConfig:
-    questions: Path
+    questions: str  # a questions file in Spec-Bench's format, or "humaneval"
     methods: list[str]
     categories: list[str]
     per_category: int
@@ -80,14 +82,31 @@ def pld_params(settings: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def parse_specdec_method(method: str) -> tuple[str, str, Optional[int]]:
-    """`specdec:<policy>+<drafter>[@K]` (or `endpoint:...`) -> (policy, drafter, K or None)."""
-    body = method.split(":", 1)[1]
-    body, _, draft_tokens = body.partition("@")
-    if "+" not in body or (draft_tokens and not draft_tokens.isdigit()):
-        raise ValueError(f"method {method!r} must look like specdec:<policy>+<drafter>[@K]")
-    policy, drafter = body.split("+", 1)
-    return policy, drafter, int(draft_tokens) if draft_tokens else None
+SPECULATIVE_METHOD = re.compile(
+    r"^(?:specdec|endpoint):(?P<policy>\w+)(?:\((?P<params>.*)\))?\+(?P<drafter>\w+)(?:@(?P<k>\d+))?$"
+)
+
+
+@dataclass
+class SpeculativeMethod:
+    policy: str
+    drafter: str
+    num_draft_tokens: Optional[int] = None  # None: the bench's -k
+    policy_params: dict[str, Any] = field(default_factory=dict)  # over --policy-param's
+
+
+def parse_specdec_method(method: str) -> SpeculativeMethod:
+    """`specdec:<policy>[(k=v,...)]+<drafter>[@K]` (or `endpoint:...`), e.g.
+    `specdec:dropmatch(criteria=["js"],dropout=0.05)+mla@15`: values are JSON where they parse."""
+    match = SPECULATIVE_METHOD.match(method)
+    if match is None:
+        raise ValueError(f"method {method!r} must look like specdec:<policy>[(k=v,...)]+<drafter>[@K]")
+    return SpeculativeMethod(
+        match["policy"],
+        match["drafter"],
+        int(match["k"]) if match["k"] else None,
+        parse_params(split_top_level(match["params"] or "")),
+    )
 
 
 class Runner:
@@ -104,32 +123,35 @@ class Runner:
         self.pld_params = pld_params(vars(config))
         self.endpoint_client = endpoint_client
 
-    def request(
-        self, prompt_ids: list[int], policy: Optional[str], drafter: str, num_draft_tokens: Optional[int] = None
-    ) -> GenerationRequest:
-        """`policy` None: the default for the temperature (greedy, or rejection when sampling)."""
+    def request(self, prompt_ids: list[int], method: Optional[SpeculativeMethod]) -> GenerationRequest:
+        """`method` None: target-only, under the default policy for the temperature."""
+        drafter = method.drafter if method else "none"
         takes_lookup = drafter in DRAFTERS and issubclass(DRAFTERS[drafter].Params, PromptLookupParams)
         drafter_params = {**(self.pld_params if takes_lookup else {}), **self.config.drafter_params.get(drafter, {})}
+        policy = None
+        if method:
+            policy_params = {**self.config.policy_params.get(method.policy, {}), **method.policy_params}
+            policy = ComponentSpec(name=method.policy, params=policy_params)
         return GenerationRequest(
             prompt_ids=prompt_ids,
             sampling=self.sampling,
-            policy=ComponentSpec(name=policy, params=self.config.policy_params.get(policy, {})) if policy else None,
+            policy=policy,
             drafter=ComponentSpec(name=drafter, params=drafter_params),
-            num_draft_tokens=num_draft_tokens or self.config.num_draft_tokens,
+            num_draft_tokens=(method and method.num_draft_tokens) or self.config.num_draft_tokens,
         )
 
     def run(self, method: str, prompt_ids: list[int]) -> MethodRun:
         start = time.perf_counter()
         if method == "target":
-            completion = self.engine.complete(self.request(prompt_ids, None, "none"))
+            completion = self.engine.complete(self.request(prompt_ids, None))
             return MethodRun(completion.token_ids, time.perf_counter() - start, completion.metrics)
         if method.startswith("specdec:"):
-            completion = self.engine.complete(self.request(prompt_ids, *parse_specdec_method(method)))
+            completion = self.engine.complete(self.request(prompt_ids, parse_specdec_method(method)))
             return MethodRun(completion.token_ids, time.perf_counter() - start, completion.metrics)
         if method.startswith("endpoint:"):
             if self.endpoint_client is None:
                 raise ValueError(f"method {method} needs --endpoint")
-            response = self.endpoint_client.generate(self.request(prompt_ids, *parse_specdec_method(method)))
+            response = self.endpoint_client.generate(self.request(prompt_ids, parse_specdec_method(method)))
             return MethodRun(response["token_ids"], time.perf_counter() - start, response["speculative"])
         if method.startswith("hf:"):
             return self.run_hf(method, prompt_ids, start)
@@ -175,11 +197,14 @@ def run_bench(
     endpoint_client: Optional[EndpointClient] = None,
 ) -> tuple[list[dict], list[dict]]:
     """(rows, outputs): the aggregated rows and one record per method per question (its prompt
-    and output ids, wall time and prefill time), for offline analysis such as `lookup-ceiling`."""
+    and output ids, wall time, prefill time and whether it answered correctly where that can be
+    checked), for offline analysis such as `lookup-ceiling`."""
     questions = load_questions(config.questions, config.categories, config.per_category)
     if not questions:
         raise ValueError("no questions selected")
     runner = Runner(engine, config, endpoint_client)
+    grade = Grader()
+    tokenizer = engine.frontend.tokenizer
     warm_prompt = engine.frontend.encode(GenerationRequest(messages=[{"role": "user", "content": "Say hi."}]))
     for method in config.methods:  # first calls pay one-off costs; keep them out of the timings
         runner.run(method, warm_prompt)
@@ -193,7 +218,9 @@ def run_bench(
                 reference = run.token_ids
             identical = (run.token_ids == reference) if (config.temperature == 0 and reference is not None) else None
             nll, _ = score_continuation(engine.target_model, prompt_ids, run.token_ids)
-            runs.append((method, question["category"], run, identical, float(nll.mean()) if nll.numel() else 0.0))
+            correct = grade(question, tokenizer.decode(run.token_ids, skip_special_tokens=True)) if tokenizer else None
+            mean_nll = float(nll.mean()) if nll.numel() else 0.0
+            runs.append(MethodResult(method, question["category"], run, identical, mean_nll, correct))
             outputs.append(
                 {
                     "question_id": question.get("question_id"),
@@ -203,6 +230,7 @@ def run_bench(
                     "token_ids": run.token_ids,
                     "seconds": round(run.seconds, 4),
                     "prefill_ms": run.metrics.get("prefill_ms"),
+                    "correct": correct,
                 }
             )
     return aggregate(runs, config.methods), outputs

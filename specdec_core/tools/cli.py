@@ -18,7 +18,8 @@ from rich.table import Table
 
 from ..errors import SpecdecError, format_validation_errors
 from ..loader import DEFAULT_DRAFT, EMBEDDED, ModelSpec
-from .questions import DEFAULT_QUESTIONS
+from ..questions import DEFAULT_QUESTIONS, HUMANEVAL
+from . import params
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Speculative decoding for large LMs.")
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -29,29 +30,17 @@ DraftOpt = typer.Option(DEFAULT_DRAFT.source, "--draft", help="draft model sourc
 DraftDtypeOpt = typer.Option(DEFAULT_DRAFT.dtype, "--draft-dtype")
 DraftLayersOpt = typer.Option(DEFAULT_DRAFT.num_layers, "--draft-layers", help="keep the first N draft layers")
 QuestionsOpt = typer.Option(
-    DEFAULT_QUESTIONS, "--questions", help="questions in Spec-Bench's format (default: Spec-Bench)"
+    str(DEFAULT_QUESTIONS),
+    "--questions",
+    help=f"a questions file in Spec-Bench's format (default: Spec-Bench), or {HUMANEVAL!r}",
 )
 
 
-def parse_value(text: str) -> Any:
-    """`k=v` values: JSON when it parses (numbers, bools, strings in quotes), `inf`, else text."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            return float(text)
-        except ValueError:
-            return text
-
-
 def parse_params(pairs: list[str]) -> dict[str, Any]:
-    params = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise typer.BadParameter(f"expected key=value, got {pair!r}")
-        key, value = pair.split("=", 1)
-        params[key.strip()] = parse_value(value.strip())
-    return params
+    try:
+        return params.parse_params(pairs)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
 
 
 def parse_scoped_params(pairs: list[str], option: str) -> dict[str, dict[str, Any]]:
@@ -66,7 +55,7 @@ def parse_scoped_params(pairs: list[str], option: str) -> dict[str, dict[str, An
 
 
 def comma_list(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
+    return params.split_top_level(text)
 
 
 def build_engine(target: str, target_dtype: str, draft: str, draft_dtype: str, draft_layers: Optional[int]):
@@ -191,8 +180,8 @@ def bench(
     methods: str = typer.Option(
         "target,hf:prompt_lookup,specdec:greedy+pld",
         "--methods",
-        help="comma list: target, hf:prompt_lookup, hf:assisted, specdec:<policy>+<drafter>[@K], "
-        "endpoint:<policy>+<drafter>[@K]",
+        help="comma list: target, hf:prompt_lookup, hf:assisted, specdec:<policy>[(k=v,...)]+<drafter>[@K], "
+        "endpoint:<policy>[(k=v,...)]+<drafter>[@K]; (k=v,...) sets that method's policy parameters",
     ),
     categories: str = typer.Option("all", "--categories", help="comma list or 'all'"),
     per_category: int = typer.Option(5, "--per-category"),
@@ -200,7 +189,7 @@ def bench(
     temperature: float = typer.Option(0.0, "--temperature"),
     seed: int = typer.Option(0, "--seed"),
     out: Path = typer.Option(Path("bench_out"), "--out"),
-    questions: Path = QuestionsOpt,
+    questions: str = QuestionsOpt,
     num_draft_tokens: int = typer.Option(10, "-k", "--num-draft-tokens"),
     pld_max_ngram: int = typer.Option(3, "--pld-max-ngram"),
     pld_min_ngram: int = typer.Option(1, "--pld-min-ngram"),
@@ -254,6 +243,55 @@ def bench(
     path = write_report(rows, outputs, config, out, extra)
     print_table(rows, TABLE_COLUMNS)
     console.print(f"wrote {path} and {out / 'bench.png'}")
+
+
+@app.command()
+def quality(
+    sets: str = typer.Option("gsm8k,humaneval", "--sets", help="comma list of gsm8k, humaneval"),
+    questions_per_set: int = typer.Option(200, "--questions", help="at most this many per set (all: 80 and 164)"),
+    max_new_tokens: int = typer.Option(160, "--max-new-tokens"),
+    drafter: str = typer.Option("mla", "--drafter"),
+    num_draft_tokens: int = typer.Option(15, "-k", "--num-draft-tokens"),
+    temperature: float = typer.Option(0.9, "--temperature", help="of the sampling runs (rejection, ears, typical)"),
+    seed: int = typer.Option(0, "--seed"),
+    extra_methods: str = typer.Option("", "--extra-methods", help="more specdec: methods for the T = 0 runs"),
+    out: Path = typer.Option(Path("quality_out"), "--out"),
+    target: str = TargetOpt,
+    target_dtype: str = TargetDtypeOpt,
+    draft: str = DraftOpt,
+    draft_dtype: str = DraftDtypeOpt,
+    draft_layers: Optional[int] = DraftLayersOpt,
+):
+    """Every lossy policy at its defaults against its lossless base on the same drafter, on GSM8K
+    and HumanEval: speedup, acceptance length, identical outputs, target NLL, correct answers.
+    Writes each bench run under OUT/ and the comparison to OUT/quality.json and OUT/quality.md."""
+    from tqdm.auto import tqdm
+
+    from .quality import QUESTION_SETS, QualityConfig, markdown, run_quality
+
+    chosen = comma_list(sets)
+    if not chosen or set(chosen) - set(QUESTION_SETS):
+        fail(f"--sets takes a comma list of {', '.join(QUESTION_SETS)}")
+    config = QualityConfig(
+        sets=chosen,
+        questions_per_set=questions_per_set,
+        max_new_tokens=max_new_tokens,
+        drafter=drafter,
+        num_draft_tokens=num_draft_tokens,
+        temperature=temperature,
+        seed=seed,
+        extra_methods=comma_list(extra_methods),
+    )
+    engine = build_engine(target, target_dtype, draft, draft_dtype, draft_layers)
+    try:
+        rows = run_quality(engine, config, out, lambda items: tqdm(items, desc="questions"))
+    except (SpecdecError, ValueError) as error:
+        fail(str(error))
+    table = markdown(rows)
+    (out / "quality.json").write_text(json.dumps({"config": vars(config), "rows": rows}, indent=2))
+    (out / "quality.md").write_text(table)
+    console.print(table, markup=False, highlight=False, soft_wrap=True)
+    console.print(f"wrote {out / 'quality.md'} and {out / 'quality.json'}")
 
 
 @app.command("verify-cost")
@@ -313,32 +351,30 @@ def lookup_ceiling(
 
 @app.command("calibrate-easd")
 def calibrate_easd(
-    questions: Path = QuestionsOpt,
-    categories: str = typer.Option("all", "--categories"),
-    per_category: int = typer.Option(3, "--per-category"),
+    per_category: int = typer.Option(3, "--per-category", help="Spec-Bench questions per category"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     top_fraction: float = typer.Option(0.05, "--top-fraction", help="the paper's p"),
     target: str = TargetOpt,
     target_dtype: str = TargetDtypeOpt,
 ):
-    """EASD's tau_H: mean of the top 5% target entropies (nats) over target-only greedy outputs."""
-    from tqdm.auto import tqdm
+    """EASD's tau_H for a target: the mean of the top 5% of its entropies (nats) over its own greedy
+    answers. The value EASD uses when a request gives no tau_h; measured once and cached."""
+    from pydantic import ValidationError
 
-    from ..policies.easd import calibrate_tau_h
-    from .calibrate import target_entropies
-    from .questions import load_questions
+    from ..profile import CalibrationSettings, calibration_progress, load_profile, profile_path
 
-    if not 0 < top_fraction <= 1:
-        fail("--top-fraction must lie in (0, 1]")
     try:
-        selected = load_questions(questions, comma_list(categories), per_category)
-    except (ValueError, FileNotFoundError) as error:
-        fail(str(error))
+        settings = CalibrationSettings(
+            questions_per_category=per_category, max_new_tokens=max_new_tokens, top_fraction=top_fraction
+        )
+    except ValidationError as error:
+        fail(format_validation_errors(error.errors(), "calibration"))
     engine = build_engine(target, target_dtype, "none", "float32", None)
-    entropies = target_entropies(engine, selected, max_new_tokens, lambda items: tqdm(items, desc="questions"))
-    tau_h = calibrate_tau_h(entropies, top_fraction)
-    console.print(f"steps={entropies.numel()} mean_entropy={float(entropies.mean()):.4f} nats")
-    console.print(f"tau_h={tau_h:.4f}  (use: --policy easd --policy-param tau_h={tau_h:.4f})")
+    spec = ModelSpec(source=target, dtype=target_dtype)
+    profile = load_profile(spec, engine.target_model, engine.frontend, settings, calibration_progress(target))
+    console.print(f"steps={profile.num_entropies} cached at {profile_path(spec, settings)}")
+    default = " (requests without tau_h use it)" if settings == CalibrationSettings() else ""
+    console.print(f"tau_h={profile.easd_tau_h:.4f}{default}")
 
 
 @app.command()

@@ -2,14 +2,16 @@
 bench.json, outputs.jsonl and a plot.
 
 Each row: throughput, speedup vs `target` in the same category, mean acceptance length,
-agreement with target-only greedy output, the target's NLL of the produced continuation, the
-policy's decision time, its counters, and bytes on the wire per step for served methods."""
+agreement with target-only greedy output, the target's NLL of the produced continuation, task
+accuracy where answers can be checked (grading.py), the policy's decision time, its counters,
+and bytes on the wire per step for served methods."""
 
 from __future__ import annotations
 
 import json
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -28,18 +30,31 @@ TABLE_COLUMNS = (
     "mean_accept_len",
     "identical_to_target",
     "target_nll",
+    "correct",
+    "accuracy",
     "verify_ms_p50",
     *POLICY_COUNTERS,
 )
 
 
-def aggregate(runs: list[tuple[str, str, "MethodRun", Optional[bool], float]], methods: list[str]) -> list[dict]:
-    """One row per (method, category) and per method overall, from (method, category, run,
-    identical to target or None, mean target NLL) per run."""
-    grouped: dict[tuple[str, str], list] = defaultdict(list)
-    for method, category, run, identical, nll in runs:
-        grouped[(method, category)].append((run, identical, nll))
-        grouped[(method, "overall")].append((run, identical, nll))
+@dataclass
+class MethodResult:
+    """One method's run on one question, judged."""
+
+    method: str
+    category: str
+    run: "MethodRun"
+    identical: Optional[bool]  # equal to target-only output (T = 0 only)
+    nll: float  # the target's mean NLL of the output
+    correct: Optional[bool]  # None where the question has no checkable answer
+
+
+def aggregate(results: list[MethodResult], methods: list[str]) -> list[dict]:
+    """One row per (method, category) and per method overall."""
+    grouped: dict[tuple[str, str], list[MethodResult]] = defaultdict(list)
+    for result in results:
+        grouped[(result.method, result.category)].append(result)
+        grouped[(result.method, "overall")].append(result)
     rows = []
     categories = sorted({category for _, category in grouped if category != "overall"}) + ["overall"]
     for category in categories:
@@ -48,16 +63,18 @@ def aggregate(runs: list[tuple[str, str, "MethodRun", Optional[bool], float]], m
             entries = grouped.get((method, category), [])
             if not entries:
                 continue
-            new_tokens = sum(len(run.token_ids) for run, _, _ in entries)
-            seconds = sum(run.seconds for run, _, _ in entries)
+            runs = [entry.run for entry in entries]
+            new_tokens = sum(len(run.token_ids) for run in runs)
+            seconds = sum(run.seconds for run in runs)
             rate = new_tokens / seconds if seconds else 0.0
             if method == "target":
                 target_rate = rate
-            drafts = sum(run.metrics.get("spec_decode_num_drafts", 0) for run, _, _ in entries)
-            accepted = sum(run.metrics.get("spec_decode_num_accepted_tokens", 0) for run, _, _ in entries)
-            verify_ms = [run.metrics["verify_ms_p50"] for run, _, _ in entries if "verify_ms_p50" in run.metrics]
-            identical = [flag for _, flag, _ in entries if flag is not None]
-            nll_total = sum(nll * len(run.token_ids) for run, _, nll in entries)
+            drafts = sum(run.metrics.get("spec_decode_num_drafts", 0) for run in runs)
+            accepted = sum(run.metrics.get("spec_decode_num_accepted_tokens", 0) for run in runs)
+            verify_ms = [run.metrics["verify_ms_p50"] for run in runs if "verify_ms_p50" in run.metrics]
+            identical = [entry.identical for entry in entries if entry.identical is not None]
+            graded = [entry.correct for entry in entries if entry.correct is not None]
+            nll_total = sum(entry.nll * len(entry.run.token_ids) for entry in entries)
             rows.append(
                 {
                     "method": method,
@@ -69,16 +86,18 @@ def aggregate(runs: list[tuple[str, str, "MethodRun", Optional[bool], float]], m
                     "mean_accept_len": round(1 + accepted / drafts, 3) if drafts else None,
                     "identical_to_target": round(sum(identical) / len(identical), 3) if identical else None,
                     "target_nll": round(nll_total / new_tokens, 4) if new_tokens else None,
+                    "correct": sum(graded) if graded else None,
+                    "accuracy": round(sum(graded) / len(graded), 4) if graded else None,
                     "verify_ms_p50": round(statistics.median(verify_ms), 4) if verify_ms else None,
                     **{
-                        counter: sum(run.metrics.get(counter, 0) for run, _, _ in entries)
+                        counter: sum(run.metrics.get(counter, 0) for run in runs)
                         for counter in POLICY_COUNTERS
-                        if any(counter in run.metrics for run, _, _ in entries)
+                        if any(counter in run.metrics for run in runs)
                     },
                     **{  # served methods: bytes on the wire per step vs full fp32 logits
-                        key: round(statistics.mean(run.metrics[key] for run, _, _ in entries), 1)
+                        key: round(statistics.mean(run.metrics[key] for run in runs), 1)
                         for key in ("wire_bytes_per_step", "full_logits_bytes_per_step")
-                        if all(key in run.metrics for run, _, _ in entries)
+                        if all(key in run.metrics for run in runs)
                     },
                 }
             )
@@ -88,7 +107,8 @@ def aggregate(runs: list[tuple[str, str, "MethodRun", Optional[bool], float]], m
 def write_report(
     rows: list[dict], outputs: list[dict], config: "BenchConfig", out_dir: Path, extra_config: dict
 ) -> Path:
-    """OUT/outputs.jsonl, OUT/bench.json (config and rows) and OUT/bench.png."""
+    """OUT/outputs.jsonl, OUT/bench.json (config and rows), OUT/bench.png (speed per category)
+    and OUT/quality.png (speed against quality per method)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "outputs.jsonl").write_text("".join(json.dumps(record) + "\n" for record in outputs))
     config_dict = {key: str(value) if isinstance(value, Path) else value for key, value in config.__dict__.items()}
@@ -96,6 +116,7 @@ def write_report(
         json.dumps({"config": {**config_dict, **extra_config}, "results": rows}, indent=2)
     )
     plot(rows, out_dir / "bench.png")
+    plot_quality(rows, out_dir / "quality.png")
     return out_dir / "bench.json"
 
 
@@ -128,6 +149,35 @@ def plot(rows: list[dict], path: Path) -> None:
         if key == "speedup":
             axis.axhline(1.0, color="black", linewidth=0.8)
     axes[0].legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_quality(rows: list[dict], path: Path) -> None:
+    """Each method overall: speedup against the target's NLL of its outputs and, where answers
+    were checked, against accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    overall = [row for row in rows if row["category"] == "overall" and row["speedup"] is not None]
+    panels = [("target_nll", "target NLL of the output (nats/token)")]
+    if any(row["accuracy"] is not None for row in overall):
+        panels.append(("accuracy", "accuracy"))
+    figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for axis, (key, label) in zip(axes[0], panels):
+        for row in overall:
+            if row[key] is None:
+                continue
+            axis.scatter(row["speedup"], row[key])
+            axis.annotate(
+                row["method"], (row["speedup"], row[key]), fontsize=7, xytext=(3, 3), textcoords="offset points"
+            )
+        axis.set_xlabel("speedup vs target")
+        axis.set_ylabel(label)
+        axis.axvline(1.0, color="black", linewidth=0.8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

