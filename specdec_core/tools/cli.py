@@ -378,6 +378,70 @@ def calibrate_easd(
 
 
 @app.command()
+def plan(
+    model: str = typer.Option(
+        ..., "--model", help="a shipped config name, a config.json, a checkpoint dir or a hub id"
+    ),
+    tp: int = typer.Option(1, "--tp", min=1, help="tensor-parallel ranks"),
+    gpu_mem: float = typer.Option(80.0, "--gpu-mem", help="memory per GPU, GiB"),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="weights: float32, bfloat16, float16, fp8"),
+    kv_dtype: str = typer.Option("bfloat16", "--kv-dtype"),
+    max_len: Optional[int] = typer.Option(None, "--max-len", help="tokens per request (default: the context length)"),
+    max_batch: int = typer.Option(1, "--max-batch", min=1, help="requests whose KV cache is resident at once"),
+    step_tokens: int = typer.Option(16, "--step-tokens", min=1, help="tokens per request in a verify step (K + 1)"),
+):
+    (
+        """Whether a target fits tp GPUs: per-rank weights, KV cache per token and per request at
+    max length, one verify step's activations, the reserve and the headroom; and the smallest tp
+    that fits. Shipped configs (no weights): """
+        + "see `specdec_core/data/model_configs`."
+    )
+    from ..memory import BYTES_PER_VALUE, GIB, load_model_config, shipped_configs, smallest_fitting_tp
+    from ..memory import plan as plan_memory
+
+    for name, value in (("--dtype", dtype), ("--kv-dtype", kv_dtype)):
+        if value not in BYTES_PER_VALUE:
+            fail(f"{name} must be one of {', '.join(BYTES_PER_VALUE)}")
+    try:
+        config = load_model_config(model)
+    except (OSError, ValueError) as error:
+        fail(f"cannot read a config for {model!r} ({error}); shipped: {', '.join(shipped_configs())}")
+    settings = {"dtype": dtype, "kv_dtype": kv_dtype, "max_len": max_len, "max_batch": max_batch}
+    settings["step_tokens"] = step_tokens
+    try:
+        result = plan_memory(config, tp, gpu_mem, **settings)
+    except ValueError as error:
+        fail(str(error))
+
+    def gib(value: float) -> str:
+        return f"{value / GIB:.2f} GiB"
+
+    counts = result.parameters
+    rows = [
+        ("parameters", f"{counts.total / 1e9:.2f} B ({counts.layer_linears / 1e9:.2f} B in layer linears, sharded)"),
+        ("weights per rank", f"{gib(result.weight_bytes)} ({dtype})"),
+        ("KV cache per token per rank", f"{result.kv_bytes_per_token / 1024:.1f} KiB ({kv_dtype})"),
+        ("KV cache per request per rank", f"{gib(result.kv_bytes_per_request)} at {result.max_len} tokens"),
+        ("KV cache for the batch", f"{gib(result.kv_bytes)} ({max_batch} requests)"),
+        ("one verify step", f"{gib(result.step_bytes)} (activations and fp32 logits, {step_tokens} tokens each)"),
+        ("reserve", f"{gib(result.reserve_bytes)} (CUDA context, NCCL, allocator)"),
+        ("total per rank", f"{gib(result.total_bytes)} of {gib(result.gpu_bytes)}"),
+        ("headroom", gib(result.headroom_bytes)),
+        (
+            "requests at max length that fit",
+            str(max(0, int((result.headroom_bytes + result.kv_bytes) // result.kv_bytes_per_request))),
+        ),
+        ("fits", "yes" if result.fits else "NO"),
+    ]
+    smallest = smallest_fitting_tp(config, gpu_mem, **settings)
+    rows.append(("smallest tp that fits", str(smallest) if smallest else "none up to 64"))
+    table = Table("", f"{model}, tp {tp}, {gpu_mem:g} GiB per GPU", title="specdec plan")
+    for name, value in rows:
+        table.add_row(name, value, style=None if result.fits or name != "fits" else "red")
+    console.print(table)
+
+
+@app.command()
 def convert(target: str = TargetOpt):
     """Convert (once) and cache a GGUF checkpoint; prints cold/warm load times."""
     from ..loader import load_model, resolve_source

@@ -1,0 +1,171 @@
+"""GPU memory of a target sharded over `tp` ranks, from its config alone (`specdec plan`).
+
+The parameter count comes from the model built on the meta device (no weights, any
+architecture transformers knows). Sharding follows what the tensor-parallel backends do for
+decoder LMs: every linear inside a decoder layer is split over the ranks, and so is an untied LM
+head; the embedding and the norms are replicated. `fp8` means FP8 decoder-layer linears with the
+embedding, LM head and norms in bf16 (the usual FP8 checkpoints of Llama-3.1).
+
+The KV cache of a rank holds its share of the KV heads (a head is replicated where tp exceeds
+the KV heads). Besides weights and KV cache a rank needs the activations and fp32 logits of one
+verify step for the whole batch, and a fixed reserve (`RESERVE_GIB`: CUDA context, NCCL
+buffers, allocator slack)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GIB = 1 << 30
+RESERVE_GIB = 2.0
+BYTES_PER_VALUE = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+MODEL_CONFIGS = Path(str(resources.files("specdec_core") / "data" / "model_configs"))
+
+
+def shipped_configs() -> list[str]:
+    """The model configs that ship with specdec (no weights): the planner's and cluster files' models."""
+    return sorted(path.name for path in MODEL_CONFIGS.iterdir() if (path / "config.json").exists())
+
+
+def load_model_config(model: str) -> Any:
+    """A transformers config: a shipped name, a config.json, a checkpoint directory, or a hub id."""
+    from transformers import AutoConfig
+
+    if (MODEL_CONFIGS / model / "config.json").exists():
+        return AutoConfig.from_pretrained(MODEL_CONFIGS / model)
+    path = Path(model)
+    if path.is_file():
+        config_dict = json.loads(path.read_text())
+        return AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    return AutoConfig.from_pretrained(model)
+
+
+@dataclass
+class ParameterCounts:
+    layer_linears: int  # split over the tp ranks
+    lm_head: int  # split over the tp ranks (0 when tied to the embedding)
+    replicated: int  # whole on every rank: embedding, norms
+
+    @property
+    def total(self) -> int:
+        return self.layer_linears + self.lm_head + self.replicated
+
+
+def count_parameters(config: Any) -> ParameterCounts:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    counts = ParameterCounts(0, 0, 0)
+    for name, parameter in model.named_parameters():  # a tied head is the embedding, counted once
+        if ".layers." in name and parameter.dim() == 2:
+            counts.layer_linears += parameter.numel()
+        elif name.startswith("lm_head"):
+            counts.lm_head += parameter.numel()
+        else:
+            counts.replicated += parameter.numel()
+    return counts
+
+
+def head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_heads(config: Any) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def tp_problem(config: Any, tp: int) -> str | None:
+    """Why the model cannot be split over `tp` ranks, or None."""
+    if tp < 1 or config.num_attention_heads % tp:
+        return f"tp {tp} must divide the {config.num_attention_heads} query heads"
+    heads = kv_heads(config)
+    if heads % tp and tp % heads:
+        return f"tp {tp} must divide the {heads} KV heads or be a multiple of them"
+    return None
+
+
+@dataclass
+class Plan:
+    tp: int
+    parameters: ParameterCounts
+    weight_bytes: float  # per rank
+    kv_bytes_per_token: float  # per rank
+    kv_bytes_per_request: float  # per rank, at max_len
+    step_bytes: float  # per rank: one verify step's activations and logits, whole batch
+    reserve_bytes: float
+    gpu_bytes: float
+    max_len: int
+    max_batch: int
+
+    @property
+    def kv_bytes(self) -> float:
+        return self.kv_bytes_per_request * self.max_batch
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes + self.step_bytes + self.reserve_bytes
+
+    @property
+    def headroom_bytes(self) -> float:
+        return self.gpu_bytes - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0
+
+
+def plan(
+    config: Any,
+    tp: int,
+    gpu_gib: float,
+    dtype: str = "bfloat16",
+    kv_dtype: str = "bfloat16",
+    max_len: int | None = None,
+    max_batch: int = 1,
+    step_tokens: int = 16,
+    reserve_gib: float = RESERVE_GIB,
+) -> Plan:
+    """Per-rank memory of `config` over `tp` ranks of `gpu_gib` each; `step_tokens` per request
+    in a verify step (K + 1); `max_len` defaults to the model's context length."""
+    problem = tp_problem(config, tp)
+    if problem:
+        raise ValueError(problem)
+    counts = count_parameters(config)
+    other_width = BYTES_PER_VALUE["bfloat16" if dtype == "fp8" else dtype]
+    weight_bytes = (
+        counts.layer_linears / tp * BYTES_PER_VALUE[dtype]
+        + counts.lm_head / tp * other_width
+        + counts.replicated * other_width
+    )
+    heads_per_rank = math.ceil(kv_heads(config) / tp)
+    kv_per_token = 2 * config.num_hidden_layers * heads_per_rank * head_dim(config) * BYTES_PER_VALUE[kv_dtype]
+    max_len = max_len or config.max_position_embeddings
+    rows = max_batch * step_tokens  # fp32 logits and the widest activations (MLP, both halves)
+    step_bytes = rows * (config.vocab_size / tp + 2 * config.intermediate_size / tp + 4 * config.hidden_size) * 4
+    return Plan(
+        tp=tp,
+        parameters=counts,
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=kv_per_token,
+        kv_bytes_per_request=kv_per_token * max_len,
+        step_bytes=step_bytes,
+        reserve_bytes=reserve_gib * GIB,
+        gpu_bytes=gpu_gib * GIB,
+        max_len=max_len,
+        max_batch=max_batch,
+    )
+
+
+def smallest_fitting_tp(config: Any, gpu_gib: float, max_tp: int = 64, **settings) -> int | None:
+    """The smallest tp that the model can be split over and that fits, up to `max_tp`."""
+    for tp in range(1, max_tp + 1):
+        if tp_problem(config, tp) is None and plan(config, tp, gpu_gib, **settings).fits:
+            return tp
+    return None

@@ -1,0 +1,62 @@
+"""`specdec plan`: per-rank memory of a sharded target from its config (memory.py)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec_core.memory import GIB, load_model_config, plan, shipped_configs, smallest_fitting_tp
+from specdec_core.tools.cli import app
+
+# Llama-3.1-8B by hand: hidden 4096, MLP 14336, 32 layers, 32 query and 8 KV heads of 128, vocab 128256
+EMBEDDING = 128256 * 4096
+LAYER_LINEARS = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)  # q, o; k, v; gate, up, down
+NORMS = 32 * 2 * 4096 + 4096
+
+
+def test_shipped_configs_cover_the_cluster_models():
+    assert shipped_configs() == [
+        "llama-3.1-405b-instruct",
+        "llama-3.1-70b-instruct",
+        "llama-3.1-8b-instruct",
+        "llama-3.2-1b-instruct",
+    ]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_llama_8b_bf16_matches_a_hand_computation(tp):
+    result = plan(load_model_config("llama-3.1-8b-instruct"), tp, gpu_gib=80, max_len=8192, max_batch=4)
+    assert result.parameters.total == LAYER_LINEARS + 2 * EMBEDDING + NORMS == 8_030_261_248
+    # layer linears and the untied LM head split over the ranks; the embedding and norms on every rank
+    assert result.weight_bytes == 2 * (LAYER_LINEARS / tp + EMBEDDING / tp + EMBEDDING + NORMS)
+    assert result.kv_bytes_per_token == 2 * 32 * (8 // tp) * 128 * 2  # K and V, layers, KV heads per rank, bf16
+    assert result.kv_bytes_per_request == result.kv_bytes_per_token * 8192
+    assert result.kv_bytes == 4 * result.kv_bytes_per_request
+    assert result.headroom_bytes == 80 * GIB - result.total_bytes and result.fits
+
+
+def test_fp8_halves_the_layer_linears_only_and_405b_needs_fp8_or_more_memory():
+    config = load_model_config("llama-3.1-405b-instruct")
+    bf16, fp8 = plan(config, 8, 80), plan(config, 8, 80, dtype="fp8")
+    counts = bf16.parameters
+    assert bf16.weight_bytes - fp8.weight_bytes == counts.layer_linears / 8
+    assert not bf16.fits and fp8.fits and plan(config, 8, 141).fits
+    assert smallest_fitting_tp(config, 80) == 16  # past the 8 KV heads, which are then replicated
+    assert smallest_fitting_tp(config, 80, dtype="fp8") == 8
+
+
+def test_tp_must_split_the_heads():
+    config = load_model_config("llama-3.1-8b-instruct")
+    with pytest.raises(ValueError, match="query heads"):
+        plan(config, 3, 80)
+    assert plan(config, 16, 80).kv_bytes_per_token == 2 * 32 * 1 * 128 * 2  # a KV head per rank, replicated
+
+
+def test_plan_command_prints_the_figures_and_the_smallest_tp():
+    result = CliRunner().invoke(app, ["plan", "--model", "llama-3.1-70b-instruct", "--tp", "8", "--gpu-mem", "80"])
+    assert result.exit_code == 0, result.output
+    assert "18.14 GiB" in result.output and "40.0 KiB" in result.output and "smallest tp that fits" in result.output
+    bad = CliRunner().invoke(app, ["plan", "--model", "llama-3.1-8b-instruct", "--tp", "3"])
+    assert bad.exit_code == 2 and "query heads" in bad.output
+    missing = CliRunner().invoke(app, ["plan", "--model", "/nonexistent/config.json"])
+    assert missing.exit_code == 2 and "llama-3.1-8b-instruct" in missing.output
