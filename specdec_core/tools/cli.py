@@ -253,6 +253,7 @@ def quality(
     drafter: str = typer.Option("mla", "--drafter"),
     num_draft_tokens: int = typer.Option(15, "-k", "--num-draft-tokens"),
     temperature: float = typer.Option(0.9, "--temperature", help="of the sampling runs (rejection, ears, typical)"),
+    modes: str = typer.Option("greedy,sampling", "--modes", help="greedy (T = 0 runs), sampling, or both"),
     seed: int = typer.Option(0, "--seed"),
     extra_methods: str = typer.Option("", "--extra-methods", help="more specdec: methods for the T = 0 runs"),
     out: Path = typer.Option(Path("quality_out"), "--out"),
@@ -267,11 +268,14 @@ def quality(
     Writes each bench run under OUT/ and the comparison to OUT/quality.json and OUT/quality.md."""
     from tqdm.auto import tqdm
 
-    from .quality import QUESTION_SETS, QualityConfig, markdown, run_quality
+    from .quality import MODES, QUESTION_SETS, QualityConfig, markdown, run_quality
 
     chosen = comma_list(sets)
     if not chosen or set(chosen) - set(QUESTION_SETS):
         fail(f"--sets takes a comma list of {', '.join(QUESTION_SETS)}")
+    chosen_modes = comma_list(modes)
+    if not chosen_modes or set(chosen_modes) - set(MODES):
+        fail(f"--modes takes a comma list of {', '.join(MODES)}")
     config = QualityConfig(
         sets=chosen,
         questions_per_set=questions_per_set,
@@ -281,6 +285,7 @@ def quality(
         temperature=temperature,
         seed=seed,
         extra_methods=comma_list(extra_methods),
+        modes=tuple(chosen_modes),
     )
     engine = build_engine(target, target_dtype, draft, draft_dtype, draft_layers)
     try:
@@ -422,8 +427,11 @@ def plan(
         ("weights per rank", f"{gib(result.weight_bytes)} ({dtype})"),
         ("KV cache per token per rank", f"{result.kv_bytes_per_token / 1024:.1f} KiB ({kv_dtype})"),
         ("KV cache per request per rank", f"{gib(result.kv_bytes_per_request)} at {result.max_len} tokens"),
-        ("KV cache for the batch", f"{gib(result.kv_bytes)} ({max_batch} requests)"),
-        ("one verify step", f"{gib(result.step_bytes)} (activations and fp32 logits, {step_tokens} tokens each)"),
+        ("KV cache for the batch", f"{gib(result.kv_bytes)} ({max_batch} at max length)"),
+        (
+            "one verify step",
+            f"{result.step_bytes / 2**20:.1f} MiB (activations, fp32 logits: {step_tokens} tokens each)",
+        ),
         ("reserve", f"{gib(result.reserve_bytes)} (CUDA context, NCCL, allocator)"),
         ("total per rank", f"{gib(result.total_bytes)} of {gib(result.gpu_bytes)}"),
         ("headroom", gib(result.headroom_bytes)),

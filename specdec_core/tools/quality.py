@@ -20,6 +20,7 @@ from .report import write_report
 QUESTION_SETS = {"gsm8k": (str(DEFAULT_QUESTIONS), ["math_reasoning"]), "humaneval": (HUMANEVAL, ["all"])}
 GREEDY_POLICIES = ("greedy", "easd", "dropmatch", "fly")  # the lossless base first
 SAMPLING_POLICIES = ("rejection", "ears", "typical")
+MODES = ("greedy", "sampling")  # the T = 0 runs and the runs at the sampling temperature
 
 
 @dataclass
@@ -32,15 +33,16 @@ class QualityConfig:
     temperature: float  # of the sampling runs
     seed: int
     extra_methods: list[str] = field(default_factory=list)  # more `specdec:` methods in the T = 0 runs
+    modes: tuple[str, ...] = MODES
 
 
 def runs(config: QualityConfig) -> list[tuple[float, list[str]]]:
     """(temperature, methods) of each bench run per question set; the base policy comes second."""
     suffix = f"+{config.drafter}@{config.num_draft_tokens}"
-    return [
-        (0.0, ["target", *(f"specdec:{policy}{suffix}" for policy in GREEDY_POLICIES), *config.extra_methods]),
-        (config.temperature, ["target", *(f"specdec:{policy}{suffix}" for policy in SAMPLING_POLICIES)]),
-    ]
+    greedy = ["target", *(f"specdec:{policy}{suffix}" for policy in GREEDY_POLICIES), *config.extra_methods]
+    sampling = ["target", *(f"specdec:{policy}{suffix}" for policy in SAMPLING_POLICIES)]
+    by_mode = {"greedy": (0.0, greedy), "sampling": (config.temperature, sampling)}
+    return [by_mode[mode] for mode in config.modes]
 
 
 def run_quality(
