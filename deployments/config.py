@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec_core.loader import DEFAULT_DRAFT, ModelSpec
 from specdec_core.profile import CalibrationSettings
 from specdec_core.request import RequestDefaults
 
 
-class WorkerResources(BaseModel):
+class WorkerConfig(BaseModel):
+    """One worker (draft or target): its ranks and what each rank needs from the cluster."""
+
     model_config = ConfigDict(extra="forbid")
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0, description="per rank")
+    num_gpus: float = Field(0.0, ge=0, description="per rank; a fraction shares a GPU")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources per rank: pins the worker to node types that have them"
+    )
+    tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (specdec_core/parallel.py)")
+    tp_backend: Literal["transformers", "deepspeed"] = "transformers"
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="of the ranks' placement group; STRICT_PACK keeps them on one node"
+    )
+
+    @model_validator(mode="after")
+    def _asks_for_something(self):
+        if self.num_cpus <= 0 and self.num_gpus <= 0:
+            raise ValueError("a worker rank needs num_cpus or num_gpus above 0")
+        return self
 
 
 class AppConfig(BaseModel):
@@ -30,8 +46,14 @@ class AppConfig(BaseModel):
     max_body_bytes: int = Field(1 << 20, ge=1024)
     replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(16, ge=1)
-    draft_worker: WorkerResources = Field(default_factory=WorkerResources)
-    target_worker: WorkerResources = Field(default_factory=WorkerResources)
+    draft_worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    target_worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    draft_on_target_node: bool = Field(
+        False, description="run the draft's ranks on the node of the target's rank 0 (else wherever they fit)"
+    )
+    placement_timeout_s: float = Field(
+        120.0, gt=0, description="a worker the cluster cannot place within this fails with what it asked for"
+    )
     host: str = Field("127.0.0.1", description="every listener binds this address: HTTP, gRPC, both workers")
     api_key: Optional[str] = Field(
         None, repr=False, description="required as `Authorization: Bearer` (HTTP) and `authorization` metadata (gRPC)"

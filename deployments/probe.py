@@ -119,9 +119,10 @@ class LocalCluster:
         roles = {}
         for role in ROLES:
             try:
-                roles[ray.get(worker_actor(role, self.model).pid.remote(), timeout=30)] = f"{role} worker"
+                pids = ray.get(worker_actor(role, self.model).pids.remote(), timeout=30)
             except Exception:  # noqa: BLE001 - a worker that is down is left out of the table
                 continue
+            roles.update({pid: f"{role} worker" + (f" rank {rank}" if rank else "") for rank, pid in enumerate(pids)})
         rss = {}
         for process in psutil.process_iter(["pid", "cmdline", "memory_info"]):
             title = (process.info["cmdline"] or [""])[0]

@@ -5,6 +5,7 @@ protos/specdec.proto). Each holds per-request sessions (sessions.py) over one mo
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from concurrent import futures
 from typing import Any, Callable, Optional, Sequence
@@ -16,15 +17,19 @@ from pydantic import ValidationError
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec_core.compact import compact_rows, wire_top_k
-from specdec_core.drafters import make_drafter
+from specdec_core.drafters import make_drafter, validate_drafter
 from specdec_core.errors import SpecdecError, check_token_ids
+from specdec_core.frontend import Frontend
+from specdec_core.loader import ModelSpec
 from specdec_core.policies import make_policy
-from specdec_core.profile import TargetProfile
+from specdec_core.profile import CalibrationSettings, TargetProfile, calibration_progress, measure_profile
 from specdec_core.request import MAX_DRAFT_TOKENS
+from specdec_core.sampling import SamplingParams
 from specdec_core.target import TargetScorer
 
 from .auth import RequireSecret
 from .sessions import SessionTable
+from .tensor_parallel import ControlChannel, GroupBroken
 from .wire import component_from_proto, sampling_from_proto, tensor_to_proto
 
 logger = logging.getLogger(__name__)
@@ -61,6 +66,9 @@ def checked(handler: Callable) -> Callable:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except SessionMissing as error:
             context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+        except GroupBroken as error:
+            logger.error("%s: %s", handler.__name__, error)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's tensor-parallel group is down")
         except Exception:  # noqa: BLE001 - logged with the session id; the caller sees INTERNAL
             session_id = getattr(request, "session_id", "")
             logger.exception("%s failed for session %r", handler.__name__, session_id)
@@ -72,13 +80,33 @@ def checked(handler: Callable) -> Callable:
 class SessionServicer:
     """What both workers share: the session table, input checks, Release and Stats. Every token
     id, size and setting a worker receives is checked here as well as at the server, so a direct
-    caller can neither crash a worker nor read past its vocabulary or cache."""
+    caller can neither crash a worker nor read past its vocabulary or cache.
 
-    def __init__(self, target_config: Any, idle_timeout_s: float):
-        """`target_config`: the target model's config (the ids are the target's)."""
+    A handler checks its input, then `run`s an operation (a JSON-able dict) that `apply` carries
+    out on the model. In a tensor-parallel group (tensor_parallel.py) rank 0 sends each operation
+    to the other ranks first, which `apply` it too; its expired sessions are released on them."""
+
+    def __init__(self, target_config: Any, idle_timeout_s: float, channel: Optional[ControlChannel] = None):
+        """`target_config`: the target model's config (the ids are the target's); `channel`: rank
+        0's link to the other ranks of its group."""
         self.vocab_size = target_config.vocab_size
         self.max_positions = getattr(target_config, "max_position_embeddings", 1 << 20)
-        self.table = SessionTable(idle_timeout_s)
+        self.channel = channel
+        on_expire = (lambda session_id: channel.send({"op": "release", "session_id": session_id})) if channel else None
+        self.table = SessionTable(idle_timeout_s, on_expire)
+
+    def run(self, op: dict) -> Any:
+        if self.channel is not None:
+            self.channel.send(op)
+        return self.apply(op)
+
+    def apply(self, op: dict) -> Any:
+        """Carry out an operation (`op["op"]` names the method `op_<name>`, the rest its arguments)."""
+        name, arguments = op["op"], {key: value for key, value in op.items() if key != "op"}
+        return getattr(self, f"op_{name}")(**arguments)
+
+    def op_release(self, session_id: str) -> None:
+        self.table.release(session_id)
 
     def session(self, session_id: str) -> Any:
         session = self.table.get(session_id)
@@ -97,7 +125,7 @@ class SessionServicer:
 
     @checked
     def Release(self, request, context):
-        self.table.release(request.session_id)
+        self.run({"op": "release", "session_id": request.session_id})
         return pb.Empty()
 
     @checked
@@ -112,28 +140,40 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
         draft_model: Optional[torch.nn.Module],
         target_config: Any,
         idle_timeout_s: float = 120.0,
+        channel: Optional[ControlChannel] = None,
     ):
-        super().__init__(target_config, idle_timeout_s)
+        super().__init__(target_config, idle_timeout_s, channel)
         self.draft_model = draft_model
 
     @checked
     def Reset(self, request, context):
-        prompt_ids = self.check_prompt(request.prompt_ids)
         spec = component_from_proto(request.drafter)
-        drafter = make_drafter(spec.name, spec.params, self.draft_model)
-        drafter.reset(prompt_ids, sampling_from_proto(request.sampling))
-        self.table.put(request.session_id, (drafter, request.with_logits))
+        validate_drafter(spec.name, spec.params)
+        self.run(
+            {
+                "op": "reset",
+                "session_id": request.session_id,
+                "prompt_ids": self.check_prompt(request.prompt_ids),
+                "drafter": spec.model_dump(),
+                "sampling": sampling_from_proto(request.sampling).model_dump(),
+                "with_logits": request.with_logits,
+            }
+        )
         return pb.Empty()
+
+    def op_reset(self, session_id: str, prompt_ids: list[int], drafter: dict, sampling: dict, with_logits: bool):
+        drafter_session = make_drafter(drafter["name"], drafter["params"], self.draft_model)
+        drafter_session.reset(prompt_ids, SamplingParams(**sampling))
+        self.table.put(session_id, (drafter_session, with_logits))
 
     @checked
     def Propose(self, request, context):
-        drafter, with_logits = self.session(request.session_id)
+        self.session(request.session_id)
         if not 0 <= request.max_tokens <= MAX_DRAFT_TOKENS:
             raise SpecdecError(f"max_tokens must lie in [0, {MAX_DRAFT_TOKENS}]")
         commit_tokens = self.check_tokens(request.commit_tokens, "commit_tokens", 0, MAX_DRAFT_TOKENS + 1)
-        if commit_tokens:
-            drafter.commit(commit_tokens)
-        block = drafter.propose(request.max_tokens)
+        op = {"op": "propose", "session_id": request.session_id, "max_tokens": request.max_tokens}
+        block, with_logits = self.run({**op, "commit_tokens": commit_tokens})
         reply = pb.DraftReply(tokens=block.tokens.tolist())
         if block.sampled:
             reply.token_probs.extend(block.token_probs.tolist())
@@ -141,13 +181,23 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
             reply.logits.CopyFrom(tensor_to_proto(block.logits))
         return reply
 
+    def op_propose(self, session_id: str, max_tokens: int, commit_tokens: list[int]):
+        drafter_session, with_logits = self.session(session_id)
+        if commit_tokens:
+            drafter_session.commit(commit_tokens)
+        return drafter_session.propose(max_tokens), with_logits
+
 
 class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
     def __init__(
-        self, target_model: torch.nn.Module, idle_timeout_s: float = 120.0, profile: Optional[TargetProfile] = None
+        self,
+        target_model: torch.nn.Module,
+        idle_timeout_s: float = 120.0,
+        profile: Optional[TargetProfile] = None,
+        channel: Optional[ControlChannel] = None,
     ):
         """`profile`: the target's, measured at load (the defaults of policies that need one)."""
-        super().__init__(target_model.config, idle_timeout_s)
+        super().__init__(target_model.config, idle_timeout_s, channel)
         self.target_model = target_model
         self.profile = profile
 
@@ -157,15 +207,33 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
 
     @checked
     def Reset(self, request, context):
-        prompt_ids = self.check_prompt(request.prompt_ids)
         spec = component_from_proto(request.policy)
         policy = make_policy(spec.name, spec.params)
         if policy.needs_profile:
             policy = policy.for_target(self.profile)
-        scorer = TargetScorer(self.target_model)
-        scorer.reset(prompt_ids, policy, sampling_from_proto(request.sampling))
-        self.table.put(request.session_id, scorer)
+        self.run(
+            {
+                "op": "reset",
+                "session_id": request.session_id,
+                "prompt_ids": self.check_prompt(request.prompt_ids),
+                "policy": {"name": policy.name, "params": json.loads(policy.params.model_dump_json())},
+                "sampling": sampling_from_proto(request.sampling).model_dump(),
+            }
+        )
         return pb.Empty()
+
+    def op_measure_profile(self, spec: dict, settings: dict) -> TargetProfile:
+        """Measure the target's profile (every rank of a group runs the same forwards)."""
+        model_spec = ModelSpec(**spec)
+        frontend = Frontend.from_spec(model_spec)
+        progress = calibration_progress(model_spec.source)
+        self.profile = measure_profile(self.target_model, frontend, CalibrationSettings(**settings), progress)
+        return self.profile
+
+    def op_reset(self, session_id: str, prompt_ids: list[int], policy: dict, sampling: dict) -> None:
+        scorer = TargetScorer(self.target_model)
+        scorer.reset(prompt_ids, make_policy(policy["name"], policy["params"]), SamplingParams(**sampling))
+        self.table.put(session_id, scorer)
 
     @checked
     def Score(self, request, context):
@@ -173,11 +241,10 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         if not 0 <= request.commit_keep <= scorer.num_scored:
             raise SpecdecError(f"commit_keep must lie in [0, {scorer.num_scored}] (the tokens last scored)")
         tokens = self.check_tokens(request.tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)  # [last, drafts]
-        if request.commit_keep > 0:
-            scorer.commit(request.commit_keep)
-        if scorer.committed_len + len(tokens) > self.max_positions:
+        if scorer.committed_len + request.commit_keep + len(tokens) > self.max_positions:
             raise SpecdecError(f"the session would exceed {self.max_positions} positions")
-        block = scorer.score(tokens)
+        op = {"op": "score", "session_id": request.session_id, "tokens": tokens, "commit_keep": request.commit_keep}
+        block = self.run(op)
         reply = pb.ScoreReply(vocab_size=block.vocab_size)
         top_k = wire_top_k(scorer.policy, scorer.sampling)
         if top_k is None:
@@ -191,6 +258,12 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         if block.token_log_probs is not None:
             reply.token_log_probs.CopyFrom(tensor_to_proto(block.token_log_probs))
         return reply
+
+    def op_score(self, session_id: str, tokens: list[int], commit_keep: int):
+        scorer = self.session(session_id)
+        if commit_keep > 0:
+            scorer.commit(commit_keep)
+        return scorer.score(tokens)
 
 
 def start_server(

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 class SessionTable:
-    def __init__(self, idle_timeout_s: float):
+    def __init__(self, idle_timeout_s: float, on_expire: Optional[Callable[[str], None]] = None):
+        """`on_expire(session_id)` is told of each session dropped for idleness."""
         self.idle_timeout_s = idle_timeout_s
+        self.on_expire = on_expire
         self.sessions: dict[str, tuple[Any, float]] = {}  # id -> (session, last use)
         self.requests = 0
         self.lock = threading.Lock()
@@ -30,7 +32,7 @@ class SessionTable:
                 return None
             now = time.monotonic()
             if now - entry[1] > self.idle_timeout_s:
-                del self.sessions[session_id]
+                self._expire(session_id)
                 return None
             self.sessions[session_id] = (entry[0], now)
             return entry[0]
@@ -48,4 +50,9 @@ class SessionTable:
     def _drop_idle(self) -> None:
         cutoff = time.monotonic() - self.idle_timeout_s
         for session_id in [sid for sid, (_, used) in self.sessions.items() if used < cutoff]:
-            del self.sessions[session_id]
+            self._expire(session_id)
+
+    def _expire(self, session_id: str) -> None:
+        del self.sessions[session_id]
+        if self.on_expire is not None:
+            self.on_expire(session_id)

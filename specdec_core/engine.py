@@ -42,7 +42,7 @@ def speculative_loop(
         block = target.score([last_token, *draft.tokens.tolist()])
         metrics.target_ms.append((time.perf_counter() - clock) * 1e3)
         clock = time.perf_counter()
-        verdict = policy.verify(draft, block, sampling, verify_rng)
+        verdict = policy.verify(draft.to(block.logits.device), block, sampling, verify_rng)
         metrics.verify_ms.append((time.perf_counter() - clock) * 1e3)
         new_tokens = [*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
         target.commit(verdict.num_accepted + 1)

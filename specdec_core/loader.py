@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm.auto import tqdm
 
 from .kernels import prepare_model
@@ -39,6 +39,23 @@ class ModelSpec(BaseModel):
         "float32", description="int4: weight-only 4-bit linears and bf16 activations, CPU only (Int4Linear)"
     )
     num_layers: Optional[int] = Field(None, ge=1, description="keep only the first N decoder layers")
+    device: str = Field("auto", description="auto: CUDA when present (int4 stays on the CPU), else the CPU")
+
+    @field_validator("device")
+    @classmethod
+    def _a_device(cls, device: str) -> str:
+        if device != "auto":
+            try:
+                torch.device(device)
+            except RuntimeError as error:
+                raise ValueError(f"device {device!r}: {error}") from None
+        return device
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() and self.dtype != "int4" else "cpu")
+        return torch.device(self.device)
 
 
 def cache_dir() -> Path:
@@ -126,12 +143,20 @@ def load_configs(spec: ModelSpec) -> tuple[Any, Optional[Any]]:
 
 
 def load_model(spec: ModelSpec) -> torch.nn.Module:
-    """Load a causal LM in eval mode, optionally truncated to its first `num_layers` layers."""
+    """Load a causal LM in eval mode on its device, optionally truncated to its first `num_layers`
+    layers. On the CPU it runs on this project's kernels (kernels/); elsewhere on the model's own
+    attention and linears."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_source(spec.source), dtype=DTYPES[spec.dtype])
+    device = spec.torch_device
+    if spec.dtype == "int4" and device.type != "cpu":
+        raise ValueError("int4 is a CPU kernel: give the draft device cpu, or dtype bfloat16 on a GPU")
+    placement = {} if device.type == "cpu" else {"device_map": device}  # straight onto the GPU
+    model = AutoModelForCausalLM.from_pretrained(resolve_source(spec.source), dtype=DTYPES[spec.dtype], **placement)
     if spec.num_layers is not None:
         truncate_layers(model, spec.num_layers)
+    if device.type != "cpu":
+        return model.eval()
     if spec.dtype == "int4":
         quantize_int4(model)
     return prepare_model(model)

@@ -22,7 +22,7 @@ def emitted_log_probs(
     accepted draft tokens (their exact `block.token_log_probs`), then the correction or bonus
     token, which the policy took from the target row itself (so a compact row holds it)."""
     rows = block.logits[: len(new_tokens)].float().log_softmax(-1)
-    tokens = torch.tensor(list(new_tokens), dtype=torch.long)
+    tokens = torch.tensor(list(new_tokens), dtype=torch.long, device=rows.device)
     chosen = rows.gather(-1, tokens[:, None]).squeeze(-1)
     if block.token_log_probs is not None:
         chosen[:num_accepted] = block.token_log_probs[:num_accepted]

@@ -6,21 +6,22 @@ decoder LMs: every linear inside a decoder layer is split over the ranks, and so
 head; the embedding and the norms are replicated. `fp8` means FP8 decoder-layer linears with the
 embedding, LM head and norms in bf16 (the usual FP8 checkpoints of Llama-3.1).
 
-The KV cache of a rank holds its share of the KV heads (a head is replicated where tp exceeds
-the KV heads). Besides weights and KV cache a rank needs the activations and fp32 logits of one
-verify step for the whole batch, and a fixed reserve (`RESERVE_GIB`: CUDA context, NCCL
-buffers, allocator slack)."""
+The KV cache of a rank holds its share of the KV heads: tp must divide the query and KV heads
+(parallel.py), so at most 8 ranks for Llama-3.1. Besides weights and KV cache a rank needs the
+activations and fp32 logits of one verify step for the whole batch, and a fixed reserve
+(`RESERVE_GIB`: CUDA context, NCCL buffers, allocator slack)."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .parallel import shard_problem
 
 GIB = 1 << 30
 RESERVE_GIB = 2.0
@@ -81,16 +82,6 @@ def kv_heads(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def tp_problem(config: Any, tp: int) -> str | None:
-    """Why the model cannot be split over `tp` ranks, or None."""
-    if tp < 1 or config.num_attention_heads % tp:
-        return f"tp {tp} must divide the {config.num_attention_heads} query heads"
-    heads = kv_heads(config)
-    if heads % tp and tp % heads:
-        return f"tp {tp} must divide the {heads} KV heads or be a multiple of them"
-    return None
-
-
 @dataclass
 class Plan:
     tp: int
@@ -134,7 +125,7 @@ def plan(
 ) -> Plan:
     """Per-rank memory of `config` over `tp` ranks of `gpu_gib` each; `step_tokens` per request
     in a verify step (K + 1); `max_len` defaults to the model's context length."""
-    problem = tp_problem(config, tp)
+    problem = shard_problem(config, tp)
     if problem:
         raise ValueError(problem)
     counts = count_parameters(config)
@@ -144,7 +135,7 @@ def plan(
         + counts.lm_head / tp * other_width
         + counts.replicated * other_width
     )
-    heads_per_rank = math.ceil(kv_heads(config) / tp)
+    heads_per_rank = kv_heads(config) // tp
     kv_per_token = 2 * config.num_hidden_layers * heads_per_rank * head_dim(config) * BYTES_PER_VALUE[kv_dtype]
     max_len = max_len or config.max_position_embeddings
     rows = max_batch * step_tokens  # fp32 logits and the widest activations (MLP, both halves)
@@ -166,6 +157,6 @@ def plan(
 def smallest_fitting_tp(config: Any, gpu_gib: float, max_tp: int = 64, **settings) -> int | None:
     """The smallest tp that the model can be split over and that fits, up to `max_tp`."""
     for tp in range(1, max_tp + 1):
-        if tp_problem(config, tp) is None and plan(config, tp, gpu_gib, **settings).fits:
+        if shard_problem(config, tp) is None and plan(config, tp, gpu_gib, **settings).fits:
             return tp
     return None

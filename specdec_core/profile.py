@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -49,8 +49,8 @@ def greedy_entropies(model: torch.nn.Module, prompt_ids: list[int], max_new_toke
     """The target's T = 1 entropy (nats) at every step of its own greedy answer to `prompt_ids`."""
     eos = sorted(eos_ids) or None
     output = model.generate(
-        torch.tensor([prompt_ids]),
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        torch.tensor([prompt_ids], device=model.device),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=model.device),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         temperature=None,
@@ -104,6 +104,19 @@ def profile_path(spec: ModelSpec, settings: CalibrationSettings) -> Path:
     return cache_dir() / "profiles" / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 
+def cached_profile(spec: ModelSpec, settings: CalibrationSettings) -> Optional[TargetProfile]:
+    path = profile_path(spec, settings)
+    return TargetProfile.model_validate_json(path.read_text()) if path.exists() else None
+
+
+def store_profile(spec: ModelSpec, profile: TargetProfile) -> None:
+    path = profile_path(spec, profile.settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp_path.write_text(profile.model_dump_json())
+    tmp_path.replace(path)
+
+
 def load_profile(
     spec: ModelSpec,
     model: torch.nn.Module,
@@ -112,14 +125,10 @@ def load_profile(
     progress: Callable[[Any], Any] = iter,
 ) -> TargetProfile:
     """The cached profile of `spec`, measured (and cached) when there is none."""
-    path = profile_path(spec, settings)
-    if path.exists():
-        return TargetProfile.model_validate_json(path.read_text())
-    profile = measure_profile(model, frontend, settings, progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp_path.write_text(profile.model_dump_json())
-    tmp_path.replace(path)
+    profile = cached_profile(spec, settings)
+    if profile is None:
+        profile = measure_profile(model, frontend, settings, progress)
+        store_profile(spec, profile)
     return profile
 
 

@@ -34,7 +34,7 @@ class SamplingParams(BaseModel):
     def generator(self, role: Literal["verify", "draft", "target"]) -> torch.Generator:
         """The request's RNG for one role. Verifier, drafter and the target's policy features
         draw from separate streams seeded from `seed`, so a request is reproducible wherever its
-        pieces run."""
+        pieces run. It lives on the host, on every device: draws are made there and moved."""
         return torch.Generator().manual_seed(self.seed + SEED_OFFSETS[role])
 
 
@@ -70,7 +70,7 @@ def sample(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     cumulative sum over a large vocabulary). Draws lie in (0, total], so the first index whose CDF
     reaches the draw always has positive weight."""
     cdf = weights.double().cumsum(-1)
-    uniform = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64)
+    uniform = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64).to(cdf.device)
     return torch.searchsorted(cdf, (1.0 - uniform) * cdf[:, -1:]).squeeze(-1)
 
 
@@ -86,7 +86,7 @@ def argmax(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     chunks = rows[:, : num_chunks * chunk].unflatten(-1, (num_chunks, chunk))
     chunk_max = chunks.amax(-1)  # [R, num_chunks]
     best_chunk = chunk_max.argmax(-1)
-    row_index = torch.arange(rows.shape[0])
+    row_index = torch.arange(rows.shape[0], device=rows.device)
     best = best_chunk * chunk + chunks[row_index, best_chunk].argmax(-1)
     if num_chunks * chunk < vocab_size:  # the tail wins only when strictly larger (first maximum)
         tail_max, tail_argmax = rows[:, num_chunks * chunk :].max(-1)

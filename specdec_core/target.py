@@ -40,9 +40,7 @@ class TargetScorer:
         self.committed_len = 0
         self.num_scored = 0
         if len(prompt_ids) > 1:
-            self.model.model(
-                input_ids=torch.tensor([list(prompt_ids[:-1])]), past_key_values=self.cache, use_cache=True
-            )
+            self.model.model(input_ids=self.ids(prompt_ids[:-1]), past_key_values=self.cache, use_cache=True)
             self.committed_len = len(prompt_ids) - 1
 
     @torch.inference_mode()
@@ -51,16 +49,20 @@ class TargetScorer:
         plus the policy's target-side features for the `len(tokens) - 1` draft positions."""
         crop_cache(self.cache, self.committed_len)
         self.num_scored = len(tokens)
-        output = self.model.model(input_ids=torch.tensor([list(tokens)]), past_key_values=self.cache, use_cache=True)
-        hidden = output.last_hidden_state[0]
-        block = TargetBlock(logits=self.model.lm_head(hidden).float())
+        output = self.model.model(input_ids=self.ids(tokens), past_key_values=self.cache, use_cache=True)
+        hidden = output.last_hidden_state  # [1, T, H]: a row-parallel LM head (DeepSpeed's) splits dim 2
+        block = TargetBlock(logits=self.model.lm_head(hidden)[0].float())
         if self.policy.needs_hidden:
-            block.hidden, block.lm_head = hidden, self.model.lm_head
-        draft_tokens = torch.tensor(list(tokens[1:]), dtype=torch.long)
+            block.hidden, block.lm_head = hidden[0], self.model.lm_head
+        draft_tokens = self.ids(tokens[1:])[0]
         if self.sampling.logprobs is not None:
             block.token_log_probs = token_log_probs(block.logits[:-1], draft_tokens)
         block.features = self.policy.target_features(block, draft_tokens, self.sampling, self.features_rng)
         return block
+
+    def ids(self, tokens: Sequence[int]) -> torch.Tensor:
+        """`[1, n]` token ids on the model's device."""
+        return torch.tensor([list(tokens)], dtype=torch.long, device=self.model.device)
 
     def commit(self, num_keep: int) -> None:
         """Keep the first `num_keep` scored tokens; the rest are rolled back on the next call."""

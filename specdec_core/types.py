@@ -30,6 +30,14 @@ class DraftBlock:
     def sampled(self) -> bool:
         return self.token_probs is not None
 
+    def to(self, device: torch.device) -> "DraftBlock":
+        """This block on `device` (the target's, where policies decide)."""
+        if self.tokens.device == device:
+            return self
+        return DraftBlock(
+            *(None if tensor is None else tensor.to(device) for tensor in (self.tokens, self.logits, self.token_probs))
+        )
+
     def probs(self, sampling: SamplingParams, vocab_size: int, rows=slice(None)) -> torch.Tensor:
         """The distribution the tokens were proposed from, `[K, V]` (or the selected rows)."""
         if self.sampled:

@@ -41,7 +41,7 @@ def test_fp8_halves_the_layer_linears_only_and_405b_needs_fp8_or_more_memory():
     counts = bf16.parameters
     assert bf16.weight_bytes - fp8.weight_bytes == counts.layer_linears / 8
     assert not bf16.fits and fp8.fits and plan(config, 8, 141).fits
-    assert smallest_fitting_tp(config, 80) == 16  # past the 8 KV heads, which are then replicated
+    assert smallest_fitting_tp(config, 80) is None  # tp stops at the 8 KV heads
     assert smallest_fitting_tp(config, 80, dtype="fp8") == 8
 
 
@@ -49,7 +49,8 @@ def test_tp_must_split_the_heads():
     config = load_model_config("llama-3.1-8b-instruct")
     with pytest.raises(ValueError, match="query heads"):
         plan(config, 3, 80)
-    assert plan(config, 16, 80).kv_bytes_per_token == 2 * 32 * 1 * 128 * 2  # a KV head per rank, replicated
+    with pytest.raises(ValueError, match="valid: 1, 2, 4, 8"):
+        plan(config, 16, 80)
 
 
 def test_plan_command_prints_the_figures_and_the_smallest_tp():

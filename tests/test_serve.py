@@ -18,8 +18,12 @@ pytestmark = pytest.mark.slow  # the checkpoints use SmolLM2's tokenizer
 
 from conftest import perturbed_copy, tiny_llama  # noqa: E402
 
-from deployments.worker import worker_actor  # noqa: E402
+from deployments.config import AppConfig  # noqa: E402
+from deployments.errors import WorkerUnavailable  # noqa: E402
+from deployments.remote_engine import RemoteEngine  # noqa: E402
+from deployments.worker import ROLES, start_worker, worker_actor, worker_address  # noqa: E402
 from specdec_core import GenerationRequest, ModelSpec, SpeculativeEngine  # noqa: E402
+from specdec_core.frontend import Frontend  # noqa: E402
 from specdec_core.loader import load_model, load_tokenizer  # noqa: E402
 from specdec_core.policies import POLICIES  # noqa: E402
 
@@ -63,8 +67,9 @@ def start_cluster(attempts: int = 3):
     for attempt in range(1, attempts + 1):
         try:
             head = {"num_cpus": 2, "include_dashboard": False, "_system_config": {"metrics_report_interval_ms": 1000}}
-            cluster = Cluster(initialize_head=True, head_node_args=head)
-            cluster.add_node(num_cpus=2)
+            # custom resources name the two node types a disaggregated layout puts draft and target on
+            cluster = Cluster(initialize_head=True, head_node_args={**head, "resources": {"draft_node": 2}})
+            cluster.add_node(num_cpus=2, resources={"target_node": 2})
             return cluster
         except Exception as error:
             if "timed out during startup" not in str(error) or attempt == attempts:
@@ -425,3 +430,104 @@ def test_probe_command_passes_against_the_service(service):
     result = CliRunner().invoke(app, [*args, "--soak", "15", "--soak-concurrency", "4", "--timeout", "60"])
     assert result.exit_code == 0, result.output
     assert "FAIL" not in result.output and "target worker" in result.output
+
+
+# ---------------------------------------------------------------- a tensor-parallel target group
+
+TP_MODEL = "tiny-tp"
+
+
+def tp_config(checkpoints, **fields) -> AppConfig:
+    target_dir, draft_dir = checkpoints
+    return AppConfig(
+        model_name=TP_MODEL,
+        target={"source": target_dir},
+        draft={"source": draft_dir},
+        target_worker={"tp_size": 2, "num_cpus": 0.5, "resources": {"target_node": 0.5}},
+        draft_worker={"tp_size": 2, "num_cpus": 0.5, "resources": {"draft_node": 0.5}},
+        torch_threads=1,
+        worker_secret="tp-secret",
+        calibration={"questions_per_category": 1, "max_new_tokens": 4},
+        rpc_deadline_s=10.0,
+        **fields,
+    )
+
+
+@pytest.fixture(scope="module")
+def tp_group(service, checkpoints):
+    """The target over 2 ranks (gloo) on the simulated target node and the draft over 2 ranks on
+    the other, started as the server starts its workers, and an engine pointed at them."""
+    config = tp_config(checkpoints)
+    workers = {role: start_worker(role, config) for role in ROLES}
+    addresses = {role: ray.get(worker.get_address.remote()) for role, worker in workers.items()}
+    engine = RemoteEngine(Frontend.from_spec(config.target), addresses, config.rpc_deadline_s, secret="tp-secret")
+    yield config, engine, workers
+    for worker in workers.values():
+        ray.kill(worker, no_restart=True)
+
+
+def tp_request(policy: str, temperature: float = 0.0, **fields) -> GenerationRequest:
+    sampling = {"max_tokens": 24, "temperature": temperature, "seed": 7, **fields}
+    return GenerationRequest(
+        prompt="The capital of France is Paris. The capital of France is",
+        sampling=sampling,
+        policy={"name": policy},
+        drafter={"name": "model"},
+        num_draft_tokens=5,
+    )
+
+
+@pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("dropmatch", 0.0), ("rejection", 0.9)])
+def test_target_and_draft_over_two_ranks_each_serve_what_one_process_does(tp_group, local_engine, policy, temperature):
+    _, engine, _ = tp_group
+    request = tp_request(policy, temperature)
+    chunks = list(engine.stream(request))
+    assert [token for chunk in chunks for token in chunk.token_ids] == local_engine.complete(request).token_ids
+    assert chunks[-1].metrics["spec_decode_num_drafts"] > 0
+
+
+def test_the_layout_puts_target_ranks_and_draft_on_their_node_types(tp_group):
+    _, _, workers = tp_group
+    nodes = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
+    for role, node_type in (("target", "target_node"), ("draft", "draft_node")):
+        ranks = ray.get(workers[role].rank_handles.remote())
+        assert len(ranks) == 2
+        for rank in ranks:
+            assert node_type in nodes[ray.get(rank.node_id.remote())]
+
+
+def test_a_killed_rank_fails_its_request_then_the_group_is_rebuilt(tp_group, local_engine):
+    config, engine, workers = tp_group
+    long_request = tp_request("greedy", max_tokens=900, ignore_eos=True)
+    stream = engine.stream(long_request)
+    next(stream)
+    old_address = engine_address = worker_address("target", config, 10)
+    killed_at = time.perf_counter()
+    ray.kill(ray.get(workers["target"].rank_handles.remote())[1], no_restart=True)
+    with pytest.raises(WorkerUnavailable):
+        for _ in stream:
+            pass
+    failed_s = time.perf_counter() - killed_at
+    while engine_address == old_address:
+        try:
+            engine_address = worker_address("target", config, 10)
+        except Exception:  # noqa: BLE001 - still being rebuilt
+            time.sleep(0.5)
+    engine.connect("target", engine_address)
+    request = tp_request("greedy")
+    assert [token for chunk in engine.stream(request) for token in chunk.token_ids] == local_engine.complete(
+        request
+    ).token_ids
+    print(f"request failed {failed_s:.2f} s after the kill; served again {time.perf_counter() - killed_at:.1f} s after")
+
+
+def test_a_placement_the_cluster_cannot_satisfy_fails_fast_and_says_why(service, checkpoints):
+    config = tp_config(checkpoints, placement_timeout_s=2.0).model_copy(update={"model_name": "tiny-nowhere"})
+    config.target_worker.resources = {"gpu_node": 1}
+    start = time.perf_counter()
+    with pytest.raises(ray.exceptions.RayActorError) as failure:
+        ray.get(start_worker("target", config).get_address.remote(), timeout=120)
+    message = str(failure.value)
+    assert time.perf_counter() - start < 60
+    assert "cannot place tiny-nowhere-target" in message and "gpu_node" in message  # what was asked
+    assert "target_node" in message and "draft_node" in message  # what the cluster has

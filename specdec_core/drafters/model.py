@@ -98,7 +98,7 @@ class ModelDrafter(Drafter):
             self.sync_cache(sequence)
             pending = sequence[len(self.cached_tokens) :]
             guess = self.lookup(sequence, max_tokens - len(tokens) - 1)
-            input_ids = torch.tensor([pending + guess])
+            input_ids = torch.tensor([pending + guess], device=self.model.device)
             output = self.model(
                 input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=len(guess) + 1
             )
@@ -124,7 +124,7 @@ class ModelDrafter(Drafter):
         if not tokens:
             return DraftBlock.empty()
         return DraftBlock(
-            tokens=torch.tensor(self.last_proposal, dtype=torch.long),
+            tokens=torch.tensor(self.last_proposal, dtype=torch.long, device=self.model.device),
             logits=torch.cat(rows)[:max_tokens],
             token_probs=torch.cat(token_probs)[:max_tokens] if sampled else None,
         )

@@ -101,15 +101,15 @@ def base_decision(
 ) -> BaseDecision:
     """Base-rule accept flags for every draft position (vectorized over K). At T > 0 the target
     rows are one softmax pass; p_d(c_i) comes with a sampled draft (one-hot drafts have 1)."""
-    num_draft = draft.num_tokens
+    num_draft, device = draft.num_tokens, target.logits.device
     if sampling.greedy:
         target_argmax = argmax(target.logits)
         return BaseDecision(draft.tokens == target_argmax[:num_draft], None, target_argmax)
     target_probs = sampling_probs(target.logits, sampling)
-    draft_token_probs = draft.token_probs if draft.sampled else torch.ones(num_draft)
+    draft_token_probs = draft.token_probs if draft.sampled else torch.ones(num_draft, device=device)
     target_token_probs = target_probs[:num_draft].gather(-1, draft.tokens[:, None]).squeeze(-1)
     ratio = target_token_probs / draft_token_probs.clamp_min(1e-10)
-    uniform = torch.rand(num_draft, generator=generator)
+    uniform = torch.rand(num_draft, generator=generator).to(device)
     return BaseDecision(uniform <= ratio, target_probs, None, ratio, uniform)
 
 

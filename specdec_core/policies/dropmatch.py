@@ -60,12 +60,14 @@ class DropMatchPolicy(AcceptancePolicy):
         """Dropout paths for the positions whose outcome they can change: at T = 0 only where the
         draft token is not the target argmax (elsewhere the base rule accepts), at T > 0 all."""
         num_draft = draft_tokens.shape[0]
-        rows = torch.arange(num_draft)
+        rows = torch.arange(num_draft, device=draft_tokens.device)
         if sampling.greedy:
             rows = rows[draft_tokens != argmax(target.logits[:num_draft])]
         hidden = target.hidden[rows].float()  # [R, H]
         keep = 1.0 - self.params.dropout
-        masks = torch.bernoulli(torch.full((self.params.num_paths, *hidden.shape), keep), generator=generator) / keep
+        # drawn on the host (the request's generator lives there), the same on every rank of a group
+        masks = torch.bernoulli(torch.full((self.params.num_paths, *hidden.shape), keep), generator=generator)
+        masks = masks.to(hidden.device) / keep
         path_logits = target.lm_head(hidden[None] * masks).float()  # [N, R, V], one matmul
         if sampling.greedy:
             path_tokens = argmax(path_logits)
@@ -86,7 +88,7 @@ class DropMatchPolicy(AcceptancePolicy):
         rows, path_tokens = features["rows"], features["path_tokens"]  # [R], [N, R]
         row_tokens = draft.tokens[rows]
         criteria = self.params.criteria
-        row_matched = torch.zeros(len(rows), dtype=torch.bool)
+        row_matched = torch.zeros(len(rows), dtype=torch.bool, device=rows.device)
         if "naive" in criteria:
             row_matched |= (path_tokens == row_tokens[None]).any(0)
         if "majority" in criteria:
@@ -95,13 +97,13 @@ class DropMatchPolicy(AcceptancePolicy):
             # only where neither the base rule nor another criterion already accepts
             todo = (~row_matched & ~decision.accepted[rows]).nonzero().squeeze(-1)
             if draft.logits is None:  # a deterministic draft is one-hot
-                draft_log_probs = torch.full((len(todo), target.vocab_size), float("-inf"))
+                draft_log_probs = torch.full((len(todo), target.vocab_size), float("-inf"), device=rows.device)
                 draft_log_probs.scatter_(-1, row_tokens[todo, None], 0.0)
             else:
                 draft_log_probs = draft.logits[rows[todo]].float().log_softmax(-1)
             draft_js = js_divergence(draft_log_probs, features["centroid_log_probs"][todo])
             row_matched[todo] = draft_js <= features["max_path_js"][todo]
-        matched = torch.zeros(draft.num_tokens, dtype=torch.bool)
+        matched = torch.zeros(draft.num_tokens, dtype=torch.bool, device=rows.device)
         matched[rows] = row_matched
         accepted = decision.accepted | matched
         num_accepted = first_false(accepted)

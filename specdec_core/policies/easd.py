@@ -69,7 +69,7 @@ class EasdPolicy(AcceptancePolicy):
     def penalized_positions(self, draft, target, num_rows: int) -> torch.Tensor:
         """[K] bool, evaluated on the first `num_rows` positions (the later ones cannot matter).
         Each test runs only on the rows that passed the previous one."""
-        penalized = torch.zeros(draft.num_tokens, dtype=torch.bool)
+        penalized = torch.zeros(draft.num_tokens, dtype=torch.bool, device=draft.tokens.device)
         if draft.logits is None or math.isinf(self.params.tau_h) or num_rows == 0:
             return penalized
         rows = (target.features["target_entropy"][:num_rows] > self.params.tau_h).nonzero().flatten()
@@ -98,7 +98,7 @@ class EasdPolicy(AcceptancePolicy):
         else:
             next_token = recover_token(num_accepted, draft, decision, sampling, generator)
         kept = accepted_prefix(accepted, num_accepted)
-        penalized_hit = penalized & (torch.arange(draft.num_tokens) == num_accepted)
+        penalized_hit = penalized & (torch.arange(draft.num_tokens, device=penalized.device) == num_accepted)
         return Verdict(num_accepted, next_token, {"accepted": kept, "penalized": penalized_hit})
 
 

@@ -60,7 +60,7 @@ class FlyPolicy(AcceptancePolicy):
         """[K] bool: the deferred window after each position sees only exact matches."""
         num_draft = exact.shape[0]
         window = self.params.window
-        passes = torch.zeros(num_draft, dtype=torch.bool)
+        passes = torch.zeros(num_draft, dtype=torch.bool, device=exact.device)
         if window == 0:
             return ~passes
         following = window - 1 if self.params.window_convention == "reference" else window

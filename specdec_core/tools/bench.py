@@ -65,11 +65,11 @@ def score_continuation(
     """Target NLL and T=1 entropy at each generated position (teacher forcing, one forward)."""
     if not output_ids:
         return torch.zeros(0), torch.zeros(0)
-    ids = torch.tensor([prompt_ids + output_ids])
+    ids = torch.tensor([prompt_ids + output_ids], device=model.device)
     logits = model(input_ids=ids, logits_to_keep=len(output_ids) + 1).logits[0, :-1].float()
     log_probs = logits.log_softmax(-1)
-    nll = -log_probs.gather(-1, torch.tensor(output_ids)[:, None]).squeeze(-1)
-    return nll, entropy_of_logits(logits)
+    nll = -log_probs.gather(-1, ids[0, len(prompt_ids) :, None]).squeeze(-1)
+    return nll.cpu(), entropy_of_logits(logits).cpu()
 
 
 def pld_params(settings: dict[str, Any]) -> dict[str, Any]:

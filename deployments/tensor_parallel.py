@@ -1,0 +1,60 @@
+"""A worker whose model is sharded over several ranks (specdec_core/parallel.py): rank 0 serves
+the gRPC service and, before each operation that touches the model (open a session, score or
+propose, release), sends it to the other ranks over a gloo group, so every rank runs the same
+forwards in the same order and keeps the same sessions and KV caches. Operations travel as JSON
+(nothing is pickled): a length, then the bytes, each a broadcast from rank 0."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+STOP = {"op": "stop"}
+
+
+class GroupBroken(RuntimeError):
+    """Another rank of the group is gone: its requests cannot finish; the group is rebuilt."""
+
+
+class ControlChannel:
+    """Rank 0 sends operations; the other ranks receive them, in order."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def send(self, op: dict) -> None:
+        payload = torch.frombuffer(bytearray(json.dumps(op).encode()), dtype=torch.uint8)
+        try:
+            dist.broadcast(torch.tensor([payload.numel()]), src=0, group=self.group)
+            dist.broadcast(payload, src=0, group=self.group)
+        except (RuntimeError, dist.DistError) as error:
+            raise GroupBroken(f"a rank of the group is gone: {error}") from None
+
+    def receive(self) -> dict:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.group)
+        return json.loads(payload.numpy().tobytes())
+
+
+def follow(channel: ControlChannel, apply) -> None:
+    """A rank other than 0: apply every operation rank 0 sends until it sends `STOP` (or the
+    group breaks, when rank 0 is gone)."""
+    while True:
+        try:
+            op = channel.receive()
+        except (RuntimeError, dist.DistError) as error:
+            logger.warning("the group broke: %s", error)
+            return
+        if op == STOP:
+            return
+        try:
+            apply(op)
+        except Exception:  # noqa: BLE001 - rank 0 met the same error on the same op and answered it
+            logger.exception("operation %s failed on this rank as on rank 0", op.get("op"))

@@ -1,0 +1,93 @@
+"""Tensor parallelism for a model: the ranks of one torch.distributed process group each hold a
+shard, and every forward runs on all of them at once.
+
+Rendezvous: rank 0 opens a `TCPStore` on a free port (`open_store`) and publishes its address;
+every rank joins with it (`join_group`). Backends, one interface (`load_sharded_model`):
+- "transformers": transformers' own tensor parallelism (`tp_plan="auto"`): each rank reads only
+  its shard of the checkpoint's weights (meta-device init), so a model too large for one host
+  never materializes whole. The default.
+- "deepspeed": DeepSpeed AutoTP (`deepspeed.init_inference(tensor_parallel=...)`) over a full copy
+  loaded on every rank first. Its JIT-built shared-memory all-reduce (`deepspeed_shm_comm_op`)
+  segfaults on CPU (seen with DeepSpeed 0.19.8 on an AVX-512 Zen 4 VM), so on CPU it is not built
+  and DeepSpeed all-reduces over the plain process group.
+A model splits over `tp` ranks when its query and KV heads are both divisible by `tp`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from .loader import DTYPES, ModelSpec, resolve_source, truncate_layers
+
+TpBackend = Literal["transformers", "deepspeed"]
+
+
+def open_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free port of `host` (`.port` tells which)."""
+    return dist.TCPStore(
+        host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def join_group(rank: int, world_size: int, store_host: str, store_port: int, timeout_s: float, store=None):
+    """Join the process group (NCCL on GPUs, gloo on CPU); returns a gloo group over the same ranks
+    for small control messages on the host (the world group itself on CPU)."""
+    if store is None:
+        store = dist.TCPStore(store_host, store_port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
+    return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+
+def shard_problem(config, tp: int) -> str | None:
+    """Why `config`'s model cannot be split over `tp` ranks, or None."""
+    query_heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or query_heads
+    if tp < 1 or query_heads % tp or kv_heads % tp:
+        return (
+            f"tp_size {tp} must divide the model's {query_heads} query heads and {kv_heads} KV heads "
+            f"(valid: {', '.join(str(n) for n in range(1, kv_heads + 1) if not query_heads % n and not kv_heads % n)})"
+        )
+    return None
+
+
+def load_sharded_model(spec: ModelSpec, backend: TpBackend) -> torch.nn.Module:
+    """This rank's shard of `spec`'s model over the initialized process group."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if spec.dtype == "int4":
+        raise ValueError("int4 is a CPU kernel for single-process models; a sharded model takes bf16, fp16 or fp32")
+    tp = dist.get_world_size()
+    source = resolve_source(spec.source)
+    problem = shard_problem(AutoConfig.from_pretrained(source), tp)
+    if problem:
+        raise ValueError(problem)
+    dtype = DTYPES[spec.dtype]
+    if backend == "transformers":
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, tp_plan="auto")
+    else:
+        model = deepspeed_autotp(AutoModelForCausalLM.from_pretrained(source, dtype=dtype), tp, dtype)
+    if spec.num_layers is not None:
+        truncate_layers(model, spec.num_layers)
+    return model.eval()
+
+
+def deepspeed_autotp(model: torch.nn.Module, tp: int, dtype: torch.dtype) -> torch.nn.Module:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401 - inside deepspeed.comm the name `torch` is torch itself
+
+    if not torch.cuda.is_available():
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    engine = deepspeed.init_inference(
+        model, tensor_parallel={"tp_size": tp}, dtype=dtype, replace_with_kernel_inject=False
+    )
+    return engine.module

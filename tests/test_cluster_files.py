@@ -1,0 +1,102 @@
+"""Every file in cluster/ validates with Ray's own schemas, its app args with specdec's config,
+and the GPUs a Serve config asks for fit the node types it is meant for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray")
+
+from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
+from ray.serve.schema import ServeDeploySchema  # noqa: E402
+
+from deployments.config import AppConfig  # noqa: E402
+
+CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
+# GPUs per machine of the node types the launcher files use (the clouds' published shapes)
+MACHINE_GPUS = {"p5.48xlarge": 8, "p5e.48xlarge": 8, "p4d.24xlarge": 8, "g6e.2xlarge": 1, "a3-highgpu-8g": 8}
+# which launcher files each GPU Serve config is meant for
+MEANT_FOR = {
+    "serve-llama-3.1-70b.yaml": ["aws-p5.yaml", "aws-p4d.yaml", "gcp-a3.yaml"],
+    "serve-llama-3.1-405b.yaml": ["aws-p5.yaml"],
+}
+
+
+def documents() -> dict[str, dict]:
+    return {path.name: yaml.safe_load(path.read_text()) for path in sorted(CLUSTER.glob("*.yaml"))}
+
+
+def serve_configs() -> dict[str, dict]:
+    configs = {name: document for name, document in documents().items() if "applications" in document}
+    for name, document in documents().items():
+        if document.get("kind") == "RayService":
+            configs[name] = yaml.safe_load(document["spec"]["serveConfigV2"])
+    return configs
+
+
+def test_every_file_is_a_serve_config_a_launcher_or_a_rayservice():
+    kinds = {}
+    for name, document in documents().items():
+        kinds[name] = (
+            "serve" if "applications" in document else "launcher" if "provider" in document else document.get("kind")
+        )
+    assert set(kinds.values()) == {"serve", "launcher", "RayService"}, kinds
+    assert {"local.yaml", "local-tp3.yaml", "serve-llama-3.1-70b.yaml", "serve-llama-3.1-405b.yaml"} <= set(kinds)
+
+
+@pytest.mark.parametrize("name", sorted(serve_configs()))
+def test_serve_configs_validate_with_serve_and_specdec(name):
+    config = serve_configs()[name]
+    ServeDeploySchema.model_validate(config)
+    (application,) = config["applications"]
+    assert application["import_path"] == "deployments.app:build_app"
+    AppConfig(**application["args"])
+
+
+@pytest.mark.parametrize("name", sorted(name for name, document in documents().items() if "provider" in document))
+def test_launcher_files_validate_with_the_autoscaler(name):
+    validate_config(prepare_config(documents()[name]))
+
+
+def node_types(launcher: dict) -> dict[str, tuple[int, dict]]:
+    """name -> (GPUs, custom resources) of each worker node type."""
+    types = {}
+    for type_name, node_type in launcher["available_node_types"].items():
+        machine = node_type["node_config"].get("InstanceType") or node_type["node_config"].get("machineType")
+        types[type_name] = (MACHINE_GPUS.get(machine, 0), node_type.get("resources", {}))
+    return types
+
+
+def fits(worker: dict, types: dict[str, tuple[int, dict]], extra_gpus: float = 0.0) -> bool:
+    """Some node type has the custom resources and the GPUs of all the worker's ranks."""
+    ranks = worker.get("tp_size", 1)
+    for gpus, resources in types.values():
+        has = all(resources.get(key, 0) >= amount * ranks for key, amount in worker.get("resources", {}).items())
+        if has and ranks * worker.get("num_gpus", 0) + extra_gpus <= gpus and gpus > 0:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("name", sorted(MEANT_FOR))
+def test_the_gpus_a_serve_config_asks_for_fit_its_node_types(name):
+    args = documents()[name]["applications"][0]["args"]
+    target, draft = args["target_worker"], args["draft_worker"]
+    for launcher in MEANT_FOR[name]:
+        types = node_types(documents()[launcher])
+        colocated = draft.get("num_gpus", 0) if args.get("draft_on_target_node") else 0.0
+        assert fits(target, types, colocated), (name, launcher, "target")
+        assert args.get("draft_on_target_node") or fits(draft, types), (name, launcher, "draft")
+
+
+def test_the_rayservice_worker_group_holds_its_serve_config():
+    rayservice = documents()["kuberay-rayservice.yaml"]
+    args = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]
+    (group,) = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    gpus = int(group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    resources = yaml.safe_load(yaml.safe_load(group["rayStartParams"]["resources"]))
+    target = args["target_worker"]
+    assert target["tp_size"] * target["num_gpus"] + args["draft_worker"]["num_gpus"] <= gpus
+    assert resources["target_node"] >= target["tp_size"] * target["resources"]["target_node"]

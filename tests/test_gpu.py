@@ -1,0 +1,58 @@
+"""The engine on a CUDA device (skipped without one): models, caches and policy tensors on the GPU,
+greedy speculation still token-identical to target-only decoding, sampling reproducible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import repeating_prompt, tiny_llama, tiny_profile
+
+from specdec_core import GenerationRequest, SpeculativeEngine
+from specdec_core.policies import POLICIES
+from specdec_core.target import TargetScorer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def cuda_engine():
+    target = tiny_llama(seed=0, prepared=False).to("cuda")
+    draft = tiny_llama(seed=0, prepared=False)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(0.002 * torch.randn_like(parameter))
+    return SpeculativeEngine(target, None, draft.to("cuda"), profile=lambda *_: tiny_profile())
+
+
+def request(policy: str, drafter: str, temperature: float = 0.0, seed: int = 0) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_ids=repeating_prompt(5),
+        policy={"name": policy},
+        drafter={"name": drafter},
+        num_draft_tokens=6,
+        sampling={"max_tokens": 32, "temperature": temperature, "seed": seed},
+    )
+
+
+@pytest.mark.parametrize("drafter", ["pld", "model", "mla"])
+def test_greedy_speculation_on_cuda_equals_target_only(cuda_engine, drafter):
+    target_only = cuda_engine.complete(request("greedy", "none")).token_ids
+    assert cuda_engine.complete(request("greedy", drafter)).token_ids == target_only
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_decides_on_the_device(cuda_engine, policy):
+    temperature = 0.8 if POLICIES[policy].supports_sampling else 0.0
+    runs = [cuda_engine.complete(request(policy, "model", temperature, seed=3)).token_ids for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 32
+
+
+def test_cuda_logits_match_the_cpu_in_fp32():
+    cpu_model = tiny_llama(seed=1, prepared=False)
+    cuda_model = tiny_llama(seed=1, prepared=False).to("cuda")
+    blocks = []
+    for model in (cpu_model, cuda_model):
+        scorer = TargetScorer(model)
+        scorer.reset(repeating_prompt(2), POLICIES["greedy"](), request("greedy", "none").sampling)
+        blocks.append(scorer.score([1, 2, 3, 4]).logits.cpu())
+    assert (blocks[0] - blocks[1]).abs().max() < 1e-4

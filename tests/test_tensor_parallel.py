@@ -1,0 +1,85 @@
+"""A target sharded over 2 ranks on CPU (gloo), by both backends (specdec_core/parallel.py): every
+rank's logits and policy features equal one process's, before and after a rollback. Each rank is
+a process of its own; the served group over Ray is tested in test_serve.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import tiny_llama
+
+from specdec_core.loader import ModelSpec
+from specdec_core.parallel import join_group, load_sharded_model, open_store, shard_problem
+from specdec_core.policies import make_policy
+from specdec_core.sampling import SamplingParams
+from specdec_core.target import TargetScorer
+
+PROMPT = [5, 17, 42, 99, 3, 7, 250, 11]
+FIRST_BLOCK = [11, 61, 300, 2, 77, 140]  # [the prompt's last token, 5 drafts]
+KEEP = 3  # a rejection: keep 3 of the 6 scored tokens
+SECOND_BLOCK = [19, 23, 400]
+SAMPLING = SamplingParams(temperature=0.0, seed=4)
+
+
+def steps(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits, DropMatch path tokens) of two verify steps with a rollback between them."""
+    scorer = TargetScorer(model)
+    scorer.reset(PROMPT, make_policy("dropmatch", {"dropout": 0.3}), SAMPLING)
+    first = scorer.score(FIRST_BLOCK)
+    scorer.commit(KEEP)
+    second = scorer.score(SECOND_BLOCK)
+    return [(block.logits, block.features["path_tokens"]) for block in (first, second)]
+
+
+def rank_main(rank: int, world_size: int, port: int, checkpoint: str, backend: str, results) -> None:
+    torch.set_num_threads(1)
+    join_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
+    model = load_sharded_model(ModelSpec(source=checkpoint), backend)
+    with torch.no_grad():
+        # numpy arrays travel by value (a tensor's shared memory would die with this process)
+        results.put((rank, [(logits.numpy(), paths.numpy()) for logits, paths in steps(model)]))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp") / "target"
+    tiny_llama(seed=3, prepared=False).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("backend", ["transformers", "deepspeed"])
+def test_every_rank_of_a_sharded_target_scores_as_one_process(checkpoint, backend):
+    reference_model = tiny_llama(seed=3, prepared=False)
+    with torch.no_grad():
+        reference = steps(reference_model)
+        # after the rollback the cache holds the prompt and KEEP - 1 drafts: a fresh forward over them
+        committed = PROMPT[:-1] + FIRST_BLOCK[:KEEP] + SECOND_BLOCK
+        fresh = reference_model(torch.tensor([committed])).logits[0, -len(SECOND_BLOCK) :]
+    assert torch.allclose(reference[1][0], fresh, atol=1e-5)
+    world_size = 2
+    store = open_store("127.0.0.1", world_size, timeout_s=120)  # the rendezvous, hosted here
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=rank_main, args=(rank, world_size, store.port, checkpoint, backend, results))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    outputs = dict(results.get(timeout=180) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    for rank in range(world_size):
+        for (logits, paths), (want_logits, want_paths) in zip(outputs[rank], reference):
+            assert (torch.from_numpy(logits) - want_logits).abs().max() < 1e-5, (rank, backend)
+            assert torch.equal(torch.from_numpy(paths), want_paths)  # the same seeded masks on every rank
+
+
+def test_a_model_splits_only_over_a_divisor_of_its_heads():
+    smollm2_like = type("Config", (), {"num_attention_heads": 9, "num_key_value_heads": 3})
+    assert shard_problem(smollm2_like, 3) is None
+    assert "valid: 1, 3" in shard_problem(smollm2_like, 2)
