@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from specdec_core.loader import DEFAULT_DRAFT, ModelSpec
 from specdec_core.profile import CalibrationSettings
 from specdec_core.request import RequestDefaults
+from specdec_core.target import PREFILL_CHUNK
 
 
 class WorkerConfig(BaseModel):
@@ -25,6 +26,15 @@ class WorkerConfig(BaseModel):
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="of the ranks' placement group; STRICT_PACK keeps them on one node"
     )
+    batch_window_ms: float = Field(
+        5.0, ge=0, le=1000, description="target worker: a step waits at most this for other sessions' rows"
+    )
+    prefill_chunk: int = Field(PREFILL_CHUNK, ge=1, description="target worker: prompt tokens per step and session")
+    kv_budget_mb: Optional[float] = Field(
+        None, gt=0, description="KV memory the worker's sessions may reserve (rank 0's share); None: no limit"
+    )
+    max_waiting_sessions: int = Field(64, ge=0, description="sessions that wait for KV memory before 503s")
+    admission_wait_s: float = Field(10.0, ge=0, description="how long one of them waits at most")
 
     @model_validator(mode="after")
     def _asks_for_something(self):

@@ -1,6 +1,7 @@
 """What a client of the served path is told when a request fails, for HTTP and gRPC alike:
-its own error (invalid), a target worker that is gone or late (unavailable, retry), or a bug
-(internal: only the request id reaches the client; the traceback goes to the log)."""
+its own error (invalid), a target worker that is gone or late (unavailable, retry) or full
+(overloaded, retry), or a bug (internal: only the request id reaches the client; the traceback
+goes to the log)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ class WorkerUnavailable(RuntimeError):
     """The target worker is gone or late: the request cannot finish now, a retry may."""
 
 
+class WorkerOverloaded(WorkerUnavailable):
+    """The target worker has no room for another session now (admission.py): retry later."""
+
+
 @dataclass
 class Failure:
-    kind: Literal["invalid", "unavailable", "internal"]
+    kind: Literal["invalid", "unavailable", "overloaded", "internal"]
     message: str  # safe to show the client
     param: Optional[str] = None  # the request field at fault, for field errors
 
@@ -49,6 +54,8 @@ def describe(error: Exception, request_id: str) -> Failure:
         return Failure("invalid", format_validation_errors(error.errors(), "body"), field_of(error.errors()[0]))
     if isinstance(error, SpecdecError):
         return Failure("invalid", str(error), error.param)
+    if isinstance(error, WorkerOverloaded):
+        return Failure("overloaded", f"the service is at capacity; retry later (request id {request_id})")
     if isinstance(error, WorkerUnavailable):
         return Failure("unavailable", f"{error}; retry later (request id {request_id})")
     logger.error("request %s failed", request_id, exc_info=error)

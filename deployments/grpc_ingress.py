@@ -30,6 +30,7 @@ from .wire import sampling_from_proto
 STATUS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "internal": grpc.StatusCode.INTERNAL,
 }
 

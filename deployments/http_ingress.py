@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -35,9 +36,9 @@ def failure(error: Exception, request_id: str) -> tuple[int, dict, dict]:
     described = describe(error, request_id)
     if described.kind == "invalid":
         return 400, error_body(described.message, param=described.param), {}
-    if described.kind == "unavailable":
-        body = error_body(described.message, "server_error", code="worker_unavailable")
-        return 503, body, {"Retry-After": str(RETRY_AFTER_S)}
+    if described.kind in ("unavailable", "overloaded"):
+        code = "worker_unavailable" if described.kind == "unavailable" else "overloaded"
+        return 503, error_body(described.message, "server_error", code=code), {"Retry-After": str(RETRY_AFTER_S)}
     return 500, error_body(described.message, "server_error", code="internal_error"), {}
 
 
@@ -55,6 +56,9 @@ def client_request_id(header: Optional[str]) -> Optional[str]:
 
 def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
     api = FastAPI(title="specdec", description="OpenAI-compatible speculative decoding")
+    # the decoding loop's blocking steps run here: one thread per request the replica admits (the
+    # event loop's default pool has min(32, cores + 4), which would cap the requests in flight)
+    decode = ThreadPoolExecutor(max_workers=config.max_ongoing_requests, thread_name_prefix="http-decode")
 
     @api.middleware("http")
     async def authenticate_and_tag(http_request: Request, call_next):
@@ -112,11 +116,11 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
         loop = asyncio.get_running_loop()
         try:  # a streamed request's first chunk carries the prefill: a failure there keeps its status
             if not parsed.stream:
-                return JSONResponse(builder.full(await loop.run_in_executor(None, list, chunks)))
-            first = await loop.run_in_executor(None, next, chunks, None)
+                return JSONResponse(builder.full(await loop.run_in_executor(decode, list, chunks)))
+            first = await loop.run_in_executor(decode, next, chunks, None)
         except Exception as error:  # noqa: BLE001 - mapped to 400 / 503 / 500 (logged) by `failure`
             return error_response(error, request_id)
-        events = server_sent_events(builder, first, chunks, http_request, request_id, engine.metrics)
+        events = server_sent_events(builder, first, chunks, http_request, request_id, engine.metrics, decode)
         return StreamingResponse(events, media_type="text/event-stream")
 
     @api.get("/health")
@@ -150,6 +154,7 @@ async def server_sent_events(
     http_request: Request,
     request_id: str,
     metrics: MetricsSink,
+    decode: Executor,
 ) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     chunk = first
@@ -158,7 +163,7 @@ async def server_sent_events(
             yield f"data: {json.dumps(builder.chunk(chunk))}\n\n"
             if await http_request.is_disconnected():
                 return
-            chunk = await loop.run_in_executor(None, next, chunks, None)
+            chunk = await loop.run_in_executor(decode, next, chunks, None)
         yield "data: [DONE]\n\n"
     except Exception as error:  # noqa: BLE001 - reported to the client as an error event (and logged)
         status, body, _ = failure(error, request_id)
@@ -166,4 +171,4 @@ async def server_sent_events(
         yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
     finally:  # disconnect or cancellation: close the loop so both sessions are released
-        await loop.run_in_executor(None, chunks.close)
+        await loop.run_in_executor(decode, chunks.close)

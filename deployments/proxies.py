@@ -3,8 +3,9 @@ engine runs `speculative_loop` unchanged. A step costs one round trip per worker
 held and sent with the next Propose / Score. Every call carries a deadline.
 
 Errors: a worker that is gone or late (UNAVAILABLE, DEADLINE_EXCEEDED, or NOT_FOUND for a
-session that expired or died with its worker) turns the draft side into target-only decoding
-(counted) and the target side into `WorkerUnavailable`. INVALID_ARGUMENT is the user's error
+session that expired or died with its worker) or full (RESOURCE_EXHAUSTED) turns the draft side
+into target-only decoding (counted) and the target side into `WorkerUnavailable` (full:
+`WorkerOverloaded`). INVALID_ARGUMENT is the user's error
 (`SpecdecError`). Any other status is a bug in the worker and propagates as the RpcError."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from specdec_core.request import ComponentSpec
 from specdec_core.sampling import SamplingParams
 from specdec_core.types import DraftBlock, TargetBlock
 
-from .errors import WorkerUnavailable
+from .errors import WorkerOverloaded, WorkerUnavailable
 from .wire import component_to_proto, sampling_to_proto, tensor_from_proto
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ def classify(error: grpc.RpcError, role: str) -> Exception:
     """The exception a failed worker call stands for (see the module docstring)."""
     if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return SpecdecError(error.details())
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return WorkerOverloaded(f"{role} worker at capacity: {error.details()}")
     if error.code() in GONE_OR_LATE:
         return WorkerUnavailable(f"{role} worker {error.code().name.lower()}: {error.details()}")
     return error
@@ -83,7 +86,9 @@ class RemoteTarget:
             )
         features = {name: tensor_from_proto(tensor) for name, tensor in reply.features.items()}
         token_log_probs = tensor_from_proto(reply.token_log_probs) if reply.HasField("token_log_probs") else None
-        return TargetBlock(logits=logits, features=features, token_log_probs=token_log_probs)
+        return TargetBlock(
+            logits=logits, features=features, token_log_probs=token_log_probs, batch_rows=max(1, reply.step_rows)
+        )
 
     def commit(self, num_keep: int) -> None:
         self.pending_keep = num_keep
@@ -127,11 +132,11 @@ class RemoteDrafter:
         except grpc.RpcError as error:
             self._fall_back(error)
 
-    def propose(self, max_tokens: int) -> DraftBlock:
+    def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         if self.failed or max_tokens <= 0:
             return DraftBlock.empty()
         request = pb.ProposeRequest(
-            session_id=self.session_id, max_tokens=max_tokens, commit_tokens=self.pending_tokens
+            session_id=self.session_id, max_tokens=max_tokens, commit_tokens=self.pending_tokens, batch_rows=batch_rows
         )
         try:
             reply = self.stub.Propose(request, timeout=self.deadline_s)

@@ -21,14 +21,17 @@ from specdec_core.drafters import make_drafter, validate_drafter
 from specdec_core.errors import SpecdecError, check_token_ids
 from specdec_core.frontend import Frontend
 from specdec_core.loader import ModelSpec
+from specdec_core.memory import kv_bytes_per_token
 from specdec_core.policies import make_policy
 from specdec_core.profile import CalibrationSettings, TargetProfile, calibration_progress, measure_profile
 from specdec_core.request import MAX_DRAFT_TOKENS
 from specdec_core.sampling import SamplingParams
-from specdec_core.target import TargetScorer
+from specdec_core.target import PREFILL_CHUNK, Row, TargetScorer, forward_rows
 
+from .admission import Admission, Overloaded
 from .auth import RequireSecret
 from .sessions import SessionTable
+from .steps import PendingRow, StepBatcher
 from .tensor_parallel import ControlChannel, GroupBroken
 from .wire import component_from_proto, sampling_from_proto, tensor_to_proto
 
@@ -36,17 +39,19 @@ logger = logging.getLogger(__name__)
 
 MESSAGE_LIMITS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
-# All torch work of a worker process runs on this one thread: the gRPC handlers (it is the
-# server's pool) and model loading. It keeps one forward at a time on the shared model (sessions
-# interleave step by step), and it keeps OpenMP fast: every thread that runs a parallel region
-# owns a team of OpenMP threads, and once the teams outnumber the cores libgomp stops
-# spin-waiting, which doubled forward times when gRPC's pool threads ran them
-# (docs/performance.md).
+# All torch work of a worker process runs on this one thread: every operation on the model
+# (the handlers, on gRPC's pool, check their input and hand the work over) and model loading. It
+# keeps one forward at a time on the shared model (the target's steps batch sessions), and it
+# keeps OpenMP fast: every thread that runs a parallel region owns a team of OpenMP threads, and
+# once the teams outnumber the cores libgomp stops spin-waiting, which doubled forward times when
+# gRPC's pool threads ran them (docs/performance.md).
 TORCH_THREAD = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+HANDLER_THREADS = 256
+MAX_BATCH_ROWS = 1 << 16  # handlers mostly wait for the torch thread; one per call in flight
 
 
 def on_torch_thread(call: Callable[..., Any], *args: Any) -> Any:
-    """Run `call` on the torch thread from another thread (setup; handlers already run there)."""
+    """Run `call` on the torch thread and wait for its result."""
     return TORCH_THREAD.submit(call, *args).result()
 
 
@@ -66,6 +71,8 @@ def checked(handler: Callable) -> Callable:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except SessionMissing as error:
             context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+        except Overloaded as error:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the worker is at capacity: {error}")
         except GroupBroken as error:
             logger.error("%s: %s", handler.__name__, error)
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's tensor-parallel group is down")
@@ -83,17 +90,58 @@ class SessionServicer:
     caller can neither crash a worker nor read past its vocabulary or cache.
 
     A handler checks its input, then `run`s an operation (a JSON-able dict) that `apply` carries
-    out on the model. In a tensor-parallel group (tensor_parallel.py) rank 0 sends each operation
-    to the other ranks first, which `apply` it too; its expired sessions are released on them."""
+    out on the model, on the torch thread. In a tensor-parallel group (tensor_parallel.py) rank 0
+    sends each operation to the other ranks first, which `apply` it too; its expired sessions are
+    released on them."""
 
-    def __init__(self, target_config: Any, idle_timeout_s: float, channel: Optional[ControlChannel] = None):
+    def __init__(
+        self,
+        target_config: Any,
+        idle_timeout_s: float,
+        channel: Optional[ControlChannel] = None,
+        admission: Optional[Admission] = None,
+        model: Optional[torch.nn.Module] = None,
+    ):
         """`target_config`: the target model's config (the ids are the target's); `channel`: rank
-        0's link to the other ranks of its group."""
+        0's link to the other ranks of its group; `admission`: rank 0's, which reserves the KV
+        bytes of `model` (this rank's shard of it) for every position a session can reach."""
         self.vocab_size = target_config.vocab_size
         self.max_positions = getattr(target_config, "max_position_embeddings", 1 << 20)
         self.channel = channel
-        on_expire = (lambda session_id: channel.send({"op": "release", "session_id": session_id})) if channel else None
-        self.table = SessionTable(idle_timeout_s, on_expire)
+        self.admission = admission
+        self.kv_bytes_per_token = 0.0
+        if model is not None:  # the KV cache holds activations: the embeddings' dtype
+            tp_size = channel.size if channel is not None else 1
+            width = model.get_input_embeddings().weight.element_size()
+            self.kv_bytes_per_token = kv_bytes_per_token(model.config, tp_size, width)
+        self.table = SessionTable(idle_timeout_s, self.on_expire)
+
+    def on_expire(self, session_id: str) -> None:
+        if self.admission is not None:
+            self.admission.release(session_id)
+        if self.channel is not None:  # sends keep their order with the operations on the torch thread
+            TORCH_THREAD.submit(self.channel.send, {"op": "release", "session_id": session_id})
+
+    def open_session(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams, op: dict) -> Any:
+        """Admit a session (reserving KV memory for the most it can reach), then `run` the op
+        that opens it; a failed open frees its reservation."""
+        max_len = self.max_len(prompt_ids, sampling)
+        if self.admission is not None:
+            self.admission.admit(session_id, max_len * self.kv_bytes_per_token)
+        try:
+            return self.call({**op, "max_len": max_len})
+        except BaseException:
+            if self.admission is not None:
+                self.admission.release(session_id)
+            raise
+
+    def max_len(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
+        """The positions a session can fill: its prompt, its tokens, one block of drafts."""
+        return min(len(prompt_ids) + sampling.max_tokens + MAX_DRAFT_TOKENS + 1, self.max_positions)
+
+    def call(self, op: dict) -> Any:
+        """`run` an operation on the torch thread and wait for its result (a handler's way)."""
+        return on_torch_thread(self.run, op)
 
     def run(self, op: dict) -> Any:
         if self.channel is not None:
@@ -107,6 +155,8 @@ class SessionServicer:
 
     def op_release(self, session_id: str) -> None:
         self.table.release(session_id)
+        if self.admission is not None:
+            self.admission.release(session_id)
 
     def session(self, session_id: str) -> Any:
         session = self.table.get(session_id)
@@ -125,13 +175,17 @@ class SessionServicer:
 
     @checked
     def Release(self, request, context):
-        self.run({"op": "release", "session_id": request.session_id})
+        self.call({"op": "release", "session_id": request.session_id})
         return pb.Empty()
 
     @checked
     def Stats(self, request, context):
         sessions, requests = self.table.counts()
-        return pb.WorkerStats(sessions=sessions, requests=requests)
+        reserved = self.admission.reserved_bytes if self.admission is not None else 0.0
+        return pb.WorkerStats(sessions=sessions, requests=requests, kv_reserved_bytes=reserved, **self.step_counts())
+
+    def step_counts(self) -> dict[str, int]:
+        return {}
 
 
 class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
@@ -141,27 +195,31 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
         target_config: Any,
         idle_timeout_s: float = 120.0,
         channel: Optional[ControlChannel] = None,
+        admission: Optional[Admission] = None,
     ):
-        super().__init__(target_config, idle_timeout_s, channel)
+        super().__init__(target_config, idle_timeout_s, channel, admission, draft_model)
         self.draft_model = draft_model
 
     @checked
     def Reset(self, request, context):
         spec = component_from_proto(request.drafter)
         validate_drafter(spec.name, spec.params)
-        self.run(
-            {
-                "op": "reset",
-                "session_id": request.session_id,
-                "prompt_ids": self.check_prompt(request.prompt_ids),
-                "drafter": spec.model_dump(),
-                "sampling": sampling_from_proto(request.sampling).model_dump(),
-                "with_logits": request.with_logits,
-            }
-        )
+        prompt_ids, sampling = self.check_prompt(request.prompt_ids), sampling_from_proto(request.sampling)
+        op = {
+            "op": "reset",
+            "session_id": request.session_id,
+            "prompt_ids": prompt_ids,
+            "drafter": spec.model_dump(),
+            "sampling": sampling.model_dump(),
+            "with_logits": request.with_logits,
+        }
+        self.open_session(request.session_id, prompt_ids, sampling, op)
         return pb.Empty()
 
-    def op_reset(self, session_id: str, prompt_ids: list[int], drafter: dict, sampling: dict, with_logits: bool):
+    def op_reset(
+        self, session_id: str, prompt_ids: list[int], drafter: dict, sampling: dict, with_logits: bool, max_len: int
+    ):
+        """Open the session (`max_len`: what admission reserved; the draft model's cache grows)."""
         drafter_session = make_drafter(drafter["name"], drafter["params"], self.draft_model)
         drafter_session.reset(prompt_ids, SamplingParams(**sampling))
         self.table.put(session_id, (drafter_session, with_logits))
@@ -172,8 +230,11 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
         if not 0 <= request.max_tokens <= MAX_DRAFT_TOKENS:
             raise SpecdecError(f"max_tokens must lie in [0, {MAX_DRAFT_TOKENS}]")
         commit_tokens = self.check_tokens(request.commit_tokens, "commit_tokens", 0, MAX_DRAFT_TOKENS + 1)
+        if not 0 <= request.batch_rows <= MAX_BATCH_ROWS:
+            raise SpecdecError(f"batch_rows must lie in [0, {MAX_BATCH_ROWS}]")
         op = {"op": "propose", "session_id": request.session_id, "max_tokens": request.max_tokens}
-        block, with_logits = self.run({**op, "commit_tokens": commit_tokens})
+        op.update(commit_tokens=commit_tokens, batch_rows=max(1, request.batch_rows))
+        block, with_logits = self.call(op)
         reply = pb.DraftReply(tokens=block.tokens.tolist())
         if block.sampled:
             reply.token_probs.extend(block.token_probs.tolist())
@@ -181,25 +242,42 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
             reply.logits.CopyFrom(tensor_to_proto(block.logits))
         return reply
 
-    def op_propose(self, session_id: str, max_tokens: int, commit_tokens: list[int]):
+    def op_propose(self, session_id: str, max_tokens: int, commit_tokens: list[int], batch_rows: int):
         drafter_session, with_logits = self.session(session_id)
         if commit_tokens:
             drafter_session.commit(commit_tokens)
-        return drafter_session.propose(max_tokens), with_logits
+        return drafter_session.propose(max_tokens, batch_rows), with_logits
 
 
 class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
+    """Score calls of different sessions share forwards (steps.py); rank 0's batcher decides each
+    step and sends it to the other ranks as one operation."""
+
     def __init__(
         self,
         target_model: torch.nn.Module,
         idle_timeout_s: float = 120.0,
         profile: Optional[TargetProfile] = None,
         channel: Optional[ControlChannel] = None,
+        batch_window_s: float = 0.005,
+        prefill_chunk: int = PREFILL_CHUNK,
+        admission: Optional[Admission] = None,
     ):
         """`profile`: the target's, measured at load (the defaults of policies that need one)."""
-        super().__init__(target_model.config, idle_timeout_s, channel)
+        super().__init__(target_model.config, idle_timeout_s, channel, admission, target_model)
         self.target_model = target_model
         self.profile = profile
+        self.batcher = StepBatcher(
+            TORCH_THREAD,
+            run_step=lambda rows: self.run({"op": "step", "rows": rows}),
+            check_row=self.check_row,
+            open_sessions=lambda: self.table.counts()[0],
+            window_s=batch_window_s,
+            chunk=prefill_chunk,
+        )
+
+    def step_counts(self) -> dict[str, int]:
+        return {"steps": self.batcher.steps, "step_rows": self.batcher.rows}
 
     @checked
     def Profile(self, request, context):
@@ -211,15 +289,17 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         policy = make_policy(spec.name, spec.params)
         if policy.needs_profile:
             policy = policy.for_target(self.profile)
-        self.run(
-            {
-                "op": "reset",
-                "session_id": request.session_id,
-                "prompt_ids": self.check_prompt(request.prompt_ids),
-                "policy": {"name": policy.name, "params": json.loads(policy.params.model_dump_json())},
-                "sampling": sampling_from_proto(request.sampling).model_dump(),
-            }
-        )
+        prompt_ids, sampling = self.check_prompt(request.prompt_ids), sampling_from_proto(request.sampling)
+        op = {
+            "op": "reset",
+            "session_id": request.session_id,
+            "prompt_ids": prompt_ids,
+            "policy": {"name": policy.name, "params": json.loads(policy.params.model_dump_json())},
+            "sampling": sampling.model_dump(),
+        }
+        prefill = self.open_session(request.session_id, prompt_ids, sampling, op)
+        if prefill:
+            self.batcher.submit(request.session_id, prefill, prefill=True).result()
         return pb.Empty()
 
     def op_measure_profile(self, spec: dict, settings: dict) -> TargetProfile:
@@ -230,22 +310,34 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         self.profile = measure_profile(self.target_model, frontend, CalibrationSettings(**settings), progress)
         return self.profile
 
-    def op_reset(self, session_id: str, prompt_ids: list[int], policy: dict, sampling: dict) -> None:
+    def op_reset(self, session_id: str, prompt_ids: list[int], policy: dict, sampling: dict, max_len: int) -> list[int]:
+        """Open the session, its cache allocated for `max_len` positions; returns the prompt
+        tokens to prefill (in steps)."""
         scorer = TargetScorer(self.target_model)
-        scorer.reset(prompt_ids, make_policy(policy["name"], policy["params"]), SamplingParams(**sampling))
+        policy_object = make_policy(policy["name"], policy["params"])
+        prefill = scorer.start(prompt_ids, policy_object, SamplingParams(**sampling), max_len)
         self.table.put(session_id, scorer)
+        return prefill
 
     @checked
     def Score(self, request, context):
-        scorer = self.session(request.session_id)
-        if not 0 <= request.commit_keep <= scorer.num_scored:
-            raise SpecdecError(f"commit_keep must lie in [0, {scorer.num_scored}] (the tokens last scored)")
         tokens = self.check_tokens(request.tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)  # [last, drafts]
-        if scorer.committed_len + request.commit_keep + len(tokens) > self.max_positions:
+        return self.batcher.submit(request.session_id, tokens, commit_keep=request.commit_keep).result()
+
+    def check_row(self, row: PendingRow) -> None:
+        """What a row may do given its session's state (on the torch thread, before its step)."""
+        scorer = self.session(row.session_id)
+        if row.prefill:
+            return
+        if not 0 <= row.commit_keep <= scorer.num_scored:
+            raise SpecdecError(f"commit_keep must lie in [0, {scorer.num_scored}] (the tokens last scored)")
+        if scorer.committed_len + row.commit_keep + len(row.tokens) > self.max_positions:
             raise SpecdecError(f"the session would exceed {self.max_positions} positions")
-        op = {"op": "score", "session_id": request.session_id, "tokens": tokens, "commit_keep": request.commit_keep}
-        block = self.run(op)
-        reply = pb.ScoreReply(vocab_size=block.vocab_size)
+        row.reply = functools.partial(self.reply, scorer)
+
+    def reply(self, scorer: TargetScorer, block) -> pb.ScoreReply:
+        """The compact answer to a Score call (on the torch thread: it computes top-k rows)."""
+        reply = pb.ScoreReply(vocab_size=block.vocab_size, step_rows=block.batch_rows)
         top_k = wire_top_k(scorer.policy, scorer.sampling)
         if top_k is None:
             reply.logits.CopyFrom(tensor_to_proto(block.logits))
@@ -259,20 +351,25 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
             reply.token_log_probs.CopyFrom(tensor_to_proto(block.token_log_probs))
         return reply
 
-    def op_score(self, session_id: str, tokens: list[int], commit_keep: int):
-        scorer = self.session(session_id)
-        if commit_keep > 0:
-            scorer.commit(commit_keep)
-        return scorer.score(tokens)
+    def op_step(self, rows: list[dict]) -> list:
+        """One forward over the rows of a step: verify blocks (after their commits) and prompt chunks."""
+        step = []
+        for row in rows:
+            scorer = self.session(row["session_id"])
+            if row.get("commit_keep"):
+                scorer.commit(row["commit_keep"])
+            step.append(Row(scorer, row["tokens"], prefill=row["prefill"]))
+        return forward_rows(step)
 
 
 def start_server(
     servicer: Any, add_to_server: Callable, host: str = "127.0.0.1", port: int = 0, secret: Optional[str] = None
 ) -> tuple[grpc.Server, int]:
-    """Serve `servicer` on host:port (0 picks a free port), its handlers on the torch thread, to
-    callers that hold `secret` (when given); returns the server and its port."""
+    """Serve `servicer` on host:port (0 picks a free port) to callers that hold `secret` (when
+    given); returns the server and its port."""
     interceptors = [RequireSecret(secret)] if secret else []
-    server = grpc.server(TORCH_THREAD, interceptors=interceptors, options=MESSAGE_LIMITS)
+    handlers = futures.ThreadPoolExecutor(max_workers=HANDLER_THREADS, thread_name_prefix="grpc-handler")
+    server = grpc.server(handlers, interceptors=interceptors, options=MESSAGE_LIMITS)
     add_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     server.start()

@@ -26,6 +26,7 @@ class ControlChannel:
 
     def __init__(self, group):
         self.group = group
+        self.size = dist.get_world_size(group)
 
     def send(self, op: dict) -> None:
         payload = torch.frombuffer(bytearray(json.dumps(op).encode()), dtype=torch.uint8)

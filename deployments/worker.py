@@ -62,6 +62,7 @@ class WorkerRank:
         from specdec_core.loader import load_configs, load_model
         from specdec_core.parallel import join_group, load_sharded_model
 
+        from .admission import Admission
         from .servicers import TORCH_THREAD, DraftServicer, TargetServicer, on_torch_thread, start_server
         from .tensor_parallel import ControlChannel, follow
 
@@ -80,11 +81,22 @@ class WorkerRank:
         # rank 0 sends every operation to the others, and releases what expires on all of them
         sending = channel if self.rank == 0 else None
         idle_timeout_s = config.session_idle_timeout_s if self.rank == 0 else float("inf")
+        admission = None
+        if self.rank == 0:
+            budget = worker.kv_budget_mb * 2**20 if worker.kv_budget_mb else None
+            admission = Admission(budget, worker.max_waiting_sessions, worker.admission_wait_s)
         if self.role == "draft":
-            servicer = DraftServicer(model, load_configs(config.target)[0], idle_timeout_s, sending)
+            servicer = DraftServicer(model, load_configs(config.target)[0], idle_timeout_s, sending, admission)
             add = pb_grpc.add_DrafterServicer_to_server
         else:
-            servicer = TargetServicer(model, idle_timeout_s, channel=sending)
+            servicer = TargetServicer(
+                model,
+                idle_timeout_s,
+                channel=sending,
+                batch_window_s=worker.batch_window_ms / 1000,
+                prefill_chunk=worker.prefill_chunk,
+                admission=admission,
+            )
             add = pb_grpc.add_TargetServicer_to_server
         if self.rank > 0:
             TORCH_THREAD.submit(follow, channel, servicer.apply)

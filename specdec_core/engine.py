@@ -34,13 +34,18 @@ def speculative_loop(
     drafter.reset(request.prompt_ids, sampling)
     metrics.prefill_ms = (time.perf_counter() - clock) * 1e3
     last_token = request.prompt_ids[-1]
+    # the block length follows the target's load only where it cannot change the output: a
+    # sampled or lossy request's tokens depend on its blocks, and must not on its batch companions
+    follows_load = policy.lossless and sampling.greedy
+    batch_rows = 1
     while output.finish_reason is None:
         clock = time.perf_counter()
-        draft = drafter.propose(min(request.num_draft_tokens, output.remaining - 1))
+        draft = drafter.propose(min(request.num_draft_tokens, output.remaining - 1), batch_rows)
         metrics.draft_ms.append((time.perf_counter() - clock) * 1e3)
         clock = time.perf_counter()
         block = target.score([last_token, *draft.tokens.tolist()])
         metrics.target_ms.append((time.perf_counter() - clock) * 1e3)
+        batch_rows = block.batch_rows if follows_load else 1
         clock = time.perf_counter()
         verdict = policy.verify(draft.to(block.logits.device), block, sampling, verify_rng)
         metrics.verify_ms.append((time.perf_counter() - clock) * 1e3)

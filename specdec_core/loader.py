@@ -23,6 +23,9 @@ from .kernels import prepare_model
 from .kernels.int4 import quantize_int4
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
+# random weights (seed 0) of a real shape, for timing without a checkpoint: "random:llama-3.1-8b-instruct"
+# (a shipped config name, a config.json, a checkpoint directory or a hub id); no tokenizer
+RANDOM = "random:"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # "int4": bf16 activations, with the linears quantized to 4 bits after loading (`Int4Linear`)
@@ -34,7 +37,9 @@ class ModelSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    source: str = Field(EMBEDDED, description="local dir, hub id, path to a .gguf file, or " + EMBEDDED)
+    source: str = Field(
+        EMBEDDED, description=f"local dir, hub id, path to a .gguf file, {EMBEDDED}, or {RANDOM}<config>"
+    )
     dtype: Literal["float32", "bfloat16", "float16", "int4"] = Field(
         "float32", description="int4: weight-only 4-bit linears and bf16 activations, CPU only (Int4Linear)"
     )
@@ -125,8 +130,11 @@ def resolve_source(source: str) -> str:
 
 
 def load_tokenizer(spec: ModelSpec):
+    """The checkpoint's tokenizer; None for random weights (requests then send token ids)."""
     from transformers import AutoTokenizer
 
+    if spec.source.startswith(RANDOM):
+        return None
     return AutoTokenizer.from_pretrained(resolve_source(spec.source))
 
 
@@ -134,6 +142,10 @@ def load_configs(spec: ModelSpec) -> tuple[Any, Optional[Any]]:
     """(model config, generation config or None) without the weights."""
     from transformers import AutoConfig, GenerationConfig
 
+    if spec.source.startswith(RANDOM):
+        from .memory import load_model_config
+
+        return load_model_config(spec.source[len(RANDOM) :]), None
     source = resolve_source(spec.source)
     try:
         generation_config = GenerationConfig.from_pretrained(source)
@@ -151,8 +163,12 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     device = spec.torch_device
     if spec.dtype == "int4" and device.type != "cpu":
         raise ValueError("int4 is a CPU kernel: give the draft device cpu, or dtype bfloat16 on a GPU")
-    placement = {} if device.type == "cpu" else {"device_map": device}  # straight onto the GPU
-    model = AutoModelForCausalLM.from_pretrained(resolve_source(spec.source), dtype=DTYPES[spec.dtype], **placement)
+    if spec.source.startswith(RANDOM):
+        model = random_model(load_configs(spec)[0], DTYPES[spec.dtype], device)
+    else:
+        placement = {} if device.type == "cpu" else {"device_map": device}  # straight onto the GPU
+        source = resolve_source(spec.source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[spec.dtype], **placement)
     if spec.num_layers is not None:
         truncate_layers(model, spec.num_layers)
     if device.type != "cpu":
@@ -160,6 +176,15 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     if spec.dtype == "int4":
         quantize_int4(model)
     return prepare_model(model)
+
+
+def random_model(config: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A model of `config`'s shape with transformers' initialization from seed 0, built on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def truncate_layers(model: torch.nn.Module, num_layers: int) -> None:

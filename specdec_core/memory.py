@@ -82,6 +82,11 @@ def kv_heads(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def kv_bytes_per_token(config: Any, tp: int, bytes_per_value: float) -> float:
+    """Keys and values of one token over all layers, on one of `tp` ranks."""
+    return 2 * config.num_hidden_layers * (kv_heads(config) // tp) * head_dim(config) * bytes_per_value
+
+
 @dataclass
 class Plan:
     tp: int
@@ -135,8 +140,7 @@ def plan(
         + counts.lm_head / tp * other_width
         + counts.replicated * other_width
     )
-    heads_per_rank = kv_heads(config) // tp
-    kv_per_token = 2 * config.num_hidden_layers * heads_per_rank * head_dim(config) * BYTES_PER_VALUE[kv_dtype]
+    kv_per_token = kv_bytes_per_token(config, tp, BYTES_PER_VALUE[kv_dtype])
     max_len = max_len or config.max_position_embeddings
     rows = max_batch * step_tokens  # fp32 logits and the widest activations (MLP, both halves)
     step_bytes = rows * (config.vocab_size / tp + 2 * config.intermediate_size / tp + 4 * config.hidden_size) * 4

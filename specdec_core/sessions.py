@@ -26,8 +26,9 @@ class DraftSession(Protocol):
     def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         """Start a request on this prompt (the drafter draws from `sampling.generator("draft")`)."""
 
-    def propose(self, max_tokens: int) -> DraftBlock:
-        """Up to `max_tokens` draft tokens (none: the step is a plain one-token target step)."""
+    def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+        """Up to `max_tokens` draft tokens (none: the step is a plain one-token target step);
+        `batch_rows`: the sessions the target's last step held, which prices a block."""
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         """The tokens the verifier committed: accepted drafts, then its correction or bonus."""

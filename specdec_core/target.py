@@ -1,14 +1,16 @@
 """Target scorer: chain verification of `[last committed, d_1..d_K]` in one forward, with a KV
 cache that always holds exactly the committed tokens but the last one. Rollback of rejected
-positions crops the cache."""
+positions crops the cache. `forward_rows` runs many sessions' verify blocks and prompt chunks in
+one forward (a ragged batch, batching.py); each row comes out as it would alone."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
-from .kernels.kv_cache import crop_cache, make_cache
+from .batching import DEFAULT_CAPACITY, SequenceKV, forward_ragged
 from .logprobs import token_log_probs
 from .policies import AcceptancePolicy
 from .sampling import SamplingParams
@@ -24,47 +26,88 @@ class TargetScorer:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.cache = None
+        self.cache = SequenceKV()
         self.committed_len = 0
         self.num_scored = 0  # tokens of the last `score`, of which `commit` keeps some
 
-    @torch.inference_mode()
-    def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
-        """Prefill all prompt tokens but the last (which the first `score` call feeds)."""
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        policy: AcceptancePolicy,
+        sampling: SamplingParams,
+        max_len: int = DEFAULT_CAPACITY,
+    ) -> list[int]:
+        """Begin a request whose cache is allocated for `max_len` positions (it grows past them);
+        returns the tokens to prefill (all of the prompt but its last token, which the first
+        `score` feeds), as `Row(prefill=True)`s of one or more forwards."""
         if len(prompt_ids) == 0:
             raise ValueError("prompt must contain at least one token")
         self.policy = policy
         self.sampling = sampling
         self.features_rng = sampling.generator("target")
-        self.cache = make_cache(self.model)
+        self.cache = SequenceKV(max_len)
         self.committed_len = 0
         self.num_scored = 0
-        if len(prompt_ids) > 1:
-            self.model.model(input_ids=self.ids(prompt_ids[:-1]), past_key_values=self.cache, use_cache=True)
-            self.committed_len = len(prompt_ids) - 1
+        return list(prompt_ids[:-1])
 
-    @torch.inference_mode()
+    def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
+        """Start a request and prefill its prompt, `PREFILL_CHUNK` tokens per forward."""
+        prefill = self.start(prompt_ids, policy, sampling)
+        for begin in range(0, len(prefill), PREFILL_CHUNK):
+            forward_rows([Row(self, prefill[begin : begin + PREFILL_CHUNK], prefill=True)])
+
     def score(self, tokens: Sequence[int]) -> TargetBlock:
         """Logits `[len(tokens), V]` (fp32) for the tokens appended after the committed prefix,
         plus the policy's target-side features for the `len(tokens) - 1` draft positions."""
-        crop_cache(self.cache, self.committed_len)
-        self.num_scored = len(tokens)
-        output = self.model.model(input_ids=self.ids(tokens), past_key_values=self.cache, use_cache=True)
-        hidden = output.last_hidden_state  # [1, T, H]: a row-parallel LM head (DeepSpeed's) splits dim 2
+        return forward_rows([Row(self, tokens)])[0]
+
+    def finish(self, tokens: Sequence[int], hidden: torch.Tensor) -> TargetBlock:
+        """This row's block from its final hidden states `[1, T, H]`."""
+        # [1, T, H] into the LM head: a row-parallel LM head (DeepSpeed's) splits dim 2
         block = TargetBlock(logits=self.model.lm_head(hidden)[0].float())
         if self.policy.needs_hidden:
             block.hidden, block.lm_head = hidden[0], self.model.lm_head
-        draft_tokens = self.ids(tokens[1:])[0]
+        draft_tokens = torch.tensor(list(tokens[1:]), dtype=torch.long, device=hidden.device)
         if self.sampling.logprobs is not None:
             block.token_log_probs = token_log_probs(block.logits[:-1], draft_tokens)
         block.features = self.policy.target_features(block, draft_tokens, self.sampling, self.features_rng)
         return block
 
-    def ids(self, tokens: Sequence[int]) -> torch.Tensor:
-        """`[1, n]` token ids on the model's device."""
-        return torch.tensor([list(tokens)], dtype=torch.long, device=self.model.device)
-
     def commit(self, num_keep: int) -> None:
         """Keep the first `num_keep` scored tokens; the rest are rolled back on the next call."""
         self.committed_len += num_keep
-        crop_cache(self.cache, self.committed_len)
+        self.cache.crop(self.committed_len)
+
+
+PREFILL_CHUNK = 512  # prompt tokens per forward: a long prompt never holds a step for its whole length
+
+
+@dataclass
+class Row:
+    """One session's part of a forward: a verify block `[last committed, d_1..d_K]` to score, or
+    a chunk of its prompt to prefill (committed as it goes; no logits)."""
+
+    scorer: TargetScorer
+    tokens: Sequence[int]
+    prefill: bool = False
+
+
+@torch.inference_mode()
+def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
+    """One forward over every row (sessions of one model); each verify row's block, None for
+    prefill rows."""
+    for row in rows:
+        row.scorer.cache.crop(row.scorer.committed_len)
+        if not row.prefill:
+            row.scorer.num_scored = len(row.tokens)
+    model = rows[0].scorer.model
+    hidden, offsets = forward_ragged(model, [row.scorer.cache for row in rows], [row.tokens for row in rows])
+    blocks = []
+    for row, begin, end in zip(rows, offsets, offsets[1:]):
+        if row.prefill:
+            row.scorer.committed_len += len(row.tokens)
+            blocks.append(None)
+        else:
+            blocks.append(row.scorer.finish(row.tokens, hidden[:, begin:end]))
+            blocks[-1].batch_rows = len(rows)
+    return blocks

@@ -62,6 +62,7 @@ class TargetBlock:
     lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     features: dict[str, torch.Tensor] = field(default_factory=dict)  # policy.target_features
     token_log_probs: Optional[torch.Tensor] = None
+    batch_rows: int = 1  # sessions in the forward that scored this block
 
     @property
     def vocab_size(self) -> int:

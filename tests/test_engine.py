@@ -3,6 +3,8 @@ stopping rules and input validation."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import TINY_VOCAB, assert_target_log_probs, perturbed_copy, repeating_prompt, tiny_llama
@@ -338,6 +340,51 @@ def test_block_length_follows_acceptance_and_cost():
     assert best_block_length(0.6, 10, [1.05, 1.08, 1.1, 1.6, 1.7, 1.8]) == 3
 
 
+def test_block_length_shrinks_with_the_target_batch_and_stops_where_drafting_stops_paying():
+    """Under load a step holds B sessions' blocks: the same curve prices B (k + 1) tokens against
+    B, so k falls as B grows, to 0 for lookups; one session is the unbatched rule."""
+    from specdec_core.drafters.block_length import DEFAULT_VERIFY_COST, best_block_length
+
+    lengths = [best_block_length(0.6, 15, DEFAULT_VERIFY_COST, batch_rows=rows) for rows in (1, 2, 4, 8, 16, 64)]
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1] == 0
+    assert lengths[0] == best_block_length(0.6, 15, DEFAULT_VERIFY_COST)
+    # a curve flat up to 64 tokens (a GPU's memory-bound regime): batching costs drafting nothing
+    flat = [1.0] * 63 + [2.0]
+    assert best_block_length(0.6, 15, flat, batch_rows=4) == 15
+    # draft forwards are paid per session: model drafting shrinks faster than lookups
+    assert best_block_length(0.8, 15, flat, 0.3, batch_rows=4) < best_block_length(0.8, 15, flat, batch_rows=4)
+
+
+def test_only_exact_greedy_requests_follow_the_targets_load(tiny_engine):
+    """The loop hands the target's batch size to the drafter for greedy decoding with a lossless
+    policy only: a sampled or lossy request's tokens depend on its blocks."""
+    from specdec_core.drafters import NoDrafter
+    from specdec_core.engine import speculative_loop
+
+    class Recording(NoDrafter):
+        def propose(self, max_tokens, batch_rows=1):
+            self.seen.append(batch_rows)
+            return super().propose(max_tokens, batch_rows)
+
+    class Loaded(TargetScorer):  # a target whose every step held 7 sessions
+        def score(self, tokens):
+            block = super().score(tokens)
+            block.batch_rows = 7
+            return block
+
+    seen = {}
+    for policy, temperature in (("greedy", 0.0), ("rejection", 0.0), ("fly", 0.0), ("rejection", 0.8)):
+        sampling = {"max_tokens": 4, "temperature": temperature}
+        request = GenerationRequest(prompt_ids=repeating_prompt(3), policy={"name": policy}, sampling=sampling)
+        drafter = Recording()
+        drafter.seen = []
+        prepared = tiny_engine.frontend.prepare(request)
+        target = Loaded(tiny_engine.target_model)
+        list(speculative_loop(prepared, drafter, target, tiny_engine.frontend.output(prepared.sampling)))
+        seen[policy, temperature] = set(drafter.seen[1:])
+    assert seen == {("greedy", 0.0): {7}, ("rejection", 0.0): {7}, ("fly", 0.0): {1}, ("rejection", 0.8): {1}}
+
+
 def test_adaptive_prompt_lookup_learns_from_commits():
     drafter = make_drafter("pld", {"verify_cost": [1.3, 1.6]})
     drafter.reset([1, 2, 3, 1], SamplingParams())
@@ -420,17 +467,21 @@ def test_grouped_decode_attention_matches_sdpa_and_runs_for_low_precision_steps(
         result = attention.grouped_decode_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), mask)
         torch.testing.assert_close(result.double(), reference, atol=3e-2, rtol=0)
 
+    from specdec_core import batching
+
     calls = []
-    original = attention.grouped_decode_attention
-    monkeypatch.setattr(attention, "grouped_decode_attention", lambda *args: calls.append(1) or original(*args))
+    original = batching.grouped_decode_attention
+    monkeypatch.setattr(batching, "grouped_decode_attention", lambda *args: calls.append(1) or original(*args))
     plain, grouped = (tiny_llama(seed=5, prepared=prepared).to(torch.bfloat16) for prepared in (False, True))
     prompt = repeating_prompt(5, length=40)
-    scorers = [greedy_scorer(model, prompt) for model in (plain, grouped)]
+    scorer = greedy_scorer(grouped, prompt)
+    fed = prompt[:-1]  # the scorer holds all but the prompt's last token; each score feeds one
     for token in (7, 8, 9):
-        reference, result = (scorer.score([token]).logits for scorer in scorers)
-        torch.testing.assert_close(result, reference, atol=3e-2, rtol=0)
-        for scorer in scorers:
-            scorer.commit(1)
+        fed = [*fed, token]
+        with torch.inference_mode():  # transformers' own sdpa over the whole sequence
+            reference = plain(torch.tensor([fed])).logits[0, -1:].float()
+        torch.testing.assert_close(scorer.score([token]).logits, reference, atol=3e-2, rtol=0)
+        scorer.commit(1)
     assert len(calls) == 3 * grouped.config.num_hidden_layers
 
 
@@ -565,3 +616,32 @@ def test_int4_draft_keeps_greedy_speculation_identical(tiny_target):
             speculative = engine.complete(request(prompt, drafter=drafter, k=8))
             assert speculative.token_ids == reference.token_ids
             assert speculative.metrics["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_random_weights_of_a_config_load_the_same_twice_and_decode_from_token_ids(tmp_path):
+    """`random:<config>` (timing real shapes without a checkpoint): seed-0 weights, equal on every
+    load, no tokenizer; the engine serves token-id prompts with it."""
+    from specdec_core import ModelSpec
+    from specdec_core.loader import load_model, load_tokenizer
+
+    config = {
+        "model_type": "llama",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = ModelSpec(source=f"random:{tmp_path / 'config.json'}")
+    first, second = load_model(spec), load_model(spec)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    assert load_tokenizer(spec) is None and first.config.hidden_size == 64
+    engine = SpeculativeEngine.from_specs(spec, spec)
+    speculative, target_only = (
+        GenerationRequest(prompt_ids=[1, 2, 3, 4, 5, 6], drafter={"name": drafter}, sampling={"max_tokens": 8})
+        for drafter in ("model", "none")
+    )
+    assert engine.complete(speculative).token_ids == engine.complete(target_only).token_ids

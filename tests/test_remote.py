@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import repeating_prompt, target_rows
@@ -89,6 +90,62 @@ def test_remote_output_equals_in_process_engine(cluster, tiny_engine, policy, te
         assert tokens == local.token_ids
         assert metrics["spec_decode_num_accepted_tokens"] == local.metrics["spec_decode_num_accepted_tokens"]
         assert not metrics["draft_fallback"]
+
+
+def test_concurrent_sessions_share_target_forwards_and_decode_as_they_would_alone(tiny_engine):
+    """16 requests of different prompts, lengths, drafters and temperatures at once: the target
+    worker runs them in shared steps (more session rows than steps), and each request's tokens
+    equal its run alone (greedy, and seeded sampling at T = 0.9)."""
+    workers = Workers(tiny_engine)
+    requests = [
+        GenerationRequest(
+            prompt_ids=repeating_prompt(index, length=8 + 6 * index),
+            policy={"name": "greedy" if index % 2 else "rejection"},
+            drafter={"name": ("pld", "model", "mla", "none")[index % 4]},
+            num_draft_tokens=2 + index % 5,
+            sampling={"max_tokens": 12 + index, "temperature": 0.0 if index % 2 else 0.9, "seed": index},
+        )
+        for index in range(16)
+    ]
+    try:
+        alone = [remote_complete(workers.engine, req)[0] for req in requests]
+        stub = workers.engine.stubs["target"]
+        before = stub.Stats(pb.Empty())
+        with ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(lambda req: remote_complete(workers.engine, req)[0], requests))
+        after = stub.Stats(pb.Empty())
+    finally:
+        workers.stop()
+    assert together == alone
+    assert after.sessions == 0
+    assert after.step_rows - before.step_rows > after.steps - before.steps  # some steps held several sessions
+
+
+def test_the_load_sweep_streams_from_concurrent_clients_and_compares_outputs_across_levels(tiny_engine, cluster):
+    """`bench --concurrency` (tools/load.py) over the HTTP API: every request of every level
+    answered, outputs equal across levels, sessions freed."""
+    from deployments.client import SpecdecHttpClient
+    from specdec_core.tools.load import sweep
+
+    app = build_http_app(cluster, AppConfig(model_name="tiny"))
+
+    def connect() -> SpecdecHttpClient:
+        client = SpecdecHttpClient("http://testserver")
+        client.http = TestClient(app)  # an httpx.Client that calls the app in-process
+        return client
+
+    def method(drafter: str):
+        return lambda prompt: GenerationRequest(
+            prompt_ids=prompt, drafter={"name": drafter}, num_draft_tokens=4, sampling={"max_tokens": 10}
+        )
+
+    prompts = [repeating_prompt(seed, length=10 + 2 * seed) for seed in range(6)]
+    rows = sweep(connect, {"target": method("none"), "pld": method("pld")}, prompts, [1, 3])
+    levels = [(row["method"], row["concurrency"]) for row in rows]
+    assert levels == [("target", 1), ("target", 3), ("pld", 1), ("pld", 3)]
+    assert all(row["requests"] == row["identical_to_first_level"] == 6 for row in rows)
+    assert rows[0]["mean_accept_len"] is None and rows[2]["mean_accept_len"] >= 1
+    assert cluster.session_counts() == {"draft": 0, "target": 0}
 
 
 def test_compact_wire_ships_a_fraction_of_the_full_logits(cluster):
@@ -176,6 +233,46 @@ def test_the_watcher_reconnects_a_worker_that_came_back_elsewhere(tiny_engine):
         replacement.stop(None)
     finally:
         watcher.stop()
+        workers.stop()
+
+
+def test_past_the_kv_budget_requests_get_503_and_the_admitted_ones_finish(tiny_engine):
+    """A target worker whose KV budget holds two sessions and lets none wait: a third request
+    gets 503 + Retry-After over HTTP (RESOURCE_EXHAUSTED from the worker) while two streams are
+    open; one client leaving frees its session and memory at once, the other finishes with its
+    usual tokens, and the next request is served."""
+    from deployments.admission import Admission
+
+    req = request("greedy", "pld")
+    target = TargetServicer(tiny_engine.target_model, 60.0, tiny_engine.frontend.profile())
+    session_bytes = target.max_len(req.prompt_ids, req.sampling) * target.kv_bytes_per_token
+    target.admission = Admission(2.5 * session_bytes, max_waiting=0, wait_s=0.0)
+    workers = Workers(tiny_engine, target=target)
+    try:
+        expected = tiny_engine.complete(req).token_ids
+        held = [workers.engine.stream(req) for _ in range(2)]
+        firsts = [next(stream) for stream in held]  # both sessions open, holding their reservations
+        assert target.admission.reserved_bytes == 2 * session_bytes
+        response = http_client(workers).post("/v1/completions", json=completion_body(drafter="pld"))
+        assert response.status_code == 503 and response.headers["Retry-After"]
+        assert response.json()["error"]["code"] == "overloaded"
+        with pytest.raises(grpc.RpcError) as direct:  # what the worker itself answers
+            workers.engine.stubs["target"].Reset(
+                pb.TargetReset(
+                    session_id="third",
+                    prompt_ids=req.prompt_ids,
+                    sampling=sampling_to_proto(req.sampling),
+                    policy=component_to_proto(ComponentSpec(name="greedy")),
+                )
+            )
+        assert direct.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        held[0].close()  # a client gone mid-stream: its session and its memory are freed at once
+        assert target.admission.reserved_bytes == session_bytes and target.table.counts()[0] == 1
+        assert [*firsts[1].token_ids, *(token for chunk in held[1] for token in chunk.token_ids)] == expected
+        stats = workers.engine.stubs["target"].Stats(pb.Empty())
+        assert stats.sessions == 0 and stats.kv_reserved_bytes == 0
+        assert remote_complete(workers.engine, req)[0] == expected
+    finally:
         workers.stop()
 
 

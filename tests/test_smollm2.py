@@ -228,7 +228,8 @@ def test_bench_endpoint_needs_the_serving_side(tmp_path):
 
 
 def test_verify_cost_prints_the_block_cost_curve():
-    result = CliRunner().invoke(app, ["verify-cost", "--max-tokens", "3", "--repeats", "1", "--context", "40"])
+    arguments = ["verify-cost", "--max-tokens", "3", "--repeats", "1", "--context", "40", "--batch-sizes", "2"]
+    result = CliRunner().invoke(app, arguments)
     assert result.exit_code == 0, result.output
     rows = [
         line.split("│")[1:-1]
@@ -237,6 +238,7 @@ def test_verify_cost_prints_the_block_cost_curve():
     ]
     assert [int(cells[0]) for cells in rows] == [1, 2, 3]
     assert float(rows[0][2]) == 1.0 and float(rows[0][4]) == 1.0  # the one-token forward is the unit
+    assert len(rows[0]) == 7 and all(float(cells[6]) > 0 for cells in rows)  # target_B2: ms, vs one token
     printed = re.search(r"verify_cost=(\[.*\])'", result.output)  # ready to pass to the drafters
     draft_cost = re.search(r"draft_cost=([0-9.]+)'", result.output)
     assert printed and draft_cost, result.output

@@ -42,7 +42,7 @@ class Drafter(ABC):
         self.generator = sampling.generator("draft")
 
     @abstractmethod
-    def propose(self, max_tokens: int) -> DraftBlock: ...
+    def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock: ...
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         self.context.extend(new_tokens)
@@ -54,5 +54,5 @@ class NoDrafter(Drafter):
 
     name = "none"
 
-    def propose(self, max_tokens: int) -> DraftBlock:
+    def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         return DraftBlock.empty()

@@ -7,7 +7,14 @@ acceptance rate this request has earned so far (a Beta posterior mean) and cost(
 one-token target steps, is the measured cost of a target step that scores k drafts
 (`verify_cost`, printed by `specdec verify-cost`) plus k times the draft's cost per token (0 for
 lookups). The curve is a parameter, not timed at start-up: block lengths decide how many random
-draws a sampled request consumes, so timing them would make seeded outputs depend on the load."""
+draws a sampled request consumes, so timing them would make seeded outputs depend on the load.
+
+Under load the target runs B sessions' blocks in one forward (continuous batching), so a step's
+cost is that of all their tokens: with every session drafting k, cost(B (k + 1)) against
+cost(B) for plain decoding, where cost(n) is the same curve read as the cost of an n-token
+forward. The curve grows with n, so k shrinks as B grows and reaches 0 (plain decoding in the
+same batch) where drafting stops paying. The draft worker proposes for one session at a time,
+so B sessions' drafts cost B k draft forwards per step."""
 
 from __future__ import annotations
 
@@ -43,16 +50,24 @@ def block_cost(verify_cost: Sequence[float], num_drafts: int) -> float:
     return verify_cost[-1] + slope * (num_drafts - len(verify_cost))
 
 
+def step_cost(verify_cost: Sequence[float], num_tokens: int) -> float:
+    """Cost of a forward over `num_tokens` tokens in 1-token steps (the curve read by tokens)."""
+    return block_cost(verify_cost, num_tokens - 1)
+
+
 def best_block_length(
-    acceptance_rate: float, max_length: int, verify_cost: Sequence[float], draft_cost: float = 0.0
+    acceptance_rate: float, max_length: int, verify_cost: Sequence[float], draft_cost: float = 0.0, batch_rows: int = 1
 ) -> int:
-    """argmax_k (1 + a + .. + a^k) / (cost(k) + k * draft_cost) over k = 0 .. max_length."""
+    """argmax_k (1 + a + .. + a^k) / ((cost(B (k + 1)) + B k draft_cost) / cost(B)) over
+    k = 0 .. max_length, for B = `batch_rows` sessions per target step (1: cost(k + 1) + k draft_cost)."""
+    plain_step = step_cost(verify_cost, batch_rows)
     best_length, best_value = 0, 1.0
     expected_tokens, term = 1.0, 1.0
     for length in range(1, max_length + 1):
         term *= acceptance_rate
         expected_tokens += term
-        value = expected_tokens / (block_cost(verify_cost, length) + length * draft_cost)
+        step = step_cost(verify_cost, batch_rows * (length + 1)) + batch_rows * length * draft_cost
+        value = expected_tokens / (step / plain_step)
         if value > best_value:
             best_length, best_value = length, value
     return best_length

@@ -71,14 +71,15 @@ class ModelDrafter(Drafter):
         self.drafted = 0
         self.last_proposal: list[int] = []
 
-    def block_limit(self, max_tokens: int) -> int:
+    def block_limit(self, max_tokens: int, batch_rows: int) -> int:
         """How many tokens to draft this step (at least 1, so the estimate keeps learning)."""
         if not self.params.adaptive or max_tokens <= 1:
             return max_tokens
         # mla's lookup guesses let one forward yield several tokens: price a drafted token at
         # this request's forwards per drafted token so far
         cost_per_token = self.params.draft_cost * (self.forwards + 1) / (self.drafted + 1)
-        return max(1, best_block_length(self.estimate.rate, max_tokens, self.params.verify_cost, cost_per_token))
+        rate, curve = self.estimate.rate, self.params.verify_cost
+        return max(1, best_block_length(rate, max_tokens, curve, cost_per_token, batch_rows))
 
     def sync_cache(self, sequence: Sequence[int]) -> None:
         """Crop the cache to its longest prefix shared with `sequence` (leaving >= 1 to feed)."""
@@ -87,12 +88,12 @@ class ModelDrafter(Drafter):
         del self.cached_tokens[shared:]
 
     @torch.inference_mode()
-    def propose(self, max_tokens: int) -> DraftBlock:
+    def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         token_probs: list[torch.Tensor] = []  # p_d of sampled tokens, for verification
         sampled = not self.sampling.greedy and not self.deterministic
-        max_tokens = self.block_limit(max_tokens)
+        max_tokens = self.block_limit(max_tokens, batch_rows)
         while len(tokens) < max_tokens:
             sequence = self.context + tokens
             self.sync_cache(sequence)

@@ -66,10 +66,11 @@ class PromptLookupDrafter(Drafter):
         self.estimates = [AcceptanceEstimate() for _ in range(self.params.max_ngram + 1)]  # per n-gram size
         self.last_proposal: tuple[int, list[int]] = (0, [])
 
-    def propose(self, max_tokens: int) -> DraftBlock:
+    def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         ngram, continuation = lookup_continuation(self.context, self.params, max_tokens)
         if self.params.adaptive and continuation:
-            length = best_block_length(self.estimates[ngram].rate, len(continuation), self.params.verify_cost)
+            rate = self.estimates[ngram].rate
+            length = best_block_length(rate, len(continuation), self.params.verify_cost, batch_rows=batch_rows)
             continuation = continuation[:length]
         self.last_proposal = (ngram, continuation)
         return DraftBlock(tokens=torch.tensor(continuation, dtype=torch.long))

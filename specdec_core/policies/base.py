@@ -46,6 +46,7 @@ class AcceptancePolicy(ABC):
     name: ClassVar[str]
     Params: ClassVar[type[PolicyParams]] = PolicyParams
     needs_hidden: ClassVar[bool] = False  # the target must return final hidden states + LM head
+    lossless: ClassVar[bool] = False  # emits exactly the target's distribution (greedy: its argmax)
     counters: ClassVar[tuple[str, ...]] = ()  # trace flags the metrics count (penalized, loose, ...)
     supports_sampling: ClassVar[bool] = True  # False: temperature must be 0
 

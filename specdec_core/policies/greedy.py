@@ -8,6 +8,7 @@ from .base import AcceptancePolicy, accepted_prefix, base_decision, first_false
 
 class GreedyPolicy(AcceptancePolicy):
     name = "greedy"
+    lossless = True
     supports_sampling = False
 
     def verify(self, draft, target, sampling, generator) -> Verdict:

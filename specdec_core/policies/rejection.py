@@ -8,6 +8,7 @@ from .base import AcceptancePolicy, accepted_prefix, base_decision, first_false,
 
 class RejectionPolicy(AcceptancePolicy):
     name = "rejection"
+    lossless = True
 
     def verify(self, draft, target, sampling, generator) -> Verdict:
         decision = base_decision(draft, target, sampling, generator)

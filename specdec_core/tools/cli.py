@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ..errors import SpecdecError, format_validation_errors
 from ..loader import DEFAULT_DRAFT, EMBEDDED, ModelSpec
-from ..questions import DEFAULT_QUESTIONS, HUMANEVAL
+from ..questions import DEFAULT_QUESTIONS, HUMANEVAL, first_turn, load_questions
 from . import params
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Speculative decoding for large LMs.")
@@ -197,6 +197,9 @@ def bench(
     policy_param: list[str] = typer.Option([], "--policy-param", help="policy.k=v, repeatable (e.g. ears.beta=0.2)"),
     drafter_param: list[str] = typer.Option([], "--drafter-param", help="drafter.k=v, repeatable"),
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="base URL of a running specdec service"),
+    concurrency: str = typer.Option(
+        "", "--concurrency", help="with --endpoint: a load sweep, e.g. 1,4,16 concurrent streaming clients"
+    ),
     target: str = TargetOpt,
     target_dtype: str = TargetDtypeOpt,
     draft: str = DraftOpt,
@@ -232,6 +235,11 @@ def bench(
         if connect is None:
             fail("--endpoint needs the serving side: run the `specdec` console script with specdec[serve] installed")
         endpoint_client = connect(endpoint)
+    if concurrency:
+        if not endpoint:
+            fail("--concurrency needs --endpoint")
+        load_sweep(config, [int(level) for level in comma_list(concurrency)], lambda: connect(endpoint), target, out)
+        return
     engine = build_engine(target, target_dtype, draft, draft_dtype, draft_layers)
     try:
         rows, outputs = run_bench(engine, config, lambda items: tqdm(items, desc="questions"), endpoint_client)
@@ -245,6 +253,30 @@ def bench(
     console.print(f"wrote {path} and {out / 'bench.png'}")
 
 
+def load_sweep(config, levels: list[int], connect, target: str, out: Path) -> None:
+    """`bench --concurrency`: the config's endpoint methods under each load level (load.py)."""
+    from ..frontend import Frontend
+    from ..request import GenerationRequest
+    from .bench import Runner, parse_specdec_method
+    from .load import sweep
+
+    if any(not method.startswith("endpoint:") for method in config.methods):
+        fail("--concurrency runs endpoint:<policy>+<drafter>[@K] methods only (target-only: endpoint:greedy+none)")
+    frontend = Frontend.from_spec(ModelSpec(source=target))
+    questions = load_questions(config.questions, config.categories, config.per_category)
+    prompts = [frontend.encode(GenerationRequest(messages=first_turn(question))) for question in questions]
+    runner = Runner(None, config)
+    methods = {
+        method: (lambda prompt, spec=parse_specdec_method(method): runner.request(prompt, spec))
+        for method in config.methods
+    }
+    rows = sweep(connect, methods, prompts, levels, progress=lambda text: console.print(f"[dim]{text}[/dim]"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "load.json").write_text(json.dumps({"config": vars(config), "levels": levels, "rows": rows}, indent=2))
+    print_table(rows, list(rows[0]), left=("method",))
+    console.print(f"wrote {out / 'load.json'}")
+
+
 @app.command()
 def quality(
     sets: str = typer.Option("gsm8k,humaneval", "--sets", help="comma list of gsm8k, humaneval"),
@@ -255,7 +287,11 @@ def quality(
     temperature: float = typer.Option(0.9, "--temperature", help="of the sampling runs (rejection, ears, typical)"),
     modes: str = typer.Option("greedy,sampling", "--modes", help="greedy (T = 0 runs), sampling, or both"),
     seed: int = typer.Option(0, "--seed"),
-    extra_methods: str = typer.Option("", "--extra-methods", help="more specdec: methods for the T = 0 runs"),
+    extra_methods: str = typer.Option(
+        "",
+        "--extra-methods",
+        help="more specdec: methods (sampling policies run at --temperature, the others at T = 0)",
+    ),
     out: Path = typer.Option(Path("quality_out"), "--out"),
     target: str = TargetOpt,
     target_dtype: str = TargetDtypeOpt,
@@ -304,6 +340,7 @@ def verify_cost(
     max_tokens: int = typer.Option(16, "--max-tokens", help="largest block: K + 1 for K drafts"),
     repeats: int = typer.Option(20, "--repeats"),
     context: int = typer.Option(200, "--context", help="prompt tokens before the block"),
+    batch_sizes: str = typer.Option("", "--batch-sizes", help="also the target over this many sessions at once: 4,16"),
     target: str = TargetOpt,
     target_dtype: str = TargetDtypeOpt,
     draft: str = DraftOpt,
@@ -311,14 +348,16 @@ def verify_cost(
     draft_layers: Optional[int] = DraftLayersOpt,
 ):
     """Cost of one forward over n = 1..max-tokens new tokens, target and draft model: the
-    curve that decides when speculation pays (a K-draft verify is n = K + 1)."""
+    curve that decides when speculation pays (a K-draft verify is n = K + 1); with
+    --batch-sizes, the target's batched steps (that many sessions' blocks in one forward)."""
     from .verify_cost import measure
 
     if max_tokens < 1 or repeats < 1 or context < max_tokens:
         fail("need --max-tokens >= 1, --repeats >= 1 and --context >= --max-tokens")
     engine = build_engine(target, target_dtype, draft, draft_dtype, draft_layers)
     try:
-        rows, params = measure(engine, max_tokens, repeats, context)
+        sizes = tuple(int(size) for size in comma_list(batch_sizes))
+        rows, params = measure(engine, max_tokens, repeats, context, sizes)
     except ValueError as error:
         fail(str(error))
     print_table(rows, rows[0], left=())

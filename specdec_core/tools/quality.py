@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from ..engine import SpeculativeEngine
 from ..questions import DEFAULT_QUESTIONS, HUMANEVAL
-from .bench import BenchConfig, run_bench
+from .bench import BenchConfig, parse_specdec_method, run_bench
 from .report import write_report
 
 # name -> (questions source, categories)
@@ -32,15 +32,23 @@ class QualityConfig:
     num_draft_tokens: int
     temperature: float  # of the sampling runs
     seed: int
-    extra_methods: list[str] = field(default_factory=list)  # more `specdec:` methods in the T = 0 runs
+    # more `specdec:` methods: those of a sampling policy in the sampling runs, the others at T = 0
+    extra_methods: list[str] = field(default_factory=list)
     modes: tuple[str, ...] = MODES
+
+
+def method_policy(method: str) -> str:
+    return parse_specdec_method(method).policy
 
 
 def runs(config: QualityConfig) -> list[tuple[float, list[str]]]:
     """(temperature, methods) of each bench run per question set; the base policy comes second."""
     suffix = f"+{config.drafter}@{config.num_draft_tokens}"
-    greedy = ["target", *(f"specdec:{policy}{suffix}" for policy in GREEDY_POLICIES), *config.extra_methods]
-    sampling = ["target", *(f"specdec:{policy}{suffix}" for policy in SAMPLING_POLICIES)]
+    # an extra method runs beside the policies of its kind: the sampling ones at the temperature
+    extra_sampling = [method for method in config.extra_methods if method_policy(method) in SAMPLING_POLICIES]
+    extra_greedy = [method for method in config.extra_methods if method not in extra_sampling]
+    greedy = ["target", *(f"specdec:{policy}{suffix}" for policy in GREEDY_POLICIES), *extra_greedy]
+    sampling = ["target", *(f"specdec:{policy}{suffix}" for policy in SAMPLING_POLICIES), *extra_sampling]
     by_mode = {"greedy": (0.0, greedy), "sampling": (config.temperature, sampling)}
     return [by_mode[mode] for mode in config.modes]
 

@@ -15,30 +15,41 @@ from ..policies import make_policy
 from ..questions import DEFAULT_QUESTIONS, first_turn, load_questions
 from ..request import GenerationRequest
 from ..sampling import SamplingParams
-from ..target import TargetScorer
+from ..target import Row, TargetScorer, forward_rows
 
 
 @torch.inference_mode()
-def block_cost_curve(model: torch.nn.Module, prompt_ids: list[int], max_tokens: int, repeats: int) -> list[dict]:
-    """What one forward over `n` new tokens costs after `prompt_ids`, for n = 1..max_tokens:
-    a target verify of K drafts is n = K + 1. Sizes are interleaved within each repeat and each
-    size is priced against the 1-token forward of its own repeat (median of those ratios), so
-    that the machine's slow and fast stretches cancel; the cache is rolled back after every
-    forward."""
-    scorer = TargetScorer(model)
-    scorer.reset(prompt_ids, make_policy("greedy"), SamplingParams())
+def block_cost_curve(
+    model: torch.nn.Module, prompt_ids: list[int], max_tokens: int, repeats: int, batch_rows: int = 1
+) -> list[dict]:
+    """What one forward over `n` new tokens in each of `batch_rows` sessions costs after
+    `prompt_ids`, for n = 1..max_tokens: a target verify of K drafts is n = K + 1. Sizes are
+    interleaved within each repeat and each is priced against the one-session 1-token forward of
+    its own repeat (median of those ratios), so that the machine's slow and fast stretches
+    cancel; the caches are rolled back after every forward."""
+    scorers = [TargetScorer(model) for _ in range(batch_rows)]
+    for scorer in scorers:
+        scorer.reset(prompt_ids, make_policy("greedy"), SamplingParams())
     samples: dict[int, list[float]] = defaultdict(list)
+    one_session: list[float] = []  # the unit, timed beside a batched curve
     for _ in range(repeats + 1):  # the first round warms up
+        if batch_rows > 1:
+            start = time.perf_counter()
+            scorers[0].score(prompt_ids[-1:])
+            one_session.append((time.perf_counter() - start) * 1e3)
+            scorers[0].commit(0)
         for num_tokens in range(1, max_tokens + 1):
             start = time.perf_counter()
-            scorer.score(prompt_ids[-num_tokens:])
+            forward_rows([Row(scorer, prompt_ids[-num_tokens:]) for scorer in scorers])
             samples[num_tokens].append((time.perf_counter() - start) * 1e3)
-            scorer.commit(0)
+            for scorer in scorers:
+                scorer.commit(0)
+    unit = one_session if batch_rows > 1 else samples[1]
     return [
         {
             "tokens": num_tokens,
             "ms_p50": round(statistics.median(times[1:]), 2),
-            "vs_one_token": round(statistics.median(ms / one_ms for ms, one_ms in zip(times[1:], samples[1][1:])), 3),
+            "vs_one_token": round(statistics.median(ms / one_ms for ms, one_ms in zip(times[1:], unit[1:])), 3),
         }
         for num_tokens, times in samples.items()
     ]
@@ -56,9 +67,14 @@ def drafter_cost_params(target_curve: list[dict], draft_curve: list[dict] | None
     return params
 
 
-def measure(engine: SpeculativeEngine, max_tokens: int, repeats: int, context: int) -> tuple[list[dict], dict]:
+def measure(
+    engine: SpeculativeEngine, max_tokens: int, repeats: int, context: int, batch_sizes: tuple[int, ...] = ()
+) -> tuple[list[dict], dict]:
     """(one row per block size with each model's ms_p50 and vs_one_token, drafter parameters)
-    after `context` tokens of Spec-Bench prompts (the first question of each category, joined)."""
+    after `context` tokens of Spec-Bench prompts (the first question of each category, joined);
+    with `batch_sizes`, also the target's forward over that many sessions' blocks at once
+    (`target_B<n>_*`: the cost of a batched step, which block_length.py reads off the
+    one-session curve at n times the tokens)."""
     prompt_ids: list[int] = []
     for question in load_questions(DEFAULT_QUESTIONS, ["all"], 1):
         prompt_ids += engine.frontend.encode(GenerationRequest(messages=first_turn(question)))
@@ -70,6 +86,9 @@ def measure(engine: SpeculativeEngine, max_tokens: int, repeats: int, context: i
     curves = {
         name: block_cost_curve(model, prompt_ids[:context], max_tokens, repeats) for name, model in models.items()
     }
+    for batch_rows in batch_sizes:
+        curve = block_cost_curve(engine.target_model, prompt_ids[:context], max_tokens, repeats, batch_rows)
+        curves[f"target_B{batch_rows}"] = curve
     rows = [
         {
             "tokens": size + 1,

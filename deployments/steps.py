@@ -1,0 +1,113 @@
+"""Continuous batching in the target worker: the Score calls of different sessions, and the
+prompts of new ones in chunks, gathered into one forward (a step) on the torch thread.
+
+A call enqueues its row and waits. The first one schedules a step; a step waits for the other
+open sessions' rows at most `window_s` (not at all when its session is the only one open), takes
+every row queued, runs them as one forward and answers each. A prompt longer than `chunk`
+tokens is prefilled over several steps, beside the verify rows of running sessions, so it never
+holds them for its whole length. A row that fails its checks fails alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+
+@dataclass
+class PendingRow:
+    session_id: str
+    tokens: list[int]
+    prefill: bool
+    future: Future
+    commit_keep: int = 0
+    reply: Optional[Callable[[Any], Any]] = None  # builds the answer from the block, on the torch thread
+
+
+class StepBatcher:
+    def __init__(
+        self,
+        executor,
+        run_step: Callable[[list[dict]], list[Any]],
+        check_row: Callable[[PendingRow], None],
+        open_sessions: Callable[[], int],
+        window_s: float,
+        chunk: int,
+    ):
+        """`run_step(rows)`: one forward over row dicts (session_id, tokens, prefill,
+        commit_keep), a block or None per row; `check_row` raises for a row that may not run (and
+        may set its `reply`); `open_sessions()`: how many rows a full step would hold."""
+        self.executor, self.run_step, self.check_row, self.open_sessions = executor, run_step, check_row, open_sessions
+        self.window_s, self.chunk = window_s, chunk
+        self.pending: list[PendingRow] = []
+        self.arrived = threading.Condition()
+        self.scheduled = False
+        self.steps = 0
+        self.rows = 0
+
+    def submit(self, session_id: str, tokens: list[int], prefill: bool = False, commit_keep: int = 0) -> Future:
+        """A row for the next step; its future gives the block (`reply(block)` when `check_row`
+        set one), or None once a prompt is prefilled."""
+        row = PendingRow(session_id, tokens, prefill, Future(), commit_keep)
+        with self.arrived:
+            self.pending.append(row)
+            self.arrived.notify()
+            if not self.scheduled:
+                self.scheduled = True
+                self.executor.submit(self.step)
+        return row.future
+
+    def step(self) -> None:
+        """On the torch thread: gather, run one forward, answer; schedule the next if rows wait."""
+        with self.arrived:
+            deadline = time.monotonic() + self.window_s
+            while len(self.pending) < self.open_sessions() and (left := deadline - time.monotonic()) > 0:
+                self.arrived.wait(left)
+            taken, self.pending = self.pending, []
+        try:
+            self.run(taken)
+        finally:
+            with self.arrived:
+                if self.pending:
+                    self.executor.submit(self.step)
+                else:
+                    self.scheduled = False
+
+    def run(self, taken: list[PendingRow]) -> None:
+        rows, ops = [], []
+        for row in taken:
+            try:
+                self.check_row(row)
+            except Exception as error:  # noqa: BLE001 - this row's caller gets it; the others run
+                row.future.set_exception(error)
+                continue
+            tokens = row.tokens[: self.chunk] if row.prefill else row.tokens
+            rows.append(row)
+            ops.append({"session_id": row.session_id, "tokens": tokens, "prefill": row.prefill})
+            if not row.prefill:
+                ops[-1]["commit_keep"] = row.commit_keep
+        if not rows:
+            return
+        try:
+            blocks = self.run_step(ops)
+        except Exception as error:  # noqa: BLE001 - the forward failed for every row in it
+            for row in rows:
+                row.future.set_exception(error)
+            return
+        self.steps += 1
+        self.rows += len(rows)
+        for row, block in zip(rows, blocks):
+            if row.prefill:
+                row.tokens = row.tokens[self.chunk :]
+                if row.tokens:
+                    with self.arrived:
+                        self.pending.append(row)  # the rest of its prompt goes in the next step
+                else:
+                    row.future.set_result(None)
+                continue
+            try:
+                row.future.set_result(row.reply(block) if row.reply else block)
+            except Exception as error:  # noqa: BLE001 - building one answer failed; the others stand
+                row.future.set_exception(error)

@@ -1,0 +1,129 @@
+"""One forward over many sequences: each row brings its own new tokens, KV history and positions
+(a ragged batch, packed into one `[1, N]` sequence with no padding). Linears, norms and the LM
+head see N rows; attention runs per row against that row's own cache (`SequenceKV`), so a row's
+result does not depend on its batch companions (the CPU linears are batch invariant, see
+docs/performance.md). The attention is registered with transformers (`use_ragged_attention`)
+and finds the rows in a keyword argument the model passes down to it; without one it is the
+model's usual attention, so the same model still serves plain forwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .kernels.attention import grouped_decode_attention, grouped_sdpa
+
+RAGGED_ATTENTION = "specdec_ragged"
+DEFAULT_CAPACITY = 256
+
+
+class SequenceKV:
+    """One sequence's keys and values for every layer: buffers `[kv_heads, capacity, head_dim]`
+    that double when full, of which the first `length` positions are the sequence's. Rollback
+    lowers `length`; nothing is copied."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        """`capacity`: positions to allocate at the first write (a session's most, when known)."""
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.capacity = capacity
+        self.length = 0
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `[kv_heads, T, head_dim]` at positions length..length+T; return the layer's keys
+        and values up to there (views). `advance` moves `length` once every layer wrote."""
+        needed = self.length + keys.shape[1]
+        held = self.buffers.get(layer)
+        if held is None or needed > held[0].shape[1]:
+            capacity = max(needed, 2 * held[0].shape[1] if held else self.capacity)
+            held = tuple(self._grown(old, new, capacity) for old, new in zip(held or (None, None), (keys, values)))
+            self.buffers[layer] = held
+        for buffer, new in zip(held, (keys, values)):
+            buffer[:, self.length : needed] = new
+        return held[0][:, :needed], held[1][:, :needed]
+
+    def _grown(self, old: Optional[torch.Tensor], new: torch.Tensor, capacity: int) -> torch.Tensor:
+        buffer = new.new_empty((new.shape[0], capacity, new.shape[2]))
+        if old is not None and self.length:
+            buffer[:, : self.length] = old[:, : self.length]
+        return buffer
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+    def crop(self, keep: int) -> None:
+        self.length = min(self.length, keep)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor.nbytes for pair in self.buffers.values() for tensor in pair)
+
+
+@dataclass
+class RaggedRows:
+    """The rows of one forward: row i's tokens are packed positions offsets[i]..offsets[i+1]."""
+
+    caches: Sequence[SequenceKV]
+    offsets: list[int]
+
+
+def forward_ragged(model: torch.nn.Module, caches: Sequence[SequenceKV], token_lists: Sequence[Sequence[int]]):
+    """Run each row's new tokens after its cached ones in one forward; returns the final hidden
+    states `[1, N, H]` of the packed rows (row i at positions offsets[i]..) and the offsets."""
+    offsets = [0]
+    for tokens in token_lists:
+        offsets.append(offsets[-1] + len(tokens))
+    device = model.device
+    input_ids = torch.tensor([[token for tokens in token_lists for token in tokens]], dtype=torch.long, device=device)
+    positions = torch.cat(
+        [torch.arange(cache.length, cache.length + len(tokens)) for cache, tokens in zip(caches, token_lists)]
+    )
+    use_ragged_attention(model)
+    output = model.model(
+        input_ids=input_ids,
+        position_ids=positions[None].to(device),
+        use_cache=False,
+        ragged=RaggedRows(caches, offsets),
+    )
+    for cache, tokens in zip(caches, token_lists):
+        cache.advance(len(tokens))
+    return output.last_hidden_state, offsets
+
+
+def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, ragged=None, **kwargs):
+    """Attention of each row's queries over its own cache (written here first). `query`,
+    `key`, `value`: `[1, heads, N, head_dim]` of the packed rows; returns `[1, N, heads, head_dim]`.
+    Without `ragged` rows: the model's usual attention (`grouped_sdpa`)."""
+    if ragged is None:
+        return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    outputs = []
+    for cache, start, end in zip(ragged.caches, ragged.offsets, ragged.offsets[1:]):
+        history = cache.length
+        keys, values = cache.write(module.layer_idx, key[0, :, start:end], value[0, :, start:end])
+        row_query = query[:, :, start:end]
+        num_new = end - start
+        if num_new == 1 and row_query.dtype in (torch.bfloat16, torch.float16) and row_query.device.type == "cpu":
+            outputs.append(grouped_decode_attention(row_query, keys[None], values[None], None, scaling))
+            continue
+        # query t sees the history and new tokens 0..t: a causal mask shifted by the history
+        mask = None
+        if num_new > 1:
+            mask = torch.ones(num_new, history + num_new, dtype=torch.bool, device=query.device).tril(history)
+        row_output = torch.nn.functional.scaled_dot_product_attention(
+            row_query, keys[None], values[None], attn_mask=mask, scale=scaling, enable_gqa=True
+        )
+        outputs.append(row_output.transpose(1, 2))
+    return torch.cat(outputs, dim=1), None
+
+
+def use_ragged_attention(model: torch.nn.Module) -> None:
+    """Give `model` the ragged attention (once; it keeps plain forwards working)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    if model.config._attn_implementation == RAGGED_ATTENTION:
+        return
+    AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
+    AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(RAGGED_ATTENTION)

@@ -1,0 +1,101 @@
+"""`specdec bench --endpoint URL --concurrency 1,4,16`: a running service under load. For each
+method and each concurrency N, N clients stream their questions one after another (client i
+takes questions i, i + N, ...; every level sends the same questions); reported per level:
+aggregate tokens/s over the level's wall time, request latency p50/p95, time to first token
+p50/p95, mean acceptance length, and whether each output equals the method's output at the
+first level (same request, same tokens: batching must not change a request's output)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Protocol
+
+from ..request import GenerationRequest
+
+
+class StreamingClient(Protocol):
+    def stream(self, request: GenerationRequest) -> Iterator[dict]:
+        """Chunks `{"token_ids", "text", "speculative"}` as they arrive (metrics on the last)."""
+
+
+@dataclass
+class Sent:
+    """One request's result under load."""
+
+    token_ids: list[int]
+    latency_s: float
+    time_to_first_token_s: Optional[float]
+    metrics: dict
+
+
+def send(client: StreamingClient, request: GenerationRequest) -> Sent:
+    start = time.perf_counter()
+    first, token_ids, metrics = None, [], {}
+    for chunk in client.stream(request):
+        if chunk["token_ids"] and first is None:
+            first = time.perf_counter() - start
+        token_ids += chunk["token_ids"]
+        metrics = chunk.get("speculative") or metrics
+    return Sent(token_ids, time.perf_counter() - start, first, metrics)
+
+
+def run_level(connect: Callable[[], StreamingClient], requests: list[GenerationRequest], concurrency: int):
+    """All `requests` from `concurrency` clients; (results in request order, wall seconds)."""
+    shares = [list(range(client, len(requests), concurrency)) for client in range(concurrency)]
+
+    def client_run(indices: list[int]) -> list[tuple[int, Sent]]:
+        client = connect()
+        return [(index, send(client, requests[index])) for index in indices]
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        done = [pair for share in pool.map(client_run, shares) for pair in share]
+    seconds = time.perf_counter() - start
+    return [sent for _, sent in sorted(done, key=lambda pair: pair[0])], seconds
+
+
+def percentile(values: list[float], fraction: float) -> Optional[float]:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+def sweep(
+    connect: Callable[[], StreamingClient],
+    methods: dict[str, Callable[[list[int]], GenerationRequest]],
+    prompts: list[list[int]],
+    levels: list[int],
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[dict]:
+    """One row per method and concurrency level. `methods`: name -> request for a prompt."""
+    rows = []
+    for name, make_request in methods.items():
+        requests = [make_request(prompt) for prompt in prompts]
+        first_outputs = None
+        for concurrency in levels:
+            progress(f"{name} at concurrency {concurrency}")
+            results, seconds = run_level(connect, requests, concurrency)
+            outputs = [sent.token_ids for sent in results]
+            first_outputs = first_outputs or outputs
+            latencies = [sent.latency_s for sent in results]
+            firsts = [sent.time_to_first_token_s for sent in results if sent.time_to_first_token_s is not None]
+            drafts = sum(sent.metrics.get("spec_decode_num_drafts", 0) for sent in results)
+            accepted = sum(sent.metrics.get("spec_decode_num_accepted_tokens", 0) for sent in results)
+            rows.append(
+                {
+                    "method": name,
+                    "concurrency": concurrency,
+                    "requests": len(results),
+                    "tokens_per_s": round(sum(len(output) for output in outputs) / seconds, 2),
+                    "latency_p50_s": round(percentile(latencies, 0.5), 3),
+                    "latency_p95_s": round(percentile(latencies, 0.95), 3),
+                    "ttft_p50_s": round(percentile(firsts, 0.5), 3) if firsts else None,
+                    "ttft_p95_s": round(percentile(firsts, 0.95), 3) if firsts else None,
+                    "mean_accept_len": round(1 + accepted / drafts, 3) if drafts else None,
+                    "identical_to_first_level": sum(a == b for a, b in zip(outputs, first_outputs)),
+                }
+            )
+    return rows
