@@ -46,8 +46,8 @@ MESSAGE_LIMITS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive
 # once the teams outnumber the cores libgomp stops spin-waiting, which doubled forward times when
 # gRPC's pool threads ran them (docs/performance.md).
 TORCH_THREAD = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
-HANDLER_THREADS = 256
-MAX_BATCH_ROWS = 1 << 16  # handlers mostly wait for the torch thread; one per call in flight
+HANDLER_THREADS = 256  # handlers mostly wait for the torch thread; one per call in flight
+MAX_BATCH_ROWS = 1 << 16
 
 
 def on_torch_thread(call: Callable[..., Any], *args: Any) -> Any:

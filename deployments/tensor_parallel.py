@@ -14,8 +14,6 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-STOP = {"op": "stop"}
-
 
 class GroupBroken(RuntimeError):
     """Another rank of the group is gone: its requests cannot finish; the group is rebuilt."""
@@ -45,15 +43,13 @@ class ControlChannel:
 
 
 def follow(channel: ControlChannel, apply) -> None:
-    """A rank other than 0: apply every operation rank 0 sends until it sends `STOP` (or the
-    group breaks, when rank 0 is gone)."""
+    """A rank other than 0: apply every operation rank 0 sends until the group breaks (rank 0 is
+    gone: the group is being rebuilt)."""
     while True:
         try:
             op = channel.receive()
         except (RuntimeError, dist.DistError) as error:
             logger.warning("the group broke: %s", error)
-            return
-        if op == STOP:
             return
         try:
             apply(op)

@@ -42,7 +42,6 @@ class WorkerRank:
 
     def __init__(self, role: Role, config: dict, rank: int):
         self.role, self.config, self.rank = role, AppConfig(**config), rank
-        self.address: Optional[str] = None
         self.store = None
 
     def open_store(self) -> str:
@@ -104,8 +103,7 @@ class WorkerRank:
         if self.role == "target" and config.calibration is not None:
             self.load_target_profile(servicer, spec)
         self.server, port = start_server(servicer, add, host=self.host(), secret=config.worker_secret)
-        self.address = f"{self.host()}:{port}"
-        return self.address
+        return f"{self.host()}:{port}"
 
     def load_target_profile(self, servicer, spec) -> None:
         """Rank 0: the target's profile from the cache, or measured now on every rank and cached."""
@@ -158,7 +156,7 @@ class WorkerGroup:
             WorkerRank.options(
                 num_cpus=worker.num_cpus,
                 num_gpus=worker.num_gpus,
-                resources={key: value for key, value in worker.resources.items()},
+                resources=dict(worker.resources),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
             ).remote(self.role, self.config_dict, rank)
             for rank in range(worker.tp_size)

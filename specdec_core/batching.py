@@ -55,10 +55,6 @@ class SequenceKV:
     def crop(self, keep: int) -> None:
         self.length = min(self.length, keep)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(tensor.nbytes for pair in self.buffers.values() for tensor in pair)
-
 
 @dataclass
 class RaggedRows:
@@ -119,11 +115,11 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 def use_ragged_attention(model: torch.nn.Module) -> None:
     """Give `model` the ragged attention (once; it keeps plain forwards working)."""
+    if model.config._attn_implementation == RAGGED_ATTENTION:  # every forward asks: answer first
+        return
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    if model.config._attn_implementation == RAGGED_ATTENTION:
-        return
     AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
     AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
     model.set_attn_implementation(RAGGED_ATTENTION)

@@ -7,7 +7,7 @@ head; the embedding and the norms are replicated. `fp8` means FP8 decoder-layer 
 embedding, LM head and norms in bf16 (the usual FP8 checkpoints of Llama-3.1).
 
 The KV cache of a rank holds its share of the KV heads: tp must divide the query and KV heads
-(parallel.py), so at most 8 ranks for Llama-3.1. Besides weights and KV cache a rank needs the
+(`shard_problem`), so at most 8 ranks for Llama-3.1. Besides weights and KV cache a rank needs the
 activations and fp32 logits of one verify step for the whole batch, and a fixed reserve
 (`RESERVE_GIB`: CUDA context, NCCL buffers, allocator slack)."""
 
@@ -20,8 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from .parallel import shard_problem
 
 GIB = 1 << 30
 RESERVE_GIB = 2.0
@@ -80,6 +78,18 @@ def head_dim(config: Any) -> int:
 
 def kv_heads(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def shard_problem(config, tp: int) -> str | None:
+    """Why `config`'s model cannot be split over `tp` ranks, or None."""
+    query_heads, key_value_heads = config.num_attention_heads, kv_heads(config)
+    if tp < 1 or query_heads % tp or key_value_heads % tp:
+        valid = (n for n in range(1, key_value_heads + 1) if not query_heads % n and not key_value_heads % n)
+        return (
+            f"tp_size {tp} must divide the model's {query_heads} query heads and {key_value_heads} KV heads "
+            f"(valid: {', '.join(str(n) for n in valid)})"
+        )
+    return None
 
 
 def kv_bytes_per_token(config: Any, tp: int, bytes_per_value: float) -> float:

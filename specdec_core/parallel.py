@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .loader import DTYPES, ModelSpec, resolve_source, truncate_layers
+from .memory import shard_problem
 
 TpBackend = Literal["transformers", "deepspeed"]
 
@@ -44,18 +45,6 @@ def join_group(rank: int, world_size: int, store_host: str, store_port: int, tim
         backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-
-
-def shard_problem(config, tp: int) -> str | None:
-    """Why `config`'s model cannot be split over `tp` ranks, or None."""
-    query_heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or query_heads
-    if tp < 1 or query_heads % tp or kv_heads % tp:
-        return (
-            f"tp_size {tp} must divide the model's {query_heads} query heads and {kv_heads} KV heads "
-            f"(valid: {', '.join(str(n) for n in range(1, kv_heads + 1) if not query_heads % n and not kv_heads % n)})"
-        )
-    return None
 
 
 def load_sharded_model(spec: ModelSpec, backend: TpBackend) -> torch.nn.Module:

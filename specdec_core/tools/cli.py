@@ -229,17 +229,16 @@ def bench(
         drafter_params=parse_scoped_params(drafter_param, "--drafter-param"),
         endpoint=endpoint,
     )
-    endpoint_client = None
-    if endpoint:
-        connect = (cli_context.obj or {}).get("endpoint_client")
-        if connect is None:
-            fail("--endpoint needs the serving side: run the `specdec` console script with specdec[serve] installed")
-        endpoint_client = connect(endpoint)
+    connect = (cli_context.obj or {}).get("endpoint_client")
+    if endpoint and connect is None:
+        fail("--endpoint needs the serving side: run the `specdec` console script with specdec[serve] installed")
     if concurrency:
-        if not endpoint:
-            fail("--concurrency needs --endpoint")
-        load_sweep(config, [int(level) for level in comma_list(concurrency)], lambda: connect(endpoint), target, out)
+        levels = comma_list(concurrency)
+        if not endpoint or not all(level.isdigit() and int(level) > 0 for level in levels):
+            fail("--concurrency takes a comma list of client counts (e.g. 1,4,16) and needs --endpoint")
+        load_sweep(config, [int(level) for level in levels], lambda: connect(endpoint), target, out)
         return
+    endpoint_client = connect(endpoint) if endpoint else None
     engine = build_engine(target, target_dtype, draft, draft_dtype, draft_layers)
     try:
         rows, outputs = run_bench(engine, config, lambda items: tqdm(items, desc="questions"), endpoint_client)

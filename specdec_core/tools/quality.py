@@ -37,15 +37,13 @@ class QualityConfig:
     modes: tuple[str, ...] = MODES
 
 
-def method_policy(method: str) -> str:
-    return parse_specdec_method(method).policy
-
-
 def runs(config: QualityConfig) -> list[tuple[float, list[str]]]:
     """(temperature, methods) of each bench run per question set; the base policy comes second."""
     suffix = f"+{config.drafter}@{config.num_draft_tokens}"
     # an extra method runs beside the policies of its kind: the sampling ones at the temperature
-    extra_sampling = [method for method in config.extra_methods if method_policy(method) in SAMPLING_POLICIES]
+    extra_sampling = [
+        method for method in config.extra_methods if parse_specdec_method(method).policy in SAMPLING_POLICIES
+    ]
     extra_greedy = [method for method in config.extra_methods if method not in extra_sampling]
     greedy = ["target", *(f"specdec:{policy}{suffix}" for policy in GREEDY_POLICIES), *extra_greedy]
     sampling = ["target", *(f"specdec:{policy}{suffix}" for policy in SAMPLING_POLICIES), *extra_sampling]
