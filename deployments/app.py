@@ -32,6 +32,8 @@ def build_app(args: Optional[dict] = None):
         config.api_key = os.environ[API_KEY_ENV]
     if config.worker_secret is None:
         config.worker_secret = secrets.token_hex(16)
-    return SpecdecServer.options(num_replicas=config.replicas, max_ongoing_requests=config.max_ongoing_requests).bind(
-        config.model_dump()
-    )
+    return SpecdecServer.options(
+        num_replicas=config.replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
+    ).bind(config.model_dump())

@@ -26,9 +26,8 @@ class WorkerConfig(BaseModel):
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="of the ranks' placement group; STRICT_PACK keeps them on one node"
     )
-    batch_window_ms: float = Field(
-        5.0, ge=0, le=1000, description="target worker: a step waits at most this for other sessions' rows"
-    )
+    batch_window_ms: float = Field(5.0, ge=0, le=1000, description="a step waits at most this for other sessions' rows")
+    torch_threads: Optional[int] = Field(None, ge=1, description="per rank; default: the app's torch_threads")
     prefill_chunk: int = Field(PREFILL_CHUNK, ge=1, description="target worker: prompt tokens per step and session")
     kv_budget_mb: Optional[float] = Field(
         None, gt=0, description="KV memory the worker's sessions may reserve (rank 0's share); None: no limit"
@@ -56,6 +55,9 @@ class AppConfig(BaseModel):
     max_body_bytes: int = Field(1 << 20, ge=1024)
     replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(16, ge=1)
+    max_queued_requests: int = Field(
+        64, ge=-1, description="a replica's queue beyond max_ongoing_requests; past it Serve answers 503 (-1: no bound)"
+    )
     draft_worker: WorkerConfig = Field(default_factory=WorkerConfig)
     target_worker: WorkerConfig = Field(default_factory=WorkerConfig)
     draft_on_target_node: bool = Field(

@@ -18,6 +18,7 @@ from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec_core.compact import compact_rows, wire_top_k
 from specdec_core.drafters import make_drafter, validate_drafter
+from specdec_core.drafters.model import propose_together
 from specdec_core.errors import SpecdecError, check_token_ids
 from specdec_core.frontend import Frontend
 from specdec_core.loader import ModelSpec
@@ -101,10 +102,14 @@ class SessionServicer:
         channel: Optional[ControlChannel] = None,
         admission: Optional[Admission] = None,
         model: Optional[torch.nn.Module] = None,
+        batch_window_s: float = 0.005,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         """`target_config`: the target model's config (the ids are the target's); `channel`: rank
         0's link to the other ranks of its group; `admission`: rank 0's, which reserves the KV
-        bytes of `model` (this rank's shard of it) for every position a session can reach."""
+        bytes of `model` (this rank's shard of it) for every position a session can reach.
+        The calls of different sessions share steps (steps.py): rank 0's batcher decides each
+        step and sends it to the other ranks as one operation."""
         self.vocab_size = target_config.vocab_size
         self.max_positions = getattr(target_config, "max_position_embeddings", 1 << 20)
         self.channel = channel
@@ -115,6 +120,14 @@ class SessionServicer:
             width = model.get_input_embeddings().weight.element_size()
             self.kv_bytes_per_token = kv_bytes_per_token(model.config, tp_size, width)
         self.table = SessionTable(idle_timeout_s, self.on_expire)
+        self.batcher = StepBatcher(
+            TORCH_THREAD,
+            run_step=lambda rows: self.run({"op": "step", "rows": rows}),
+            check_row=self.check_row,
+            open_sessions=lambda: self.table.counts()[0],
+            window_s=batch_window_s,
+            chunk=prefill_chunk,
+        )
 
     def on_expire(self, session_id: str) -> None:
         if self.admission is not None:
@@ -182,13 +195,24 @@ class SessionServicer:
     def Stats(self, request, context):
         sessions, requests = self.table.counts()
         reserved = self.admission.reserved_bytes if self.admission is not None else 0.0
-        return pb.WorkerStats(sessions=sessions, requests=requests, kv_reserved_bytes=reserved, **self.step_counts())
+        return pb.WorkerStats(
+            sessions=sessions,
+            requests=requests,
+            kv_reserved_bytes=reserved,
+            steps=self.batcher.steps,
+            step_rows=self.batcher.rows,
+        )
 
-    def step_counts(self) -> dict[str, int]:
-        return {}
+    def check_row(self, row: PendingRow) -> None:
+        """What a row may do given its session's state (on the torch thread, before its step);
+        raises for a row that may not run, and may set the row's `reply`."""
+        raise NotImplementedError
 
 
 class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
+    """Propose calls of different sessions share steps: the draft-model forwards of their
+    proposals run in lockstep (`propose_together`)."""
+
     def __init__(
         self,
         draft_model: Optional[torch.nn.Module],
@@ -196,8 +220,9 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
         idle_timeout_s: float = 120.0,
         channel: Optional[ControlChannel] = None,
         admission: Optional[Admission] = None,
+        batch_window_s: float = 0.005,
     ):
-        super().__init__(target_config, idle_timeout_s, channel, admission, draft_model)
+        super().__init__(target_config, idle_timeout_s, channel, admission, draft_model, batch_window_s)
         self.draft_model = draft_model
 
     @checked
@@ -232,9 +257,18 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
         commit_tokens = self.check_tokens(request.commit_tokens, "commit_tokens", 0, MAX_DRAFT_TOKENS + 1)
         if not 0 <= request.batch_rows <= MAX_BATCH_ROWS:
             raise SpecdecError(f"batch_rows must lie in [0, {MAX_BATCH_ROWS}]")
-        op = {"op": "propose", "session_id": request.session_id, "max_tokens": request.max_tokens}
-        op.update(commit_tokens=commit_tokens, batch_rows=max(1, request.batch_rows))
-        block, with_logits = self.call(op)
+        batch_rows = max(1, request.batch_rows)
+        future = self.batcher.submit(
+            request.session_id, max_tokens=request.max_tokens, commit_tokens=commit_tokens, batch_rows=batch_rows
+        )
+        return future.result()
+
+    def check_row(self, row: PendingRow) -> None:
+        _, with_logits = self.session(row.session_id)
+        row.reply = functools.partial(self.reply, with_logits)
+
+    @staticmethod
+    def reply(with_logits: bool, block) -> pb.DraftReply:
         reply = pb.DraftReply(tokens=block.tokens.tolist())
         if block.sampled:
             reply.token_probs.extend(block.token_probs.tolist())
@@ -242,16 +276,26 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
             reply.logits.CopyFrom(tensor_to_proto(block.logits))
         return reply
 
-    def op_propose(self, session_id: str, max_tokens: int, commit_tokens: list[int], batch_rows: int):
-        drafter_session, with_logits = self.session(session_id)
-        if commit_tokens:
-            drafter_session.commit(commit_tokens)
-        return drafter_session.propose(max_tokens, batch_rows), with_logits
+    def op_step(self, rows: list[dict]) -> list:
+        """One step over the rows' proposals (after their commits): model drafters' forwards in
+        lockstep, the others on their own."""
+        drafters, proposals = [], []
+        for row in rows:
+            drafter_session, _ = self.session(row["session_id"])
+            if row["commit_tokens"]:
+                drafter_session.commit(row["commit_tokens"])
+            drafters.append(drafter_session)
+            if drafter_session.needs_model:
+                proposals.append(drafter_session.drafting(row["max_tokens"], row["batch_rows"]))
+        blocks = iter(propose_together(self.draft_model, proposals) if proposals else ())
+        return [
+            next(blocks) if drafter.needs_model else drafter.propose(row["max_tokens"], row["batch_rows"])
+            for drafter, row in zip(drafters, rows)
+        ]
 
 
 class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
-    """Score calls of different sessions share forwards (steps.py); rank 0's batcher decides each
-    step and sends it to the other ranks as one operation."""
+    """Score calls and prompt chunks of different sessions share forwards (`forward_rows`)."""
 
     def __init__(
         self,
@@ -264,20 +308,11 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         admission: Optional[Admission] = None,
     ):
         """`profile`: the target's, measured at load (the defaults of policies that need one)."""
-        super().__init__(target_model.config, idle_timeout_s, channel, admission, target_model)
+        super().__init__(
+            target_model.config, idle_timeout_s, channel, admission, target_model, batch_window_s, prefill_chunk
+        )
         self.target_model = target_model
         self.profile = profile
-        self.batcher = StepBatcher(
-            TORCH_THREAD,
-            run_step=lambda rows: self.run({"op": "step", "rows": rows}),
-            check_row=self.check_row,
-            open_sessions=lambda: self.table.counts()[0],
-            window_s=batch_window_s,
-            chunk=prefill_chunk,
-        )
-
-    def step_counts(self) -> dict[str, int]:
-        return {"steps": self.batcher.steps, "step_rows": self.batcher.rows}
 
     @checked
     def Profile(self, request, context):
@@ -299,7 +334,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         }
         prefill = self.open_session(request.session_id, prompt_ids, sampling, op)
         if prefill:
-            self.batcher.submit(request.session_id, prefill, prefill=True).result()
+            self.batcher.submit(request.session_id, tokens=prefill, prefill=True).result()
         return pb.Empty()
 
     def op_measure_profile(self, spec: dict, settings: dict) -> TargetProfile:
@@ -322,16 +357,17 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
     @checked
     def Score(self, request, context):
         tokens = self.check_tokens(request.tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)  # [last, drafts]
-        return self.batcher.submit(request.session_id, tokens, commit_keep=request.commit_keep).result()
+        future = self.batcher.submit(request.session_id, tokens=tokens, prefill=False, commit_keep=request.commit_keep)
+        return future.result()
 
     def check_row(self, row: PendingRow) -> None:
-        """What a row may do given its session's state (on the torch thread, before its step)."""
         scorer = self.session(row.session_id)
-        if row.prefill:
+        if row.fields["prefill"]:
             return
-        if not 0 <= row.commit_keep <= scorer.num_scored:
+        commit_keep, tokens = row.fields["commit_keep"], row.fields["tokens"]
+        if not 0 <= commit_keep <= scorer.num_scored:
             raise SpecdecError(f"commit_keep must lie in [0, {scorer.num_scored}] (the tokens last scored)")
-        if scorer.committed_len + row.commit_keep + len(row.tokens) > self.max_positions:
+        if scorer.committed_len + commit_keep + len(tokens) > self.max_positions:
             raise SpecdecError(f"the session would exceed {self.max_positions} positions")
         row.reply = functools.partial(self.reply, scorer)
 

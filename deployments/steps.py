@@ -1,5 +1,6 @@
-"""Continuous batching in the target worker: the Score calls of different sessions, and the
-prompts of new ones in chunks, gathered into one forward (a step) on the torch thread.
+"""Continuous batching in a worker: the calls of different sessions (the target's Score calls and
+the prompts of new sessions in chunks, the draft's Propose calls) gathered into one step on the
+torch thread.
 
 A call enqueues its row and waits. The first one schedules a step; a step waits for the other
 open sessions' rows at most `window_s` (not at all when its session is the only one open), takes
@@ -19,10 +20,8 @@ from typing import Any, Callable, Optional
 @dataclass
 class PendingRow:
     session_id: str
-    tokens: list[int]
-    prefill: bool
+    fields: dict[str, Any]  # the row's part of the step (a prompt chunk: prefill=True, tokens)
     future: Future
-    commit_keep: int = 0
     reply: Optional[Callable[[Any], Any]] = None  # builds the answer from the block, on the torch thread
 
 
@@ -36,8 +35,8 @@ class StepBatcher:
         window_s: float,
         chunk: int,
     ):
-        """`run_step(rows)`: one forward over row dicts (session_id, tokens, prefill,
-        commit_keep), a block or None per row; `check_row` raises for a row that may not run (and
+        """`run_step(rows)`: one step over row dicts (session_id and a row's fields), a result
+        (None for a prompt chunk) per row; `check_row` raises for a row that may not run (and
         may set its `reply`); `open_sessions()`: how many rows a full step would hold."""
         self.executor, self.run_step, self.check_row, self.open_sessions = executor, run_step, check_row, open_sessions
         self.window_s, self.chunk = window_s, chunk
@@ -47,10 +46,10 @@ class StepBatcher:
         self.steps = 0
         self.rows = 0
 
-    def submit(self, session_id: str, tokens: list[int], prefill: bool = False, commit_keep: int = 0) -> Future:
-        """A row for the next step; its future gives the block (`reply(block)` when `check_row`
-        set one), or None once a prompt is prefilled."""
-        row = PendingRow(session_id, tokens, prefill, Future(), commit_keep)
+    def submit(self, session_id: str, **fields: Any) -> Future:
+        """A row for the next step; its future gives the row's result (`reply(result)` when
+        `check_row` set one), or None once a prompt (prefill=True, tokens) is prefilled."""
+        row = PendingRow(session_id, fields, Future())
         with self.arrived:
             self.pending.append(row)
             self.arrived.notify()
@@ -83,31 +82,34 @@ class StepBatcher:
             except Exception as error:  # noqa: BLE001 - this row's caller gets it; the others run
                 row.future.set_exception(error)
                 continue
-            tokens = row.tokens[: self.chunk] if row.prefill else row.tokens
             rows.append(row)
-            ops.append({"session_id": row.session_id, "tokens": tokens, "prefill": row.prefill})
-            if not row.prefill:
-                ops[-1]["commit_keep"] = row.commit_keep
+            ops.append({**row.fields, "session_id": row.session_id})
+            if self.prefill(row):
+                ops[-1]["tokens"] = row.fields["tokens"][: self.chunk]
         if not rows:
             return
         try:
-            blocks = self.run_step(ops)
+            results = self.run_step(ops)
         except Exception as error:  # noqa: BLE001 - the forward failed for every row in it
             for row in rows:
                 row.future.set_exception(error)
             return
         self.steps += 1
         self.rows += len(rows)
-        for row, block in zip(rows, blocks):
-            if row.prefill:
-                row.tokens = row.tokens[self.chunk :]
-                if row.tokens:
+        for row, result in zip(rows, results):
+            if self.prefill(row):
+                row.fields["tokens"] = row.fields["tokens"][self.chunk :]
+                if row.fields["tokens"]:
                     with self.arrived:
                         self.pending.append(row)  # the rest of its prompt goes in the next step
                 else:
                     row.future.set_result(None)
                 continue
             try:
-                row.future.set_result(row.reply(block) if row.reply else block)
+                row.future.set_result(row.reply(result) if row.reply else result)
             except Exception as error:  # noqa: BLE001 - building one answer failed; the others stand
                 row.future.set_exception(error)
+
+    @staticmethod
+    def prefill(row: PendingRow) -> bool:
+        return row.fields.get("prefill", False)

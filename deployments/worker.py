@@ -66,7 +66,7 @@ class WorkerRank:
         from .tensor_parallel import ControlChannel, follow
 
         config, worker = self.config, worker_config(self.role, self.config)
-        on_torch_thread(configure_cpu, config.torch_threads or max(1, int(worker.num_cpus)))
+        on_torch_thread(configure_cpu, worker.torch_threads or config.torch_threads or max(1, int(worker.num_cpus)))
         spec = config.draft if self.role == "draft" else config.target
         channel = None
         if worker.tp_size > 1:
@@ -85,7 +85,10 @@ class WorkerRank:
             budget = worker.kv_budget_mb * 2**20 if worker.kv_budget_mb else None
             admission = Admission(budget, worker.max_waiting_sessions, worker.admission_wait_s)
         if self.role == "draft":
-            servicer = DraftServicer(model, load_configs(config.target)[0], idle_timeout_s, sending, admission)
+            target_config = load_configs(config.target)[0]
+            servicer = DraftServicer(
+                model, target_config, idle_timeout_s, sending, admission, batch_window_s=worker.batch_window_ms / 1000
+            )
             add = pb_grpc.add_DrafterServicer_to_server
         else:
             servicer = TargetServicer(

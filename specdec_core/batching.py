@@ -2,9 +2,10 @@
 (a ragged batch, packed into one `[1, N]` sequence with no padding). Linears, norms and the LM
 head see N rows; attention runs per row against that row's own cache (`SequenceKV`), so a row's
 result does not depend on its batch companions (the CPU linears are batch invariant, see
-docs/performance.md). The attention is registered with transformers (`use_ragged_attention`)
-and finds the rows in a keyword argument the model passes down to it; without one it is the
-model's usual attention, so the same model still serves plain forwards."""
+docs/performance.md, and an int4 draft's rows pick their kernel by their own chunk). The
+attention is registered with transformers (`use_ragged_attention`) and finds the rows in a
+keyword argument the model passes down to it; without one it is the model's usual attention, so
+the same model still serves plain forwards."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from .kernels.attention import grouped_decode_attention, grouped_sdpa
+from .kernels.int4 import kernels_by_chunk
 
 RAGGED_ATTENTION = "specdec_ragged"
 DEFAULT_CAPACITY = 256
@@ -76,12 +78,13 @@ def forward_ragged(model: torch.nn.Module, caches: Sequence[SequenceKV], token_l
         [torch.arange(cache.length, cache.length + len(tokens)) for cache, tokens in zip(caches, token_lists)]
     )
     use_ragged_attention(model)
-    output = model.model(
-        input_ids=input_ids,
-        position_ids=positions[None].to(device),
-        use_cache=False,
-        ragged=RaggedRows(caches, offsets),
-    )
+    with kernels_by_chunk([len(tokens) for tokens in token_lists]):
+        output = model.model(
+            input_ids=input_ids,
+            position_ids=positions[None].to(device),
+            use_cache=False,
+            ragged=RaggedRows(caches, offsets),
+        )
     for cache, tokens in zip(caches, token_lists):
         cache.advance(len(tokens))
     return output.last_hidden_state, offsets

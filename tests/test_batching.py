@@ -68,3 +68,56 @@ def test_each_row_of_a_ragged_step_scores_as_it_would_alone():
     by_itself = alone.score(block)
     beside = forward_rows([Row(other, [prompts[0][-1], *random_tokens(3)]), Row(batched, block)])[1]
     assert torch.equal(by_itself.logits, beside.logits)
+
+
+def test_proposals_in_lockstep_equal_each_proposal_alone():
+    """Draft proposals of sessions with different prompts, drafters, block lengths and sampling
+    run together (one ragged forward per round, rows of one int4 draft on different kernels by
+    their own chunk's length) come out bitwise as each alone, over two steps with commits."""
+    from specdec_core.drafters import make_drafter
+    from specdec_core.drafters.model import propose_together
+    from specdec_core.kernels.int4 import DENSE_ROWS, Int4Linear, quantize_int4
+
+    model = tiny_llama(seed=5).to(torch.bfloat16)
+    quantize_int4(model)
+    generator = torch.Generator().manual_seed(1)
+    repeated = torch.randint(0, 512, (6,), generator=generator).tolist()
+    # the mla sessions' prompts repeat a phrase, so their lookup guesses make long checks
+    prompts = [repeated * 4, torch.randint(0, 512, (9,), generator=generator).tolist(), repeated * 3, [7]]
+    setups = [
+        ("mla", SamplingParams(), 15),
+        ("model", SamplingParams(temperature=0.9, seed=3), 5),
+        ("mla", SamplingParams(temperature=0.9, seed=4), 12),
+        ("model", SamplingParams(), 0),
+    ]
+
+    def sessions():
+        drafters = []
+        for prompt, (name, sampling, _) in zip(prompts, setups):
+            params = {"adaptive": False, **({"max_ngram": 2} if name == "mla" else {})}
+            drafters.append(make_drafter(name, params, model))
+            drafters[-1].reset(prompt, sampling)
+        return drafters
+
+    alone, together = sessions(), sessions()
+    kernel_choices = []  # what the first int4 linear was told in each forward
+    first_int4 = next(module for module in model.modules() if isinstance(module, Int4Linear))
+    first_int4.register_forward_hook(lambda *_: kernel_choices.append(DENSE_ROWS.get()))
+    for step in range(2):
+        expected = [drafter.propose(max_tokens) for drafter, (_, _, max_tokens) in zip(alone, setups)]
+        blocks = propose_together(
+            model, [drafter.drafting(max_tokens) for drafter, (_, _, max_tokens) in zip(together, setups)]
+        )
+        for got, want in zip(blocks, expected):
+            assert torch.equal(got.tokens, want.tokens)
+            for name in ("logits", "token_probs"):
+                assert (getattr(got, name) is None) == (getattr(want, name) is None)
+                if getattr(want, name) is not None:
+                    assert torch.equal(getattr(got, name), getattr(want, name))
+        assert blocks[3].num_tokens == 0 and blocks[0].num_tokens > 1
+        for drafter_pair, block in zip(zip(alone, together), expected):
+            committed = [*block.tokens[:2].tolist(), 11 + step]  # two drafts kept, then a correction
+            for drafter in drafter_pair:
+                drafter.commit(committed)
+    # some forward ran rows on both kernels (a prompt beside draft steps)
+    assert any(isinstance(choice, torch.Tensor) and choice.any() and not choice.all() for choice in kernel_choices)

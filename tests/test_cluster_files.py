@@ -100,3 +100,15 @@ def test_the_rayservice_worker_group_holds_its_serve_config():
     target = args["target_worker"]
     assert target["tp_size"] * target["num_gpus"] + args["draft_worker"]["num_gpus"] <= gpus
     assert resources["target_node"] >= target["tp_size"] * target["resources"]["target_node"]
+
+
+def test_the_app_bounds_each_replica_and_its_queue_as_configured():
+    """`max_ongoing_requests` and `max_queued_requests` reach Serve's deployment (past the queue
+    Serve answers 503 itself)."""
+    from deployments.app import build_app
+
+    deployment = build_app({"max_ongoing_requests": 3, "max_queued_requests": 7})._bound_deployment
+    assert deployment._deployment_config.max_ongoing_requests == 3
+    assert deployment._deployment_config.max_queued_requests == 7
+    default = build_app({})._bound_deployment._deployment_config
+    assert default.max_queued_requests == AppConfig().max_queued_requests == 64

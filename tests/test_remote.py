@@ -92,10 +92,10 @@ def test_remote_output_equals_in_process_engine(cluster, tiny_engine, policy, te
         assert not metrics["draft_fallback"]
 
 
-def test_concurrent_sessions_share_target_forwards_and_decode_as_they_would_alone(tiny_engine):
+def test_concurrent_sessions_share_forwards_and_decode_as_they_would_alone(tiny_engine):
     """16 requests of different prompts, lengths, drafters and temperatures at once: the target
-    worker runs them in shared steps (more session rows than steps), and each request's tokens
-    equal its run alone (greedy, and seeded sampling at T = 0.9)."""
+    and draft workers run them in shared steps (more session rows than steps), and each request's
+    tokens equal its run alone (greedy, and seeded sampling at T = 0.9)."""
     workers = Workers(tiny_engine)
     requests = [
         GenerationRequest(
@@ -109,16 +109,18 @@ def test_concurrent_sessions_share_target_forwards_and_decode_as_they_would_alon
     ]
     try:
         alone = [remote_complete(workers.engine, req)[0] for req in requests]
-        stub = workers.engine.stubs["target"]
-        before = stub.Stats(pb.Empty())
+        stubs = workers.engine.stubs
+        before = {role: stubs[role].Stats(pb.Empty()) for role in ("draft", "target")}
         with ThreadPoolExecutor(len(requests)) as pool:
             together = list(pool.map(lambda req: remote_complete(workers.engine, req)[0], requests))
-        after = stub.Stats(pb.Empty())
+        after = {role: stubs[role].Stats(pb.Empty()) for role in ("draft", "target")}
     finally:
         workers.stop()
     assert together == alone
-    assert after.sessions == 0
-    assert after.step_rows - before.step_rows > after.steps - before.steps  # some steps held several sessions
+    for role in ("draft", "target"):
+        assert after[role].sessions == 0
+        # some steps held several sessions
+        assert after[role].step_rows - before[role].step_rows > after[role].steps - before[role].steps
 
 
 def test_the_load_sweep_streams_from_concurrent_clients_and_compares_outputs_across_levels(tiny_engine, cluster):

@@ -13,8 +13,9 @@ Under load the target runs B sessions' blocks in one forward (continuous batchin
 cost is that of all their tokens: with every session drafting k, cost(B (k + 1)) against
 cost(B) for plain decoding, where cost(n) is the same curve read as the cost of an n-token
 forward. The curve grows with n, so k shrinks as B grows and reaches 0 (plain decoding in the
-same batch) where drafting stops paying. The draft worker proposes for one session at a time,
-so B sessions' drafts cost B k draft forwards per step."""
+same batch) where drafting stops paying. Draft forwards are priced per session, B k per step:
+the draft worker runs sessions' forwards together, but on CPU an int4 draft's rows cost about
+linearly even in a shared forward (docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -13,16 +13,21 @@ the proposal equals the plain greedy draft, only cheaper. MLA proposals are dete
 (one-hot draft distribution) also at T > 0.
 
 The draft cache is reconciled with the committed context by longest common prefix, so any
-commit (including loosely accepted or corrected tokens) rolls back exactly."""
+commit (including loosely accepted or corrected tokens) rolls back exactly.
+
+A proposal is written as a generator (`drafting`) of the forwards it needs, so that a draft
+worker can run the forwards of many sessions' proposals in lockstep, one ragged forward per
+round (`propose_together`); a session's proposal comes out as it would alone."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Generator, Optional, Sequence
 
 import torch
 from pydantic import Field
 
-from ..kernels.kv_cache import crop_cache, make_cache
+from ..batching import SequenceKV, forward_ragged
 from ..sampling import argmax, sample, sampling_probs
 from ..types import DraftBlock
 from .base import Drafter, common_prefix_length
@@ -54,7 +59,7 @@ class ModelDrafter(Drafter):
     def __init__(self, model: torch.nn.Module, params: Optional[ModelDrafterParams] = None):
         super().__init__(params)
         self.model = model
-        self.cache = None
+        self.cache = SequenceKV()
         self.cached_tokens: list[int] = []
 
     def lookup(self, context: Sequence[int], max_tokens: int) -> list[int]:
@@ -62,7 +67,7 @@ class ModelDrafter(Drafter):
 
     def reset(self, prompt_ids, sampling) -> None:
         super().reset(prompt_ids, sampling)
-        self.cache = make_cache(self.model)
+        self.cache = SequenceKV(len(prompt_ids) + sampling.max_tokens + 1)
         self.cached_tokens = []
         # optimistic prior (mean 0.9, weight 2): a Beta(1, 1) start would price drafting as a
         # loss and crawl up from 1-token blocks
@@ -72,23 +77,28 @@ class ModelDrafter(Drafter):
         self.last_proposal: list[int] = []
 
     def block_limit(self, max_tokens: int, batch_rows: int) -> int:
-        """How many tokens to draft this step (at least 1, so the estimate keeps learning)."""
+        """How many tokens to draft this step: alone at least 1, so the estimate keeps learning;
+        under load 0 (no draft forward) where drafting does not pay."""
         if not self.params.adaptive or max_tokens <= 1:
             return max_tokens
         # mla's lookup guesses let one forward yield several tokens: price a drafted token at
         # this request's forwards per drafted token so far
         cost_per_token = self.params.draft_cost * (self.forwards + 1) / (self.drafted + 1)
         rate, curve = self.estimate.rate, self.params.verify_cost
-        return max(1, best_block_length(rate, max_tokens, curve, cost_per_token, batch_rows))
+        length = best_block_length(rate, max_tokens, curve, cost_per_token, batch_rows)
+        return max(length, 1 if batch_rows == 1 else 0)
 
     def sync_cache(self, sequence: Sequence[int]) -> None:
         """Crop the cache to its longest prefix shared with `sequence` (leaving >= 1 to feed)."""
         shared = common_prefix_length(self.cached_tokens, sequence, min(len(self.cached_tokens), len(sequence) - 1))
-        crop_cache(self.cache, shared)
+        self.cache.crop(shared)
         del self.cached_tokens[shared:]
 
-    @torch.inference_mode()
     def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+        return propose_together(self.model, [self.drafting(max_tokens, batch_rows)])[0]
+
+    def drafting(self, max_tokens: int, batch_rows: int = 1) -> Generator["DraftForward", torch.Tensor, DraftBlock]:
+        """The proposal: yields each forward it needs and receives that forward's logits."""
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         token_probs: list[torch.Tensor] = []  # p_d of sampled tokens, for verification
@@ -99,11 +109,7 @@ class ModelDrafter(Drafter):
             self.sync_cache(sequence)
             pending = sequence[len(self.cached_tokens) :]
             guess = self.lookup(sequence, max_tokens - len(tokens) - 1)
-            input_ids = torch.tensor([pending + guess], device=self.model.device)
-            output = self.model(
-                input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=len(guess) + 1
-            )
-            logits = output.logits[0].float()
+            logits = yield DraftForward(self.cache, pending + guess, len(guess) + 1)
             self.forwards += 1
             self.cached_tokens.extend(pending + guess)
             if sampled:
@@ -143,3 +149,42 @@ class MultiLevelDrafter(ModelDrafter):
 
     def lookup(self, context: Sequence[int], max_tokens: int) -> list[int]:
         return lookup_continuation(context, self.params, max_tokens)[1]
+
+
+@dataclass
+class DraftForward:
+    """One forward a proposal needs: `tokens` after the cached ones; the logits of the last `keep`."""
+
+    cache: SequenceKV
+    tokens: list[int]
+    keep: int
+
+
+@torch.inference_mode()
+def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> list[DraftBlock]:
+    """Run proposals (`drafting` generators of sessions of `model`) in lockstep: each round is
+    one ragged forward over the next forward of every proposal still drafting, and one LM head
+    call over the rows they keep. Returns each proposal's block."""
+    blocks: list[Optional[DraftBlock]] = [None] * len(proposals)
+    waiting: dict[int, DraftForward] = {}
+
+    def advance(index: int, logits: Optional[torch.Tensor]) -> None:
+        try:
+            waiting[index] = proposals[index].send(logits)
+        except StopIteration as done:
+            blocks[index] = done.value
+            waiting.pop(index, None)
+
+    for index in range(len(proposals)):
+        advance(index, None)
+    while waiting:
+        order = list(waiting)
+        forwards = [waiting[index] for index in order]
+        hidden, offsets = forward_ragged(
+            model, [forward.cache for forward in forwards], [forward.tokens for forward in forwards]
+        )
+        kept = torch.cat([torch.arange(end - forward.keep, end) for forward, end in zip(forwards, offsets[1:])])
+        logits = model.lm_head(hidden[0, kept.to(hidden.device)]).float()
+        for index, forward_logits in zip(order, logits.split([forward.keep for forward in forwards])):
+            advance(index, forward_logits)
+    return blocks

@@ -1,6 +1,6 @@
-"""CPU kernels and the KV cache, beside the loop as gpt-fast keeps `quantize.py` and `tp.py`:
-packed linears (linear.py), weight-only int4 (int4.py), grouped-head attention (attention.py),
-the growable KV cache (kv_cache.py) and process-wide CPU settings (cpu.py)."""
+"""CPU kernels, beside the loop as gpt-fast keeps `quantize.py` and `tp.py`: packed linears
+(linear.py), weight-only int4 (int4.py), grouped-head attention (attention.py) and process-wide
+CPU settings (cpu.py). KV caches are batching.py's `SequenceKV`."""
 
 from __future__ import annotations
 

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator, Sequence, Union
+
 import torch
 
 from .linear import PackedLinear
+
+# Within a forward over several sequences' chunks: which rows run dense (a bool for all of them,
+# or a mask); None: by the call's row count
+DENSE_ROWS: ContextVar[Union[None, bool, torch.Tensor]] = ContextVar("int4_dense_rows", default=None)
 
 
 class Int4Linear(torch.nn.Module):
@@ -14,16 +22,19 @@ class Int4Linear(torch.nn.Module):
     de-quantizes inside the matmul, in the activations' dtype (bf16 here; its fp32 path is slow).
 
     Why: a draft's 1-token step is memory-bound, and the int4 kernel reads a quarter of the bf16
-    weights' bytes. The kernel's cost grows with the row count faster than oneDNN's, so calls of
-    more than `max_int4_rows` rows (prefill) run oneDNN on a packed copy of the same de-quantized
-    weights instead: one set of weights, two kernels. 16 rows covers mla's lookup checks, where
-    whole draft forwards measured cheaper on the int4 kernel (docs/performance.md). A checkpoint
-    de-quantized from a Q4_1 GGUF (groups of 32, scale and minimum, as the embedded target) comes
-    back close to its own 4-bit codes. The kernel needs out_features divisible by 16 and
-    in_features by 32; `quantize_int4` leaves other linears alone."""
+    weights' bytes. Its cost grows linearly with the row count, faster than oneDNN's, so calls of
+    more than `max_int4_rows` rows run oneDNN on a packed copy of the same de-quantized weights
+    instead: one set of weights, two kernels, switched where whole draft forwards cost the same on
+    both (docs/performance.md). A checkpoint de-quantized from a Q4_1 GGUF (groups of 32, scale
+    and minimum, as the embedded target) comes back close to its own 4-bit codes. The kernel needs
+    out_features divisible by 16 and in_features by 32; `quantize_int4` leaves other linears alone.
+
+    In a forward over several sequences' chunks (`kernels_by_chunk`) each row runs the kernel its
+    own chunk would alone: both kernels compute a row independently of the others, so a session's
+    result does not depend on its batch companions."""
 
     group_size = 32
-    max_int4_rows = 16
+    max_int4_rows = 12
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -56,15 +67,37 @@ class Int4Linear(torch.nn.Module):
         if x.device.type != "cpu":
             raise RuntimeError("int4 linears run on CPU only")
         rows = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)
-        if rows.shape[0] > self.max_int4_rows:
-            out = self.dense(rows)
+        dense_rows = DENSE_ROWS.get()
+        if dense_rows is None:  # a plain forward: one kernel by the call's row count
+            dense_rows = rows.shape[0] > self.max_int4_rows
+        if isinstance(dense_rows, bool):
+            out = self.dense(rows) if dense_rows else self.int4(rows)
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows, self.packed_weight, self.group_size, self.scales_and_zeros
-            )
-            if self.dense.bias is not None:
-                out = out + self.dense.bias
+            out = rows.new_empty(rows.shape[0], self.out_features)
+            out[dense_rows] = self.dense(rows[dense_rows])
+            out[~dense_rows] = self.int4(rows[~dense_rows])
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def int4(self, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, self.packed_weight, self.group_size, self.scales_and_zeros
+        )
+        return out if self.dense.bias is None else out + self.dense.bias
+
+
+@contextmanager
+def kernels_by_chunk(chunk_lengths: Sequence[int]) -> Iterator[None]:
+    """Int4 linears in this block pick each row's kernel by the length of its own chunk."""
+    long_chunks = [length > Int4Linear.max_int4_rows for length in chunk_lengths]
+    if all(long_chunks) or not any(long_chunks):
+        dense_rows = long_chunks[0]
+    else:
+        dense_rows = torch.repeat_interleave(torch.tensor(long_chunks), torch.tensor(list(chunk_lengths)))
+    token = DENSE_ROWS.set(dense_rows)
+    try:
+        yield
+    finally:
+        DENSE_ROWS.reset(token)
 
 
 def quantize_int4(model: torch.nn.Module) -> None:
