@@ -32,7 +32,7 @@ from specdec_core.target import PREFILL_CHUNK, Row, TargetScorer, forward_rows
 from .admission import Admission, Overloaded
 from .auth import RequireSecret
 from .sessions import SessionTable
-from .steps import PendingRow, StepBatcher
+from .steps import PendingRow, StepBatcher, WorkerStopping, schedule
 from .tensor_parallel import ControlChannel, GroupBroken
 from .wire import component_from_proto, sampling_from_proto, tensor_to_proto
 
@@ -53,7 +53,7 @@ MAX_BATCH_ROWS = 1 << 16
 
 def on_torch_thread(call: Callable[..., Any], *args: Any) -> Any:
     """Run `call` on the torch thread and wait for its result."""
-    return TORCH_THREAD.submit(call, *args).result()
+    return schedule(TORCH_THREAD, call, *args).result()
 
 
 class SessionMissing(LookupError):
@@ -77,6 +77,8 @@ def checked(handler: Callable) -> Callable:
         except GroupBroken as error:
             logger.error("%s: %s", handler.__name__, error)
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's tensor-parallel group is down")
+        except WorkerStopping:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is stopping")
         except Exception:  # noqa: BLE001 - logged with the session id; the caller sees INTERNAL
             session_id = getattr(request, "session_id", "")
             logger.exception("%s failed for session %r", handler.__name__, session_id)

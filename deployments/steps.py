@@ -17,6 +17,18 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 
+class WorkerStopping(RuntimeError):
+    """The torch thread takes no more work: the worker process is going away."""
+
+
+def schedule(executor, call: Callable[..., Any], *args: Any) -> Future:
+    """`executor.submit`, raising WorkerStopping where a stopping process refuses the work."""
+    try:
+        return executor.submit(call, *args)
+    except RuntimeError as error:
+        raise WorkerStopping(str(error)) from error
+
+
 @dataclass
 class PendingRow:
     session_id: str
@@ -54,8 +66,12 @@ class StepBatcher:
             self.pending.append(row)
             self.arrived.notify()
             if not self.scheduled:
+                try:
+                    schedule(self.executor, self.step)
+                except WorkerStopping:
+                    self.pending.remove(row)
+                    raise
                 self.scheduled = True
-                self.executor.submit(self.step)
         return row.future
 
     def step(self) -> None:
@@ -69,10 +85,15 @@ class StepBatcher:
             self.run(taken)
         finally:
             with self.arrived:
+                self.scheduled = False
                 if self.pending:
-                    self.executor.submit(self.step)
-                else:
-                    self.scheduled = False
+                    try:
+                        schedule(self.executor, self.step)
+                        self.scheduled = True
+                    except WorkerStopping as error:
+                        for row in self.pending:
+                            row.future.set_exception(error)
+                        self.pending = []
 
     def run(self, taken: list[PendingRow]) -> None:
         rows, ops = [], []

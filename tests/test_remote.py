@@ -577,3 +577,34 @@ def listening_addresses(port: int) -> list[str]:
 
 def test_the_grpc_ingress_binds_the_configured_host(grpc_ingress):
     assert set(listening_addresses(int(grpc_ingress.rsplit(":", 1)[1]))) == {"127.0.0.1"}
+
+
+def test_a_stopping_worker_answers_unavailable_not_internal(tiny_engine):
+    """Once the process stops taking torch work (Ray shutting an actor down), calls get
+    UNAVAILABLE, which the coordinator treats as a worker gone (a draft falls back), not a bug."""
+    from deployments.steps import StepBatcher, WorkerStopping
+
+    stopped = ThreadPoolExecutor(max_workers=1)
+    stopped.shutdown()
+    batcher = StepBatcher(stopped, lambda rows: rows, lambda row: None, lambda: 1, 0.0, 8)
+    with pytest.raises(WorkerStopping):
+        batcher.submit("s", tokens=[1])
+    assert batcher.pending == [] and not batcher.scheduled
+
+    draft = DraftServicer(tiny_engine.draft_model, tiny_engine.target_model.config)
+    draft.batcher.executor = stopped
+    server, port = start_server(draft, ADD["draft"])
+    try:
+        stub = pb_grpc.DrafterStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        reset = pb.DraftReset(
+            session_id="s",
+            prompt_ids=[1, 2, 3],
+            sampling=sampling_to_proto(SamplingParams()),
+            drafter=component_to_proto(ComponentSpec(name="model")),
+        )
+        stub.Reset(reset)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Propose(pb.ProposeRequest(session_id="s", max_tokens=2))
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(None)

@@ -291,6 +291,7 @@ def test_draft_worker_killed_mid_stream_falls_back_without_stalls_then_speculati
             events.append(json.loads(line[len("data: ") :]))
             if len(events) == 1:
                 ray.kill(worker_actor("draft", MODEL), no_restart=False)
+    assert all("choices" in event for event in events), events[-1]  # no error event
     tokens = [token for event in events for token in event["choices"][0]["token_ids"]]
     assert events[-1]["speculative"]["draft_fallback"] is True
     assert tokens == local_tokens(local_engine, body)
