@@ -364,7 +364,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
 
     def check_row(self, row: PendingRow) -> None:
         scorer = self.session(row.session_id)
-        if row.fields["prefill"]:
+        if row.prefill:
             return
         commit_keep, tokens = row.fields["commit_keep"], row.fields["tokens"]
         if not 0 <= commit_keep <= scorer.num_scored:

@@ -34,7 +34,11 @@ class PendingRow:
     session_id: str
     fields: dict[str, Any]  # the row's part of the step (a prompt chunk: prefill=True, tokens)
     future: Future
-    reply: Optional[Callable[[Any], Any]] = None  # builds the answer from the block, on the torch thread
+    reply: Optional[Callable[[Any], Any]] = None  # builds the answer from the row's result, on the torch thread
+
+    @property
+    def prefill(self) -> bool:
+        return self.fields.get("prefill", False)
 
 
 class StepBatcher:
@@ -105,7 +109,7 @@ class StepBatcher:
                 continue
             rows.append(row)
             ops.append({**row.fields, "session_id": row.session_id})
-            if self.prefill(row):
+            if row.prefill:
                 ops[-1]["tokens"] = row.fields["tokens"][: self.chunk]
         if not rows:
             return
@@ -118,7 +122,7 @@ class StepBatcher:
         self.steps += 1
         self.rows += len(rows)
         for row, result in zip(rows, results):
-            if self.prefill(row):
+            if row.prefill:
                 row.fields["tokens"] = row.fields["tokens"][self.chunk :]
                 if row.fields["tokens"]:
                     with self.arrived:
@@ -130,7 +134,3 @@ class StepBatcher:
                 row.future.set_result(row.reply(result) if row.reply else result)
             except Exception as error:  # noqa: BLE001 - building one answer failed; the others stand
                 row.future.set_exception(error)
-
-    @staticmethod
-    def prefill(row: PendingRow) -> bool:
-        return row.fields.get("prefill", False)
