@@ -42,12 +42,12 @@ class RequireSecret(grpc.ServerInterceptor):
         return self.refusal
 
 
-class SendSecret(grpc.UnaryUnaryClientInterceptor):
-    """Adds the workers' secret to every call on a channel."""
+class SendSecret(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds the workers' secret to every call on a (grpc.aio) channel."""
 
     def __init__(self, secret: str):
         self.secret = secret
 
-    def intercept_unary_unary(self, continuation: Callable, client_call_details: Any, request: Any):
-        metadata = [*(client_call_details.metadata or ()), (SECRET_METADATA, self.secret)]
-        return continuation(client_call_details._replace(metadata=metadata), request)
+    async def intercept_unary_unary(self, continuation: Callable, client_call_details: Any, request: Any):
+        metadata = grpc.aio.Metadata(*(client_call_details.metadata or ()), (SECRET_METADATA, self.secret))
+        return await continuation(client_call_details._replace(metadata=metadata), request)

@@ -2,7 +2,8 @@
 serves it itself, bound to the configured host: Ray Serve's own gRPC proxy (Ray 2.60,
 `serve/_private/grpc_util.py: start_grpc_server`) always listens on `[::]`, every interface,
 whatever the config says. Replicas on one node share the port (SO_REUSEPORT, the kernel spreads
-connections); beyond `max_ongoing_requests` streams a replica answers RESOURCE_EXHAUSTED.
+connections); beyond `max_ongoing_requests` streams a replica answers RESOURCE_EXHAUSTED. It is
+a grpc.aio server on the engine's coordinator loop, so a stream holds no thread.
 
 Status codes mirror the HTTP ones: INVALID_ARGUMENT for bad input, UNAUTHENTICATED without the
 API key, UNAVAILABLE for a target worker that is gone or late, INTERNAL with the request id
@@ -12,8 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from concurrent import futures
-from typing import Any, Iterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 import grpc
 
@@ -81,24 +81,27 @@ class SpecdecGrpcService(pb_grpc.SpecdecServicer):
         self.engine = engine  # a RemoteEngine
         self.api_key = api_key
 
-    def Generate(self, message: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
+    async def Generate(
+        self, message: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateChunk]:
         request_id = uuid.uuid4().hex
-        context.send_initial_metadata((("x-request-id", request_id),))
+        await context.send_initial_metadata((("x-request-id", request_id),))
         authorization = metadata_value(context.invocation_metadata(), "authorization")
         if self.api_key and not bearer_matches(authorization, self.api_key):
             self.engine.metrics.failed("grpc", grpc.StatusCode.UNAUTHENTICATED.name)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key (authorization: Bearer ...)")
+            message = "invalid or missing API key (authorization: Bearer ...)"
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         try:
-            for chunk in self.engine.stream(request_from_message(message), request_id):
+            async for chunk in await self.engine.open(request_from_message(message), request_id):
                 yield chunk_message(chunk)
         except Exception as error:  # noqa: BLE001 - mapped to a status by `describe` (bugs logged there)
             failure = describe(error, request_id)
             self.engine.metrics.failed("grpc", STATUS[failure.kind].name)
-            context.abort(STATUS[failure.kind], failure.message)
+            await context.abort(STATUS[failure.kind], failure.message)
 
-    def GenerateUnary(self, message: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateChunk:
+    async def GenerateUnary(self, message: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateChunk:
         reply = pb.GenerateChunk()
-        for chunk in self.Generate(message, context):
+        async for chunk in self.Generate(message, context):
             reply.token_ids.extend(chunk.token_ids)
             reply.text += chunk.text
             reply.log_probs.extend(chunk.log_probs)
@@ -106,15 +109,23 @@ class SpecdecGrpcService(pb_grpc.SpecdecServicer):
         return reply
 
 
-def start_grpc_ingress(engine: Any, config: AppConfig) -> tuple[grpc.Server, int]:
-    """Serve the gRPC API on config.host:config.grpc_port (0: a free port), up to
-    `max_ongoing_requests` streams; returns the server and its port."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.max_ongoing_requests, thread_name_prefix="grpc-ingress"),
-        maximum_concurrent_rpcs=config.max_ongoing_requests,
-        options=[("grpc.so_reuseport", 1)],
-    )
-    pb_grpc.add_SpecdecServicer_to_server(SpecdecGrpcService(engine, config.api_key), server)
-    port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
-    server.start()
-    return server, port
+class GrpcIngress:
+    """The gRPC API on config.host:config.grpc_port (0: a free port, see `port`), up to
+    `max_ongoing_requests` streams, served on the engine's coordinator loop."""
+
+    def __init__(self, engine: Any, config: AppConfig):
+        self.coordinator = engine.coordinator
+        self.server, self.port = self.coordinator.run(self._start(engine, config))
+
+    @staticmethod
+    async def _start(engine: Any, config: AppConfig) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(
+            maximum_concurrent_rpcs=config.max_ongoing_requests, options=[("grpc.so_reuseport", 1)]
+        )
+        pb_grpc.add_SpecdecServicer_to_server(SpecdecGrpcService(engine, config.api_key), server)
+        port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        await server.start()
+        return server, port
+
+    def stop(self) -> None:
+        self.coordinator.run(self.server.stop(None))

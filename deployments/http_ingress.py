@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP API: a FastAPI app over an engine with `stream(request,
-request_id)`, `session_counts()` and `metrics` (RemoteEngine). The Serve deployment builds it per replica
+"""The OpenAI-compatible HTTP API: a FastAPI app over an engine with `open(request,
+request_id)`, `count_sessions()` and `metrics` (RemoteEngine), all awaited: no request holds a
+thread. The Serve deployment builds it per replica
 (server.py); tests build it over in-process workers.
 
 Status codes: bad input 400 (404 unknown model, 413 oversized body); a target worker that is
@@ -9,17 +10,14 @@ the same error object, then `[DONE]`."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
-from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import Any, AsyncIterator, Iterator, Optional, Union
+from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from specdec_core.errors import SpecdecError
 from specdec_core.request import StreamChunk
 
 from .auth import bearer_matches
@@ -56,9 +54,6 @@ def client_request_id(header: Optional[str]) -> Optional[str]:
 
 def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
     api = FastAPI(title="specdec", description="OpenAI-compatible speculative decoding")
-    # the decoding loop's blocking steps run here: one thread per request the replica admits (the
-    # event loop's default pool has min(32, cores + 4), which would cap the requests in flight)
-    decode = ThreadPoolExecutor(max_workers=config.max_ongoing_requests, thread_name_prefix="http-decode")
 
     @api.middleware("http")
     async def authenticate_and_tag(http_request: Request, call_next):
@@ -108,24 +103,21 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
         parsed = await parse(http_request, model_cls, request_id)
         if isinstance(parsed, JSONResponse):
             return parsed
-        try:  # validation happens here, once
-            chunks = engine.stream(parsed.to_generation_request(), request_id)
-        except (ValidationError, SpecdecError) as error:
-            return error_response(error, request_id)
         builder = ResponseBuilder(chat, config.model_name, request_id)
-        loop = asyncio.get_running_loop()
-        try:  # a streamed request's first chunk carries the prefill: a failure there keeps its status
+        try:  # validation happens in `open`, once; a streamed request's first chunk carries the
+            # prefill: a failure there keeps its status
+            chunks = await engine.open(parsed.to_generation_request(), request_id)
             if not parsed.stream:
-                return JSONResponse(builder.full(await loop.run_in_executor(decode, list, chunks)))
-            first = await loop.run_in_executor(decode, next, chunks, None)
+                return JSONResponse(builder.full([chunk async for chunk in chunks]))
+            first = await anext(chunks, None)
         except Exception as error:  # noqa: BLE001 - mapped to 400 / 503 / 500 (logged) by `failure`
             return error_response(error, request_id)
-        events = server_sent_events(builder, first, chunks, http_request, request_id, engine.metrics, decode)
+        events = server_sent_events(builder, first, chunks, http_request, request_id, engine.metrics)
         return StreamingResponse(events, media_type="text/event-stream")
 
     @api.get("/health")
     async def health():
-        sessions = await asyncio.get_running_loop().run_in_executor(None, engine.session_counts)
+        sessions = await engine.count_sessions()
         down = sorted(role for role, count in sessions.items() if count is None)
         body = {"status": "degraded" if down else "ok", "down": down, "sessions": sessions}
         if "target" in down:
@@ -150,20 +142,18 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
 async def server_sent_events(
     builder: ResponseBuilder,
     first: Optional[StreamChunk],
-    chunks: Iterator[StreamChunk],
+    chunks: AsyncIterator[StreamChunk],
     http_request: Request,
     request_id: str,
     metrics: MetricsSink,
-    decode: Executor,
 ) -> AsyncIterator[str]:
-    loop = asyncio.get_running_loop()
     chunk = first
     try:
         while chunk is not None:
             yield f"data: {json.dumps(builder.chunk(chunk))}\n\n"
             if await http_request.is_disconnected():
                 return
-            chunk = await loop.run_in_executor(decode, next, chunks, None)
+            chunk = await anext(chunks, None)
         yield "data: [DONE]\n\n"
     except Exception as error:  # noqa: BLE001 - reported to the client as an error event (and logged)
         status, body, _ = failure(error, request_id)
@@ -171,4 +161,4 @@ async def server_sent_events(
         yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
     finally:  # disconnect or cancellation: close the loop so both sessions are released
-        await loop.run_in_executor(decode, chunks.close)
+        await chunks.aclose()

@@ -1,6 +1,7 @@
 """gRPC proxies that satisfy specdec_core's `TargetSession` and `DraftSession`, so the served
-engine runs `speculative_loop` unchanged. A step costs one round trip per worker: `commit` is
-held and sent with the next Propose / Score. Every call carries a deadline.
+engine runs `speculative_loop` unchanged, on the coordinator's event loop (grpc.aio stubs). A
+step costs one round trip per worker: `commit` is held and sent with the next Propose / Score.
+Every call carries a deadline.
 
 Errors: a worker that is gone or late (UNAVAILABLE, DEADLINE_EXCEEDED, or NOT_FOUND for a
 session that expired or died with its worker) or full (RESOURCE_EXHAUSTED) turns the draft side
@@ -57,7 +58,7 @@ class RemoteTarget:
         self.full_rows_bytes = 0  # what full fp32 rows would have cost
         self.pending_keep = 0  # a commit not yet sent: it rides on the next Score
 
-    def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
+    async def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
         request = pb.TargetReset(
             session_id=self.session_id,
             prompt_ids=list(prompt_ids),
@@ -65,14 +66,14 @@ class RemoteTarget:
             policy=component_to_proto(ComponentSpec(name=policy.name, params=policy.params.model_dump())),
         )
         try:
-            self.stub.Reset(request, timeout=self.deadline_s * RESET_DEADLINES)
+            await self.stub.Reset(request, timeout=self.deadline_s * RESET_DEADLINES)
         except grpc.RpcError as error:
             raise classify(error, "target") from None
 
-    def score(self, tokens: Sequence[int]) -> TargetBlock:
+    async def score(self, tokens: Sequence[int]) -> TargetBlock:
         request = pb.ScoreRequest(session_id=self.session_id, tokens=list(tokens), commit_keep=self.pending_keep)
         try:
-            reply = self.stub.Score(request, timeout=self.deadline_s)
+            reply = await self.stub.Score(request, timeout=self.deadline_s)
         except grpc.RpcError as error:
             raise classify(error, "target") from None
         self.pending_keep = 0
@@ -93,8 +94,8 @@ class RemoteTarget:
     def commit(self, num_keep: int) -> None:
         self.pending_keep = num_keep
 
-    def release(self) -> None:
-        release(self.stub, self.session_id, self.deadline_s, "target")
+    async def release(self) -> None:
+        await release(self.stub, self.session_id, self.deadline_s, "target")
 
 
 class RemoteDrafter:
@@ -119,7 +120,7 @@ class RemoteDrafter:
         self.failed = str(cause)
         logger.warning("request %s continues target-only: %s", self.session_id, self.failed)
 
-    def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+    async def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         request = pb.DraftReset(
             session_id=self.session_id,
             prompt_ids=list(prompt_ids),
@@ -128,18 +129,18 @@ class RemoteDrafter:
             with_logits=self.with_logits,
         )
         try:
-            self.stub.Reset(request, timeout=self.deadline_s * RESET_DEADLINES)
+            await self.stub.Reset(request, timeout=self.deadline_s * RESET_DEADLINES)
         except grpc.RpcError as error:
             self._fall_back(error)
 
-    def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+    async def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         if self.failed or max_tokens <= 0:
             return DraftBlock.empty()
         request = pb.ProposeRequest(
             session_id=self.session_id, max_tokens=max_tokens, commit_tokens=self.pending_tokens, batch_rows=batch_rows
         )
         try:
-            reply = self.stub.Propose(request, timeout=self.deadline_s)
+            reply = await self.stub.Propose(request, timeout=self.deadline_s)
         except grpc.RpcError as error:
             self._fall_back(error)
             return DraftBlock.empty()
@@ -152,14 +153,14 @@ class RemoteDrafter:
     def commit(self, new_tokens: Sequence[int]) -> None:
         self.pending_tokens.extend(new_tokens)
 
-    def release(self) -> None:
+    async def release(self) -> None:
         if not self.failed:
-            release(self.stub, self.session_id, self.deadline_s, "draft")
+            await release(self.stub, self.session_id, self.deadline_s, "draft")
 
 
-def release(stub, session_id: str, deadline_s: float, role: str) -> None:
+async def release(stub, session_id: str, deadline_s: float, role: str) -> None:
     """Free a session; a worker that cannot be reached frees it on its idle timeout instead."""
     try:
-        stub.Release(pb.SessionRef(session_id=session_id), timeout=deadline_s)
+        await stub.Release(pb.SessionRef(session_id=session_id), timeout=deadline_s)
     except grpc.RpcError as error:
         logger.warning("releasing %s session %s failed: %s", role, session_id, error.code().name)

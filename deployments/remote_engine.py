@@ -1,15 +1,21 @@
 """The served engine: validates a request (specdec_core's Frontend), opens a session on the
 draft worker and on the target worker, and runs specdec_core's speculative loop against them
 over gRPC. It holds no model weights (only the tokenizer and the target's config) and knows
-nothing of Ray: the server points it at workers with `connect` and gives it a `MetricsSink`."""
+nothing of Ray: the server points it at workers with `connect` and gives it a `MetricsSink`.
+
+Every request's loop runs on one event loop of its own (the coordinator, event_loop.py) over
+grpc.aio stubs: a request in flight is a suspended coroutine, so streams never wait for a free
+thread and never serialize. The ingresses reach it with `open` (from an event loop) and
+`stream` (from a thread)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Protocol
+from typing import AsyncIterator, Iterator, Optional, Protocol
 
 import grpc
 
@@ -21,6 +27,7 @@ from specdec_core.profile import TargetProfile
 from specdec_core.request import GenerationRequest, StreamChunk
 
 from .auth import SendSecret
+from .event_loop import EventLoopThread
 from .proxies import RemoteDrafter, RemoteTarget, classify
 from .servicers import MESSAGE_LIMITS
 
@@ -62,78 +69,106 @@ class RemoteEngine:
         secret: Optional[str] = None,
     ):
         self.frontend = copy.copy(frontend)  # its profile is the target worker's, asked of it
+        self.frontend.profile = lambda: self.profiles.get(self.stubs["target"])
         self.deadline_s = deadline_s
         self.metrics = metrics or NoMetrics()  # told of each finished request; the ingresses tell it of failures
         self.secret = secret  # the workers' shared secret, sent with every call
+        self.coordinator = EventLoopThread("specdec-coordinator")
         self.stubs: dict[str, object] = {}
+        self.channels: list[grpc.aio.Channel] = []  # every one opened, closed with the engine
+        self.profiles: dict[object, Optional[TargetProfile]] = {}  # per target stub: its worker's own
         for role, address in addresses.items():
             self.connect(role, address)
-        self.profiles: dict[object, Optional[TargetProfile]] = {}  # per target stub: a worker's own
-        self.frontend.profile = self.target_profile
-
-    def target_profile(self) -> Optional[TargetProfile]:
-        """The target worker's profile, asked of it once per connection (first need only)."""
-        stub = self.stubs["target"]
-        if stub not in self.profiles:
-            try:
-                reply = stub.Profile(pb.Empty(), timeout=self.deadline_s)
-            except grpc.RpcError as error:
-                raise classify(error, "target") from None
-            self.profiles = {
-                stub: TargetProfile.model_validate_json(reply.profile_json) if reply.profile_json else None
-            }
-        return self.profiles[stub]
 
     def connect(self, role: str, address: str) -> None:
         """Send the next requests of `role` ("draft" or "target") to the worker at `address`;
-        requests in flight keep the channel they started on."""
-        channel = grpc.insecure_channel(address, options=MESSAGE_LIMITS)
-        if self.secret:
-            channel = grpc.intercept_channel(channel, SendSecret(self.secret))
+        requests in flight keep the channel they started on. Not from the coordinator's loop."""
+        self.coordinator.run(self._connect(role, address))
+
+    async def _connect(self, role: str, address: str) -> None:  # an aio channel belongs to the loop it is made on
+        interceptors = [SendSecret(self.secret)] if self.secret else None
+        channel = grpc.aio.insecure_channel(address, options=MESSAGE_LIMITS, interceptors=interceptors)
+        self.channels.append(channel)
         self.stubs[role] = STUBS[role](channel)
 
-    def stream(self, request: GenerationRequest, request_id: Optional[str] = None) -> Iterator[StreamChunk]:
-        """Validates `request` now (SpecdecError), then decodes it as the iterator is consumed;
-        `request_id` names its worker sessions."""
-        arrival = time.perf_counter()
-        prepared = self.frontend.prepare(request)
-        return self._decode(prepared, request_id or uuid.uuid4().hex, arrival)
+    async def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """On the coordinator: `request` validated (SpecdecError) with its defaults, the target's
+        profile asked of its worker first, once per connection."""
+        while (stub := self.stubs["target"]) not in self.profiles:
+            try:
+                reply = await stub.Profile(pb.Empty(), timeout=self.deadline_s)
+            except grpc.RpcError as error:
+                raise classify(error, "target") from None
+            profile = TargetProfile.model_validate_json(reply.profile_json) if reply.profile_json else None
+            self.profiles = {stub: profile}
+        return self.frontend.prepare(request)
 
-    def _decode(self, request: PreparedRequest, session_id: str, arrival: float) -> Iterator[StreamChunk]:
+    async def open(self, request: GenerationRequest, request_id: Optional[str] = None) -> AsyncIterator[StreamChunk]:
+        """From any event loop: validates `request` now, then decodes it on the coordinator as
+        the chunks are read; `request_id` names its worker sessions."""
+        arrival = time.perf_counter()
+        prepared = await self.coordinator.arun(self.prepare(request))
+        return self.coordinator.aiterate(self.decode(prepared, request_id or uuid.uuid4().hex, arrival))
+
+    def stream(self, request: GenerationRequest, request_id: Optional[str] = None) -> Iterator[StreamChunk]:
+        """`open` for a caller on a plain thread."""
+        arrival = time.perf_counter()
+        prepared = self.coordinator.run(self.prepare(request))
+        return self.coordinator.iterate(self.decode(prepared, request_id or uuid.uuid4().hex, arrival))
+
+    async def decode(self, request: PreparedRequest, session_id: str, arrival: float) -> AsyncIterator[StreamChunk]:
         target = RemoteTarget(self.stubs["target"], session_id, self.deadline_s)
         drafter = RemoteDrafter(
             self.stubs["draft"], session_id, request.drafter, request.policy.needs_draft_logits(), self.deadline_s
         )
         timings, last_chunk_at = RequestTimings(), arrival
+        loop = speculative_loop(request, drafter, target, self.frontend.output(request.sampling))
         try:
-            for chunk in speculative_loop(request, drafter, target, self.frontend.output(request.sampling)):
-                now = time.perf_counter()
-                if chunk.token_ids:
-                    if timings.time_to_first_token_s is None:
-                        timings.time_to_first_token_s = now - arrival
-                    else:
-                        timings.inter_token_latencies_s.append(now - last_chunk_at)
-                    last_chunk_at = now
-                if chunk.metrics is not None:
-                    steps = max(chunk.metrics["num_steps"], 1)
-                    chunk.metrics.update(
-                        wire_bytes_per_step=round((target.bytes_received + drafter.bytes_received) / steps, 1),
-                        full_logits_bytes_per_step=round(target.full_rows_bytes / steps, 1),
-                        draft_fallback=drafter.failed is not None,
-                    )
-                    timings.latency_s = now - arrival
-                    self.metrics.finished(request, chunk.metrics, timings)
-                yield chunk
-        finally:  # also on client disconnect (GeneratorExit): free both sessions
-            target.release()
-            drafter.release()
+            async with contextlib.aclosing(loop) as chunks:
+                async for chunk in chunks:
+                    now = time.perf_counter()
+                    if chunk.token_ids:
+                        if timings.time_to_first_token_s is None:
+                            timings.time_to_first_token_s = now - arrival
+                        else:
+                            timings.inter_token_latencies_s.append(now - last_chunk_at)
+                        last_chunk_at = now
+                    if chunk.metrics is not None:
+                        steps = max(chunk.metrics["num_steps"], 1)
+                        chunk.metrics.update(
+                            wire_bytes_per_step=round((target.bytes_received + drafter.bytes_received) / steps, 1),
+                            full_logits_bytes_per_step=round(target.full_rows_bytes / steps, 1),
+                            draft_fallback=drafter.failed is not None,
+                        )
+                        timings.latency_s = now - arrival
+                        self.metrics.finished(request, chunk.metrics, timings)
+                    yield chunk
+        finally:  # also on client disconnect (closed or cancelled): free both sessions
+            await target.release()
+            await drafter.release()
+
+    async def count_sessions(self) -> dict[str, Optional[int]]:
+        """From any event loop: open sessions per worker; None for a worker that does not answer."""
+        return await self.coordinator.arun(self._count_sessions())
 
     def session_counts(self) -> dict[str, Optional[int]]:
-        """Open sessions per worker; None for a worker that does not answer."""
+        """`count_sessions` for a caller on a plain thread."""
+        return self.coordinator.run(self._count_sessions())
+
+    async def _count_sessions(self) -> dict[str, Optional[int]]:
         counts: dict[str, Optional[int]] = {}
         for role, stub in self.stubs.items():
             try:
-                counts[role] = stub.Stats(pb.Empty(), timeout=self.deadline_s).sessions
+                counts[role] = (await stub.Stats(pb.Empty(), timeout=self.deadline_s)).sessions
             except grpc.RpcError:
                 counts[role] = None
         return counts
+
+    def close(self) -> None:
+        """Close the channels and stop the coordinator (requests still in flight fail)."""
+        self.coordinator.run(self._close_channels())
+        self.coordinator.stop()
+
+    async def _close_channels(self) -> None:
+        for channel in self.channels:
+            await channel.close()

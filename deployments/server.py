@@ -16,7 +16,7 @@ from specdec_core.frontend import Frontend
 from specdec_core.kernels.cpu import configure_cpu
 
 from .config import AppConfig
-from .grpc_ingress import start_grpc_ingress
+from .grpc_ingress import GrpcIngress
 from .http_ingress import build_http_app
 from .metrics import ServeMetrics
 from .remote_engine import RemoteEngine
@@ -45,11 +45,12 @@ class SpecdecServer:
             addresses,
             self.config.worker_poll_interval_s,
         )
-        self.grpc_server, _ = start_grpc_ingress(self.engine, self.config)
+        self.grpc_ingress = GrpcIngress(self.engine, self.config)
 
     def __del__(self):  # Serve calls it when the replica stops: free the gRPC port at once
-        self.grpc_server.stop(None)
+        self.grpc_ingress.stop()
         self.watcher.stop()
+        self.engine.close()
 
     def __serve_build_asgi_app__(self):
         return build_http_app(self.engine, self.config)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
 import torch
 
@@ -17,21 +17,21 @@ from .logprobs import emitted_log_probs
 from .metrics import SpecMetrics
 from .profile import CalibrationSettings, TargetProfile, calibration_progress, load_profile, measure_profile
 from .request import Completion, GenerationRequest, RequestDefaults, StreamChunk
-from .sessions import DraftSession, TargetSession
+from .sessions import DraftSession, Immediate, TargetSession, run_immediately
 from .target import TargetScorer
 
 
-def speculative_loop(
+async def speculative_loop(
     request: PreparedRequest, drafter: DraftSession, target: TargetSession, output: OutputTracker
-) -> Iterator[StreamChunk]:
-    """Decode `request` with any drafter/target session pair (local objects here, gRPC proxies
-    in deployments/); the last chunk carries the request's metrics."""
+) -> AsyncIterator[StreamChunk]:
+    """Decode `request` with any drafter/target session pair (local objects here, run without an
+    event loop; gRPC proxies in deployments/); the last chunk carries the request's metrics."""
     sampling, policy = request.sampling, request.policy
     verify_rng = sampling.generator("verify")
     metrics = SpecMetrics(counters=dict.fromkeys(policy.counters, 0))
     clock = time.perf_counter()
-    target.reset(request.prompt_ids, policy, sampling)
-    drafter.reset(request.prompt_ids, sampling)
+    await target.reset(request.prompt_ids, policy, sampling)
+    await drafter.reset(request.prompt_ids, sampling)
     metrics.prefill_ms = (time.perf_counter() - clock) * 1e3
     last_token = request.prompt_ids[-1]
     # the block length follows the target's load only where it cannot change the output: a
@@ -40,10 +40,10 @@ def speculative_loop(
     batch_rows = 1
     while output.finish_reason is None:
         clock = time.perf_counter()
-        draft = drafter.propose(min(request.num_draft_tokens, output.remaining - 1), batch_rows)
+        draft = await drafter.propose(min(request.num_draft_tokens, output.remaining - 1), batch_rows)
         metrics.draft_ms.append((time.perf_counter() - clock) * 1e3)
         clock = time.perf_counter()
-        block = target.score([last_token, *draft.tokens.tolist()])
+        block = await target.score([last_token, *draft.tokens.tolist()])
         metrics.target_ms.append((time.perf_counter() - clock) * 1e3)
         batch_rows = block.batch_rows if follows_load else 1
         clock = time.perf_counter()
@@ -108,7 +108,8 @@ class SpeculativeEngine:
         prepared = self.frontend.prepare(request)
         drafter = make_drafter(prepared.drafter.name, prepared.drafter.params, self.draft_model)
         target = TargetScorer(self.target_model)
-        return speculative_loop(prepared, drafter, target, self.frontend.output(prepared.sampling))
+        output = self.frontend.output(prepared.sampling)
+        return run_immediately(speculative_loop(prepared, Immediate(drafter), Immediate(target), output))
 
     def complete(self, request: GenerationRequest) -> Completion:
         return Completion.from_chunks(list(self.stream(request)))

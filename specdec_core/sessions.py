@@ -1,21 +1,25 @@
-"""The two per-request sessions the speculative loop drives. Local objects satisfy them
-(`TargetScorer`, the drafters) and so do the gRPC proxies of the served path
-(deployments/proxies.py), so one loop serves both."""
+"""The two per-request sessions the speculative loop drives. Their calls that can wait on a
+worker are awaited, so that the served coordinator (deployments/) runs many requests' loops on
+one event loop over gRPC proxies. Local objects (`TargetScorer`, the drafters) are synchronous:
+`Immediate` puts one behind the same calls, and `run_immediately` drives a loop over local
+sessions without any event loop, since none of its awaits ever waits."""
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, AsyncIterator, Iterator, Protocol, Sequence, TypeVar
 
 from .policies import AcceptancePolicy
 from .sampling import SamplingParams
 from .types import DraftBlock, TargetBlock
 
+Item = TypeVar("Item")
+
 
 class TargetSession(Protocol):
-    def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
+    async def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
         """Prefill the prompt (all but its last token, which the first `score` feeds)."""
 
-    def score(self, tokens: Sequence[int]) -> TargetBlock:
+    async def score(self, tokens: Sequence[int]) -> TargetBlock:
         """Target logits for `[last committed, d_1..d_K]` (plus the policy's target features)."""
 
     def commit(self, num_keep: int) -> None:
@@ -23,12 +27,52 @@ class TargetSession(Protocol):
 
 
 class DraftSession(Protocol):
-    def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+    async def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         """Start a request on this prompt (the drafter draws from `sampling.generator("draft")`)."""
 
-    def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+    async def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         """Up to `max_tokens` draft tokens (none: the step is a plain one-token target step);
         `batch_rows`: the sessions the target's last step held, which prices a block."""
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         """The tokens the verifier committed: accepted drafts, then its correction or bonus."""
+
+
+class Immediate:
+    """A local session (a TargetScorer or a drafter) behind the loop's awaited calls."""
+
+    def __init__(self, session: Any):
+        self.session = session
+
+    async def reset(self, *args: Any) -> None:
+        self.session.reset(*args)
+
+    async def score(self, tokens: Sequence[int]) -> TargetBlock:
+        return self.session.score(tokens)
+
+    async def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+        return self.session.propose(max_tokens, batch_rows)
+
+    def commit(self, kept: Any) -> None:
+        self.session.commit(kept)
+
+
+def run_immediately(items: AsyncIterator[Item]) -> Iterator[Item]:
+    """Iterate an async generator whose awaits all complete at once (local sessions)."""
+    try:
+        while True:
+            step = items.__anext__()
+            try:
+                step.send(None)
+            except StopIteration as done:
+                yield done.value
+            except StopAsyncIteration:
+                return
+            else:  # raised where it waited, so the loop's own cleanup runs
+                step.throw(RuntimeError("a local session's call waited: run it on an event loop"))
+    finally:  # closing early (a consumer that stops reading) runs the loop's own cleanup
+        closing = items.aclose()
+        try:
+            closing.send(None)
+        except StopIteration:
+            pass

@@ -365,6 +365,7 @@ def test_only_exact_greedy_requests_follow_the_targets_load(tiny_engine):
     policy only: a sampled or lossy request's tokens depend on its blocks."""
     from specdec_core.drafters import NoDrafter
     from specdec_core.engine import speculative_loop
+    from specdec_core.sessions import Immediate, run_immediately
 
     class Recording(NoDrafter):
         def propose(self, max_tokens, batch_rows=1):
@@ -385,9 +386,32 @@ def test_only_exact_greedy_requests_follow_the_targets_load(tiny_engine):
         drafter.seen = []
         prepared = tiny_engine.frontend.prepare(request)
         target = Loaded(tiny_engine.target_model)
-        list(speculative_loop(prepared, drafter, target, tiny_engine.frontend.output(prepared.sampling)))
+        output = tiny_engine.frontend.output(prepared.sampling)
+        list(run_immediately(speculative_loop(prepared, Immediate(drafter), Immediate(target), output)))
         seen[policy, temperature] = set(drafter.seen[1:])
     assert seen == {("greedy", 0.0): {7}, ("rejection", 0.0): {7}, ("fly", 0.0): {1}, ("rejection", 0.8): {1}}
+
+
+def test_the_loop_runs_without_an_event_loop_only_over_sessions_that_never_wait(tiny_engine):
+    """`run_immediately` drives the async loop over local sessions; a session whose call really
+    waits (a remote one) is refused with a message instead of being silently skipped."""
+    import asyncio
+
+    from specdec_core.drafters import NoDrafter
+    from specdec_core.engine import speculative_loop
+    from specdec_core.sessions import Immediate, run_immediately
+
+    class Waits(Immediate):
+        async def score(self, tokens):
+            await asyncio.sleep(0)
+            return await super().score(tokens)
+
+    request = GenerationRequest(prompt_ids=repeating_prompt(3), drafter={"name": "none"}, sampling={"max_tokens": 4})
+    prepared = tiny_engine.frontend.prepare(request)
+    output = tiny_engine.frontend.output(prepared.sampling)
+    target = Waits(TargetScorer(tiny_engine.target_model))
+    with pytest.raises(RuntimeError, match="waited"):
+        list(run_immediately(speculative_loop(prepared, Immediate(NoDrafter()), target, output)))
 
 
 def test_adaptive_prompt_lookup_learns_from_commits():

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
 from deployments.hostile_inputs import GRPC_CASES, HttpCase, http_cases  # noqa: E402
 from deployments.http_ingress import build_http_app  # noqa: E402
-from deployments.remote_engine import RemoteEngine  # noqa: E402
+from deployments.remote_engine import STUBS, RemoteEngine  # noqa: E402
 from deployments.servicers import DraftServicer, TargetServicer, checked, start_server  # noqa: E402
 from deployments.watcher import WorkerWatcher  # noqa: E402
 from deployments.wire import component_to_proto, sampling_to_proto  # noqa: E402
@@ -50,8 +50,11 @@ class Workers:
             self.servers[role], port = start_server(servicer, ADD[role])
             addresses[role] = f"127.0.0.1:{port}"
         self.engine = RemoteEngine(engine.frontend, addresses, deadline_s)
+        # blocking stubs of our own, for calling the workers directly (the engine's are grpc.aio)
+        self.stubs = {role: STUBS[role](grpc.insecure_channel(address)) for role, address in addresses.items()}
 
     def stop(self) -> None:
+        self.engine.close()
         for server in self.servers.values():
             server.stop(None)
 
@@ -109,7 +112,7 @@ def test_concurrent_sessions_share_forwards_and_decode_as_they_would_alone(tiny_
     ]
     try:
         alone = [remote_complete(workers.engine, req)[0] for req in requests]
-        stubs = workers.engine.stubs
+        stubs = workers.stubs
         before = {role: stubs[role].Stats(pb.Empty()) for role in ("draft", "target")}
         with ThreadPoolExecutor(len(requests)) as pool:
             together = list(pool.map(lambda req: remote_complete(workers.engine, req)[0], requests))
@@ -173,7 +176,7 @@ def test_a_released_or_idle_session_is_not_found(tiny_engine):
     """A worker forgets a session on Release and after its idle timeout (no sweeper thread: the
     next Reset or Stats drops it); a call on it gets NOT_FOUND."""
     workers = Workers(tiny_engine, idle_timeout_s=0.5)
-    stub = workers.engine.stubs["target"]
+    stub = workers.stubs["target"]
     greedy = component_to_proto(ComponentSpec(name="greedy"))
     prompt, sampling = repeating_prompt(7), sampling_to_proto(SamplingParams())
     try:
@@ -259,7 +262,7 @@ def test_past_the_kv_budget_requests_get_503_and_the_admitted_ones_finish(tiny_e
         assert response.status_code == 503 and response.headers["Retry-After"]
         assert response.json()["error"]["code"] == "overloaded"
         with pytest.raises(grpc.RpcError) as direct:  # what the worker itself answers
-            workers.engine.stubs["target"].Reset(
+            workers.stubs["target"].Reset(
                 pb.TargetReset(
                     session_id="third",
                     prompt_ids=req.prompt_ids,
@@ -271,7 +274,7 @@ def test_past_the_kv_budget_requests_get_503_and_the_admitted_ones_finish(tiny_e
         held[0].close()  # a client gone mid-stream: its session and its memory are freed at once
         assert target.admission.reserved_bytes == session_bytes and target.table.counts()[0] == 1
         assert [*firsts[1].token_ids, *(token for chunk in held[1] for token in chunk.token_ids)] == expected
-        stats = workers.engine.stubs["target"].Stats(pb.Empty())
+        stats = workers.stubs["target"].Stats(pb.Empty())
         assert stats.sessions == 0 and stats.kv_reserved_bytes == 0
         assert remote_complete(workers.engine, req)[0] == expected
     finally:
@@ -466,12 +469,59 @@ def test_log_probs_on_both_endpoints_are_the_targets(tokenizer_engine, policy):
 
 @pytest.fixture(scope="module")
 def grpc_ingress(tokenizer_engine):
-    from deployments.grpc_ingress import start_grpc_ingress
+    from deployments.grpc_ingress import GrpcIngress
 
     _, workers = tokenizer_engine
-    server, port = start_grpc_ingress(workers.engine, AppConfig(grpc_port=0, api_key="sk-test"))
-    yield f"127.0.0.1:{port}"
-    server.stop(None)
+    ingress = GrpcIngress(workers.engine, AppConfig(grpc_port=0, api_key="sk-test"))
+    yield f"127.0.0.1:{ingress.port}"
+    ingress.stop()
+
+
+def test_streams_in_flight_hold_no_thread_each(tokenizer_engine, grpc_ingress):
+    """12 streams opened from an event loop (as the HTTP ingress does) and 12 over the gRPC
+    ingress, all in flight at once, add no thread to the process (the workers' own handler and
+    torch threads aside): each is a coroutine on the coordinator's loop. Each stream then
+    finishes with the tokens it gives alone."""
+    import asyncio
+    import threading
+
+    from deployments.client import SpecdecGrpcClient
+
+    _, workers = tokenizer_engine
+    requests = [
+        GenerationRequest(prompt=f"Count to {index}:", drafter={"name": "model"}, sampling={"max_tokens": 6 + index})
+        for index in range(12)
+    ]
+    alone = [[token for chunk in workers.engine.stream(req) for token in chunk.token_ids] for req in requests]
+
+    def coordinator_side_threads() -> set[int]:
+        workers_own = ("grpc-handler", "torch")
+        return {thread.ident for thread in threading.enumerate() if not thread.name.startswith(workers_own)}
+
+    async def together():
+        before = coordinator_side_threads()
+        streams = [await workers.engine.open(req) for req in requests]
+        channel = grpc.aio.insecure_channel(grpc_ingress)
+        stub, metadata = pb_grpc.SpecdecStub(channel), (("authorization", "Bearer sk-test"),)
+        calls = [stub.Generate(SpecdecGrpcClient.message(req), metadata=metadata) for req in requests]
+        firsts = [await anext(stream) for stream in streams] + [await call.read() for call in calls]
+        added_threads = coordinator_side_threads() - before
+        sessions = await workers.engine.count_sessions()
+        from_open = [[*first.token_ids] for first in firsts[:12]]
+        for tokens, stream in zip(from_open, streams):
+            tokens += [token async for chunk in stream for token in chunk.token_ids]
+        from_grpc = [[*first.token_ids] for first in firsts[12:]]
+        for tokens, call in zip(from_grpc, calls):
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                tokens += chunk.token_ids
+        await channel.close()
+        return added_threads, sessions, from_open, from_grpc
+
+    added_threads, sessions, from_open, from_grpc = asyncio.run(together())
+    assert not added_threads
+    assert min(sessions.values()) >= 12  # the streams held open (gRPC ones run on without a reader)
+    assert from_open == alone and from_grpc == alone
+    assert workers.engine.session_counts() == {"draft": 0, "target": 0}
 
 
 def test_hostile_grpc_inputs_are_invalid_argument_without_internals(grpc_ingress):

@@ -463,6 +463,7 @@ def tp_group(service, checkpoints):
     addresses = {role: ray.get(worker.get_address.remote()) for role, worker in workers.items()}
     engine = RemoteEngine(Frontend.from_spec(config.target), addresses, config.rpc_deadline_s, secret="tp-secret")
     yield config, engine, workers
+    engine.close()
     for worker in workers.values():
         ray.kill(worker, no_restart=True)
 
