@@ -20,6 +20,7 @@ import torch
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec_core.compact import expand_rows
+from specdec_core.drafters import NoDrafter
 from specdec_core.errors import SpecdecError
 from specdec_core.policies import AcceptancePolicy
 from specdec_core.request import ComponentSpec
@@ -99,7 +100,8 @@ class RemoteTarget:
 
 
 class RemoteDrafter:
-    """A drafter session on a draft worker; proposes nothing once the worker is gone or late."""
+    """A drafter session on a draft worker; proposes nothing once the worker is gone or late.
+    Drafter `none` opens no session there: target-only decoding makes no draft calls at all."""
 
     def __init__(
         self, stub: pb_grpc.DrafterStub, session_id: str, spec: ComponentSpec, with_logits: bool, deadline_s: float
@@ -110,6 +112,7 @@ class RemoteDrafter:
         self.with_logits = with_logits
         self.deadline_s = deadline_s
         self.failed: Optional[str] = None
+        self.remote = spec.name != NoDrafter.name
         self.bytes_received = 0
         self.pending_tokens: list[int] = []  # committed, not yet sent: they ride on the next Propose
 
@@ -121,6 +124,8 @@ class RemoteDrafter:
         logger.warning("request %s continues target-only: %s", self.session_id, self.failed)
 
     async def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+        if not self.remote:
+            return
         request = pb.DraftReset(
             session_id=self.session_id,
             prompt_ids=list(prompt_ids),
@@ -134,7 +139,7 @@ class RemoteDrafter:
             self._fall_back(error)
 
     async def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
-        if self.failed or max_tokens <= 0:
+        if self.failed or not self.remote or max_tokens <= 0:
             return DraftBlock.empty()
         request = pb.ProposeRequest(
             session_id=self.session_id, max_tokens=max_tokens, commit_tokens=self.pending_tokens, batch_rows=batch_rows
@@ -154,7 +159,7 @@ class RemoteDrafter:
         self.pending_tokens.extend(new_tokens)
 
     async def release(self) -> None:
-        if not self.failed:
+        if self.remote and not self.failed:
             await release(self.stub, self.session_id, self.deadline_s, "draft")
 
 

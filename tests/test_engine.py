@@ -326,38 +326,54 @@ def test_defaults_fill_in_what_a_request_leaves_out(tiny_engine):
 
 
 def test_block_length_follows_acceptance_and_cost():
-    from specdec_core.drafters.block_length import best_block_length, block_cost
+    from specdec_core.drafters.block_length import best_block, block_cost
 
     def linear(per_token: float) -> list[float]:
         return [1.0 + per_token * k for k in range(1, 4)]
 
     assert block_cost(linear(0.1), 0) == 1.0 and block_cost(linear(0.1), 6) == pytest.approx(1.6)  # mean slope
-    assert best_block_length(0.95, 10, linear(0.03)) == 10  # cheap verify, reliable lookups: full block
-    assert best_block_length(0.05, 10, linear(0.1)) == 0  # unreliable lookups do not pay for a verify
-    assert best_block_length(0.6, 10, [1.0]) == 10  # free verification: always the longest block
-    assert 0 < best_block_length(0.6, 10, linear(0.2)) < 10
+    assert best_block(0.95, 10, linear(0.03)).length == 10  # cheap verify, reliable lookups: full block
+    assert best_block(0.05, 10, linear(0.1)).length == 0  # unreliable lookups do not pay for a verify
+    assert best_block(0.6, 10, [1.0]).length == 10  # free verification: always the longest block
+    assert 0 < best_block(0.6, 10, linear(0.2)).length < 10
     # a step-shaped curve (memory-bound up to 3 drafts): stop just before the step
-    assert best_block_length(0.6, 10, [1.05, 1.08, 1.1, 1.6, 1.7, 1.8]) == 3
+    assert best_block(0.6, 10, [1.05, 1.08, 1.1, 1.6, 1.7, 1.8]).length == 3
 
 
 def test_block_length_shrinks_with_the_target_batch_and_stops_where_drafting_stops_paying(tiny_engine):
     """Under load a step holds B sessions' blocks: the same curve prices B (k + 1) tokens against
     B, so k falls as B grows, to 0 for lookups; one session is the unbatched rule."""
-    from specdec_core.drafters.block_length import DEFAULT_VERIFY_COST, best_block_length
+    from specdec_core.drafters.block_length import DEFAULT_VERIFY_COST, best_block
 
-    lengths = [best_block_length(0.6, 15, DEFAULT_VERIFY_COST, batch_rows=rows) for rows in (1, 2, 4, 8, 16, 64)]
+    lengths = [best_block(0.6, 15, DEFAULT_VERIFY_COST, batch_rows=rows).length for rows in (1, 2, 4, 8, 16, 64)]
     assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1] == 0
-    assert lengths[0] == best_block_length(0.6, 15, DEFAULT_VERIFY_COST)
+    assert lengths[0] == best_block(0.6, 15, DEFAULT_VERIFY_COST).length
     # a curve flat up to 64 tokens (a GPU's memory-bound regime): batching costs drafting nothing
     flat = [1.0] * 63 + [2.0]
-    assert best_block_length(0.6, 15, flat, batch_rows=4) == 15
+    assert best_block(0.6, 15, flat, batch_rows=4).length == 15
     # draft forwards are paid per session: model drafting shrinks faster than lookups
-    assert best_block_length(0.8, 15, flat, 0.3, batch_rows=4) < best_block_length(0.8, 15, flat, batch_rows=4)
+    assert best_block(0.8, 15, flat, 0.3, batch_rows=4).length < best_block(0.8, 15, flat, batch_rows=4).length
     # a model drafter drafts at least a token alone (to keep learning), none where load makes it a loss
     drafter = make_drafter("mla", {}, tiny_engine.draft_model)
     drafter.reset(repeating_prompt(2), SamplingParams())
     assert drafter.propose(15, batch_rows=1).num_tokens >= 1
     assert drafter.propose(15, batch_rows=64).num_tokens == 0
+    # under load mla's levels compete: with draft forwards too dear to pay, it proposes what its
+    # lookup level finds, as pld would, with no draft forward; alone it still checks with the draft
+    dear_drafts = {"verify_cost": flat, "draft_cost": 5.0}
+    loaded = make_drafter("mla", dear_drafts, tiny_engine.draft_model)
+    lookups = make_drafter("pld", {"verify_cost": flat, "match": "earliest"})  # mla's lookup rule
+    for session in (loaded, lookups):
+        session.reset(repeating_prompt(2), SamplingParams())
+    block = loaded.propose(15, batch_rows=8)
+    assert loaded.forwards == 0 and block.num_tokens > 0
+    assert block.tokens.tolist() == lookups.propose(15, batch_rows=8).tokens.tolist()
+    ngram, model_estimate = loaded.lookups.last_proposal[0], loaded.estimate.accepted
+    lookup_estimate = loaded.lookups.estimates[ngram].accepted
+    loaded.commit(block.tokens.tolist()[:2])  # one draft kept, then a correction
+    assert loaded.lookups.estimates[ngram].accepted == lookup_estimate + 1  # the level that proposed learns
+    assert loaded.estimate.accepted == model_estimate
+    assert loaded.propose(15, batch_rows=1).num_tokens >= 1 and loaded.forwards >= 1
 
 
 def test_only_exact_greedy_requests_follow_the_targets_load(tiny_engine):

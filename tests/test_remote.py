@@ -153,6 +153,18 @@ def test_the_load_sweep_streams_from_concurrent_clients_and_compares_outputs_acr
     assert cluster.session_counts() == {"draft": 0, "target": 0}
 
 
+def test_target_only_decoding_makes_no_draft_worker_calls(tiny_engine):
+    workers = Workers(tiny_engine)
+    try:
+        tokens, metrics = remote_complete(workers.engine, request("greedy", "none"))
+        stats = workers.stubs["draft"].Stats(pb.Empty())
+    finally:
+        workers.stop()
+    assert tokens == tiny_engine.complete(request("greedy", "none")).token_ids
+    assert metrics["num_steps"] > 1 and not metrics["draft_fallback"]
+    assert stats.steps == stats.step_rows == 0
+
+
 def test_compact_wire_ships_a_fraction_of_the_full_logits(cluster):
     _, greedy = remote_complete(cluster, request("greedy", "model"))
     _, fly = remote_complete(cluster, request("fly", "model"))

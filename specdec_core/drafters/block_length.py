@@ -19,7 +19,7 @@ linearly even in a shared forward (docs/performance.md)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Sequence
+from typing import Annotated, NamedTuple, Sequence
 
 from pydantic import Field
 
@@ -56,9 +56,14 @@ def step_cost(verify_cost: Sequence[float], num_tokens: int) -> float:
     return block_cost(verify_cost, num_tokens - 1)
 
 
-def best_block_length(
+class BlockChoice(NamedTuple):
+    length: int
+    value: float  # expected tokens per unit of cost, a plain one-token step being 1
+
+
+def best_block(
     acceptance_rate: float, max_length: int, verify_cost: Sequence[float], draft_cost: float = 0.0, batch_rows: int = 1
-) -> int:
+) -> BlockChoice:
     """argmax_k (1 + a + .. + a^k) / ((cost(B (k + 1)) + B k draft_cost) / cost(B)) over
     k = 0 .. max_length, for B = `batch_rows` sessions per target step (1: cost(k + 1) + k draft_cost)."""
     plain_step = step_cost(verify_cost, batch_rows)
@@ -71,7 +76,7 @@ def best_block_length(
         value = expected_tokens / (step / plain_step)
         if value > best_value:
             best_length, best_value = length, value
-    return best_length
+    return BlockChoice(best_length, best_value)
 
 
 class AcceptanceEstimate:

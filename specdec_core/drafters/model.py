@@ -10,7 +10,10 @@ costs a forward and earns nothing.
 `mla`: prompt lookup guesses a continuation and the draft model checks
 it greedily in the same forward, so one draft forward yields (matched guesses + 1) tokens;
 the proposal equals the plain greedy draft, only cheaper. MLA proposals are deterministic
-(one-hot draft distribution) also at T > 0.
+(one-hot draft distribution) also at T > 0. Under load (a target step of several sessions) its
+two levels compete: where the lookup alone, unchecked, earns more per unit of cost than a
+checked draft (whose forwards are priced per session), mla proposes the lookup as `pld` would,
+with no draft forward, so a loaded mla falls back to pld rather than to plain decoding.
 
 The draft cache is reconciled with the committed context by longest common prefix, so any
 commit (including loosely accepted or corrected tokens) rolls back exactly.
@@ -31,8 +34,8 @@ from ..batching import SequenceKV, forward_ragged
 from ..sampling import argmax, sample, sampling_probs
 from ..types import DraftBlock
 from .base import Drafter, common_prefix_length
-from .block_length import AcceptanceEstimate, AdaptiveLengthParams, best_block_length
-from .pld import PromptLookupParams, lookup_continuation
+from .block_length import AcceptanceEstimate, AdaptiveLengthParams, BlockChoice, best_block
+from .pld import AdaptiveLookupParams, PromptLookupDrafter, PromptLookupParams, lookup_continuation
 
 
 class ModelDrafterParams(AdaptiveLengthParams):
@@ -76,17 +79,17 @@ class ModelDrafter(Drafter):
         self.drafted = 0
         self.last_proposal: list[int] = []
 
-    def block_limit(self, max_tokens: int, batch_rows: int) -> int:
+    def block_limit(self, max_tokens: int, batch_rows: int) -> BlockChoice:
         """How many tokens to draft this step: alone at least 1, so the estimate keeps learning;
         under load 0 (no draft forward) where drafting does not pay."""
         if not self.params.adaptive or max_tokens <= 1:
-            return max_tokens
+            return BlockChoice(max_tokens, 1.0)
         # mla's lookup guesses let one forward yield several tokens: price a drafted token at
         # this request's forwards per drafted token so far
         cost_per_token = self.params.draft_cost * (self.forwards + 1) / (self.drafted + 1)
         rate, curve = self.estimate.rate, self.params.verify_cost
-        length = best_block_length(rate, max_tokens, curve, cost_per_token, batch_rows)
-        return max(length, 1 if batch_rows == 1 else 0)
+        length, value = best_block(rate, max_tokens, curve, cost_per_token, batch_rows)
+        return BlockChoice(max(length, 1 if batch_rows == 1 else 0), value)
 
     def sync_cache(self, sequence: Sequence[int]) -> None:
         """Crop the cache to its longest prefix shared with `sequence` (leaving >= 1 to feed)."""
@@ -103,7 +106,7 @@ class ModelDrafter(Drafter):
         rows: list[torch.Tensor] = []
         token_probs: list[torch.Tensor] = []  # p_d of sampled tokens, for verification
         sampled = not self.sampling.greedy and not self.deterministic
-        max_tokens = self.block_limit(max_tokens, batch_rows)
+        max_tokens = self.block_limit(max_tokens, batch_rows).length
         while len(tokens) < max_tokens:
             sequence = self.context + tokens
             self.sync_cache(sequence)
@@ -149,6 +152,27 @@ class MultiLevelDrafter(ModelDrafter):
 
     def lookup(self, context: Sequence[int], max_tokens: int) -> list[int]:
         return lookup_continuation(context, self.params, max_tokens)[1]
+
+    def reset(self, prompt_ids, sampling) -> None:
+        super().reset(prompt_ids, sampling)
+        # the lookup level on its own: a pld session over the same context, learning from its own proposals
+        self.lookups = PromptLookupDrafter(AdaptiveLookupParams(**self.params.model_dump(include=LOOKUP_FIELDS)))
+        self.lookups.reset(prompt_ids, sampling)
+
+    def drafting(self, max_tokens: int, batch_rows: int = 1) -> Generator["DraftForward", torch.Tensor, DraftBlock]:
+        if batch_rows > 1 and self.params.adaptive:
+            ngram, guess, lookup_value = self.lookups.choose(max_tokens, batch_rows)
+            if guess and lookup_value > self.block_limit(max_tokens, batch_rows).value:
+                self.last_proposal = []
+                return self.lookups.proposed(ngram, guess)
+        return (yield from super().drafting(max_tokens, batch_rows))
+
+    def commit(self, new_tokens: Sequence[int]) -> None:
+        self.lookups.commit(new_tokens)
+        super().commit(new_tokens)
+
+
+LOOKUP_FIELDS = set(AdaptiveLookupParams.model_fields)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 
 from ..types import DraftBlock
 from .base import Drafter, DrafterParams
-from .block_length import AcceptanceEstimate, AdaptiveLengthParams, best_block_length
+from .block_length import AcceptanceEstimate, AdaptiveLengthParams, best_block
 
 
 class PromptLookupParams(DrafterParams):
@@ -66,17 +66,28 @@ class PromptLookupDrafter(Drafter):
         self.estimates = [AcceptanceEstimate() for _ in range(self.params.max_ngram + 1)]  # per n-gram size
         self.last_proposal: tuple[int, list[int]] = (0, [])
 
-    def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+    def choose(self, max_tokens: int, batch_rows: int = 1) -> tuple[int, list[int], float]:
+        """(n, proposal, value): the lookup, the block kept of it and that block's expected tokens
+        per unit of cost (`block_length`; 1 for no proposal)."""
         ngram, continuation = lookup_continuation(self.context, self.params, max_tokens)
-        if self.params.adaptive and continuation:
-            rate = self.estimates[ngram].rate
-            length = best_block_length(rate, len(continuation), self.params.verify_cost, batch_rows=batch_rows)
-            continuation = continuation[:length]
-        self.last_proposal = (ngram, continuation)
-        return DraftBlock(tokens=torch.tensor(continuation, dtype=torch.long))
+        if not continuation:
+            return ngram, [], 1.0
+        rate = self.estimates[ngram].rate
+        choice = best_block(rate, len(continuation), self.params.verify_cost, batch_rows=batch_rows)
+        return ngram, continuation[: choice.length] if self.params.adaptive else continuation, choice.value
+
+    def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+        ngram, proposal, _ = self.choose(max_tokens, batch_rows)
+        return self.proposed(ngram, proposal)
+
+    def proposed(self, ngram: int, proposal: list[int]) -> DraftBlock:
+        """Remember a proposal (its n-gram's estimate learns from the commit) and make its block."""
+        self.last_proposal = (ngram, proposal)
+        return DraftBlock(tokens=torch.tensor(proposal, dtype=torch.long))
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         ngram, proposal = self.last_proposal
         if proposal:
             self.estimates[ngram].update(proposal, new_tokens)
+        self.last_proposal = (0, [])  # learned once: the next step may not propose from here
         super().commit(new_tokens)
