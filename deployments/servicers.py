@@ -126,10 +126,14 @@ class SessionServicer:
             TORCH_THREAD,
             run_step=lambda rows: self.run({"op": "step", "rows": rows}),
             check_row=self.check_row,
-            open_sessions=lambda: self.table.counts()[0],
+            open_sessions=self.sessions_in_steps,
             window_s=batch_window_s,
             chunk=prefill_chunk,
         )
+
+    def sessions_in_steps(self) -> int:
+        """How many rows a full step holds: a step waits (`batch_window_ms`) for that many."""
+        return self.table.counts()[0]
 
     def on_expire(self, session_id: str) -> None:
         if self.admission is not None:
@@ -264,6 +268,10 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
             request.session_id, max_tokens=request.max_tokens, commit_tokens=commit_tokens, batch_rows=batch_rows
         )
         return future.result()
+
+    def sessions_in_steps(self) -> int:
+        # only model drafters gain from sharing a step: a lookup row never waits for companions
+        return self.table.count(lambda session: session[0].needs_model)
 
     def check_row(self, row: PendingRow) -> None:
         _, with_logits = self.session(row.session_id)

@@ -41,6 +41,12 @@ class SessionTable:
         with self.lock:
             self.sessions.pop(session_id, None)
 
+    def count(self, which: Callable[[Any], bool]) -> int:
+        """Open sessions that `which(session)` picks."""
+        with self.lock:
+            self._drop_idle()
+            return sum(1 for session, _ in self.sessions.values() if which(session))
+
     def counts(self) -> tuple[int, int]:
         """(open sessions, requests served)."""
         with self.lock:

@@ -5,7 +5,10 @@ result does not depend on its batch companions (the CPU linears are batch invari
 docs/performance.md, and an int4 draft's rows pick their kernel by their own chunk). The
 attention is registered with transformers (`use_ragged_attention`) and finds the rows in a
 keyword argument the model passes down to it; without one it is the model's usual attention, so
-the same model still serves plain forwards."""
+the same model still serves plain forwards.
+
+A row may also be a candidate tree (tree.py): its tokens are the tree's root and nodes, each at
+position history + its depth, each seeing the history and its own ancestors only."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 
 from .kernels.attention import grouped_decode_attention, grouped_sdpa
 from .kernels.int4 import kernels_by_chunk
+from .tree import Topology
 
 RAGGED_ATTENTION = "specdec_ragged"
 DEFAULT_CAPACITY = 256
@@ -57,6 +61,16 @@ class SequenceKV:
     def crop(self, keep: int) -> None:
         self.length = min(self.length, keep)
 
+    @torch.inference_mode()  # the buffers were made in the forwards' inference mode
+    def keep_at(self, start: int, positions: Sequence[int]) -> None:
+        """Keep the entries at `positions` (ascending, >= start), moved to start, start + 1, ..;
+        the sequence ends after them (a tree's accepted path into place)."""
+        moved = torch.as_tensor(positions, dtype=torch.long)
+        for keys, values in self.buffers.values():
+            for buffer in (keys, values):
+                buffer[:, start : start + len(positions)] = buffer[:, moved]
+        self.length = start + len(positions)
+
 
 @dataclass
 class RaggedRows:
@@ -64,18 +78,29 @@ class RaggedRows:
 
     caches: Sequence[SequenceKV]
     offsets: list[int]
+    trees: Sequence[Optional[Topology]]  # a row's tree, or None for a chain of tokens
 
 
-def forward_ragged(model: torch.nn.Module, caches: Sequence[SequenceKV], token_lists: Sequence[Sequence[int]]):
+def forward_ragged(
+    model: torch.nn.Module,
+    caches: Sequence[SequenceKV],
+    token_lists: Sequence[Sequence[int]],
+    trees: Optional[Sequence[Optional[Topology]]] = None,
+):
     """Run each row's new tokens after its cached ones in one forward; returns the final hidden
-    states `[1, N, H]` of the packed rows (row i at positions offsets[i]..) and the offsets."""
+    states `[1, N, H]` of the packed rows (row i at positions offsets[i]..) and the offsets.
+    `trees`: per row, the topology its tokens (root, then nodes) form, or None for a chain."""
+    trees = trees or [None] * len(caches)
     offsets = [0]
     for tokens in token_lists:
         offsets.append(offsets[-1] + len(tokens))
     device = model.device
     input_ids = torch.tensor([[token for tokens in token_lists for token in tokens]], dtype=torch.long, device=device)
     positions = torch.cat(
-        [torch.arange(cache.length, cache.length + len(tokens)) for cache, tokens in zip(caches, token_lists)]
+        [
+            cache.length + (tree.depths if tree is not None else torch.arange(len(tokens)))
+            for cache, tokens, tree in zip(caches, token_lists, trees)
+        ]
     )
     use_ragged_attention(model)
     with kernels_by_chunk([len(tokens) for tokens in token_lists]):
@@ -83,7 +108,7 @@ def forward_ragged(model: torch.nn.Module, caches: Sequence[SequenceKV], token_l
             input_ids=input_ids,
             position_ids=positions[None].to(device),
             use_cache=False,
-            ragged=RaggedRows(caches, offsets),
+            ragged=RaggedRows(caches, offsets, trees),
         )
     for cache, tokens in zip(caches, token_lists):
         cache.advance(len(tokens))
@@ -97,7 +122,7 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if ragged is None:
         return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     outputs = []
-    for cache, start, end in zip(ragged.caches, ragged.offsets, ragged.offsets[1:]):
+    for cache, start, end, tree in zip(ragged.caches, ragged.offsets, ragged.offsets[1:], ragged.trees):
         history = cache.length
         keys, values = cache.write(module.layer_idx, key[0, :, start:end], value[0, :, start:end])
         row_query = query[:, :, start:end]
@@ -105,9 +130,13 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         if num_new == 1 and row_query.dtype in (torch.bfloat16, torch.float16) and row_query.device.type == "cpu":
             outputs.append(grouped_decode_attention(row_query, keys[None], values[None], None, scaling))
             continue
-        # query t sees the history and new tokens 0..t: a causal mask shifted by the history
+        # query t sees the history and new tokens 0..t (a causal mask shifted by the history), or in
+        # a tree the history and its own ancestors
         mask = None
-        if num_new > 1:
+        if tree is not None:
+            mask = torch.ones(num_new, history + num_new, dtype=torch.bool, device=query.device)
+            mask[:, history:] = tree.attention_mask.to(query.device)
+        elif num_new > 1:
             mask = torch.ones(num_new, history + num_new, dtype=torch.bool, device=query.device).tril(history)
         row_output = torch.nn.functional.scaled_dot_product_attention(
             row_query, keys[None], values[None], attn_mask=mask, scale=scaling, enable_gqa=True

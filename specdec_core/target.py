@@ -1,7 +1,8 @@
 """Target scorer: chain verification of `[last committed, d_1..d_K]` in one forward, with a KV
 cache that always holds exactly the committed tokens but the last one. Rollback of rejected
 positions crops the cache. `forward_rows` runs many sessions' verify blocks and prompt chunks in
-one forward (a ragged batch, batching.py); each row comes out as it would alone."""
+one forward (a ragged batch, batching.py); each row comes out as it would alone. A verify row may
+be a candidate tree (`score_tree`), whose accepted path `commit_path` moves into place."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .batching import DEFAULT_CAPACITY, SequenceKV, forward_ragged
 from .logprobs import token_log_probs
 from .policies import AcceptancePolicy
 from .sampling import SamplingParams
+from .tree import Topology
 from .types import TargetBlock
 
 
@@ -61,10 +63,19 @@ class TargetScorer:
         plus the policy's target-side features for the `len(tokens) - 1` draft positions."""
         return forward_rows([Row(self, tokens)])[0]
 
-    def finish(self, tokens: Sequence[int], hidden: torch.Tensor) -> TargetBlock:
-        """This row's block from its final hidden states `[1, T, H]`."""
+    def score_tree(self, tokens: Sequence[int], tree: Topology) -> TargetBlock:
+        """Logits `[N + 1, V]` (fp32) of a candidate tree in one forward: `tokens` are its root (the
+        last committed token) and then its N nodes in the tree's order."""
+        if len(tokens) != tree.num_nodes + 1:
+            raise ValueError(f"tree {tree.name!r} has {tree.num_nodes} nodes; got {len(tokens) - 1} node tokens")
+        return forward_rows([Row(self, tokens, tree=tree)])[0]
+
+    def finish(self, tokens: Sequence[int], hidden: torch.Tensor, tree: Optional[Topology] = None) -> TargetBlock:
+        """This row's block from its final hidden states `[1, T, H]` (a tree's: logits only)."""
         # [1, T, H] into the LM head: a row-parallel LM head (DeepSpeed's) splits dim 2
         block = TargetBlock(logits=self.model.lm_head(hidden)[0].float())
+        if tree is not None:
+            return block
         if self.policy.needs_hidden:
             block.hidden, block.lm_head = hidden[0], self.model.lm_head
         draft_tokens = torch.tensor(list(tokens[1:]), dtype=torch.long, device=hidden.device)
@@ -78,6 +89,12 @@ class TargetScorer:
         self.committed_len += num_keep
         self.cache.crop(self.committed_len)
 
+    def commit_path(self, nodes: Sequence[int]) -> None:
+        """After `score_tree`: keep the root and the accepted path, `nodes` (tree node indices,
+        root 0 first); their cache entries move into place and the other nodes' are dropped."""
+        self.cache.keep_at(self.committed_len, [self.committed_len + node for node in nodes])
+        self.committed_len += len(nodes)
+
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: a long prompt never holds a step for its whole length
 
@@ -90,6 +107,7 @@ class Row:
     scorer: TargetScorer
     tokens: Sequence[int]
     prefill: bool = False
+    tree: Optional[Topology] = None  # the candidate tree its tokens form (root first)
 
 
 @torch.inference_mode()
@@ -101,13 +119,15 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
         if not row.prefill:
             row.scorer.num_scored = len(row.tokens)
     model = rows[0].scorer.model
-    hidden, offsets = forward_ragged(model, [row.scorer.cache for row in rows], [row.tokens for row in rows])
+    hidden, offsets = forward_ragged(
+        model, [row.scorer.cache for row in rows], [row.tokens for row in rows], [row.tree for row in rows]
+    )
     blocks = []
     for row, begin, end in zip(rows, offsets, offsets[1:]):
         if row.prefill:
             row.scorer.committed_len += len(row.tokens)
             blocks.append(None)
         else:
-            blocks.append(row.scorer.finish(row.tokens, hidden[:, begin:end]))
+            blocks.append(row.scorer.finish(row.tokens, hidden[:, begin:end], row.tree))
             blocks[-1].batch_rows = len(rows)
     return blocks

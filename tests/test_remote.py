@@ -165,6 +165,16 @@ def test_target_only_decoding_makes_no_draft_worker_calls(tiny_engine):
     assert stats.steps == stats.step_rows == 0
 
 
+def test_draft_steps_wait_only_for_sessions_of_model_drafters(tiny_engine):
+    """A lookup row gains nothing from sharing a draft step, so the step window waits for the
+    open sessions that draft with the model only."""
+    draft = DraftServicer(tiny_engine.draft_model, tiny_engine.target_model.config)
+    sampling = SamplingParams().model_dump()
+    for session, drafter in (("a", "pld"), ("b", "pld"), ("c", "mla"), ("d", "model")):
+        draft.op_reset(session, repeating_prompt(1), {"name": drafter, "params": {}}, sampling, False, 64)
+    assert draft.table.counts()[0] == 4 and draft.sessions_in_steps() == 2
+
+
 def test_compact_wire_ships_a_fraction_of_the_full_logits(cluster):
     _, greedy = remote_complete(cluster, request("greedy", "model"))
     _, fly = remote_complete(cluster, request("fly", "model"))

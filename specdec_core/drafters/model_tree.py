@@ -1,0 +1,46 @@
+"""Candidate trees from a draft model's top-k, without training (EntMTP item 3b): a node of path
+(r_1, .., r_d) holds the r_d-th most likely draft token after its parent. Depth by depth, one
+draft forward over the tree so far (tree attention, batching.py) gives the logits at the next
+depth's parents, so a tree of depth D costs D draft forwards."""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+from ..batching import SequenceKV, forward_ragged
+from ..tree import Path, Topology
+
+
+@functools.lru_cache(maxsize=64)
+def shallower(paths: tuple[Path, ...], depth: int) -> Topology:
+    """The tree's nodes above `depth` (depth >= 2: at least one node)."""
+    return Topology.build(f"above {depth}", [path for path in paths if len(path) < depth])
+
+
+@torch.inference_mode()
+def draft_tree(model: torch.nn.Module, cache: SequenceKV, context: Sequence[int], tree: Topology) -> list[int]:
+    """The tree's node tokens (in its order) after `context`, whose last token is the root.
+    `cache` holds a prefix of the context; it comes back holding all of it but the root."""
+    cache.crop(len(context) - 1)
+    if cache.length < len(context) - 1:
+        forward_ragged(model, [cache], [list(context[cache.length : -1])])
+    history = cache.length
+    node_of = {path: index + 1 for index, path in enumerate(tree.paths)}
+    tokens = [context[-1]] + [0] * tree.num_nodes
+    for depth in range(1, tree.max_depth + 1):
+        cache.crop(history)
+        above = shallower(tree.paths, depth) if depth > 1 else None
+        row = tokens[: above.num_nodes + 1] if above else tokens[:1]
+        hidden, _ = forward_ragged(model, [cache], [row], [above])
+        logits = model.lm_head(hidden[0])
+        width = max(path[-1] for path in tree.paths if len(path) == depth) + 1
+        top = logits.topk(width, dim=-1).indices.tolist()
+        for path in tree.paths:
+            if len(path) == depth:
+                parent = node_of.get(path[:-1], 0)
+                tokens[node_of[path]] = top[parent][path[-1]]
+    cache.crop(history)
+    return tokens[1:]

@@ -1,0 +1,126 @@
+"""Candidate trees (specdec_core/tree.py): the buffers of a small hand-checked tree, validation,
+and the shipped topologies' internal consistency."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_core.topologies import DEFAULT_TREE, NAMED_TREES, default_bank
+from specdec_core.tree import Topology, TopologyBank
+from specdec_core.tree_verify import verify_tree_greedy
+
+
+def test_buffers_of_a_small_tree_equal_the_hand_computed_ones():
+    # root 0; nodes in (depth, ranks) order: 1 (0,), 2 (1,), 3 (2,), 4 (0, 0), 5 (0, 1), 6 (1, 0)
+    tree = Topology.build("small", [[0], [1], [0, 0], [0, 1], [1, 0], [2]])
+    assert tree.paths == ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))
+    assert tree.depths.tolist() == [0, 1, 1, 1, 2, 2, 2]
+    assert tree.parents.tolist() == [-1, 0, 0, 0, 1, 1, 2]
+    sees = {node: set(torch.nonzero(row).flatten().tolist()) for node, row in enumerate(tree.attention_mask)}
+    assert sees == {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 3}, 4: {0, 1, 4}, 5: {0, 1, 5}, 6: {0, 2, 6}}
+    assert tree.top_k == 3
+    assert tree.candidate_index.tolist() == [0, 1, 2, 3, 4, 3]  # (depth - 1) * top_k + last rank
+    # one row per leaf, root first, padded with -1
+    assert tree.retrieve_indices.tolist() == [[0, 3, -1], [0, 1, 4], [0, 1, 5], [0, 2, 6]]
+    assert (tree.num_nodes, tree.max_depth) == (6, 2)
+
+
+@pytest.mark.parametrize(
+    ("paths", "message"),
+    [
+        ([[0], [0, 0], [1, 0]], "no parent"),
+        ([[0], [0]], "twice"),
+        ([[0], [-1]], "ranks >= 0"),
+        ([[0], []], "non-empty"),
+        ([], "at least one path"),
+    ],
+)
+def test_a_malformed_tree_is_refused_with_a_message(paths, message):
+    with pytest.raises(ValueError, match=message):
+        Topology.build("bad", paths)
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_TREES))
+def test_shipped_trees_are_consistent(name):
+    """Every buffer agrees with the parent links: a node sees exactly its ancestors and itself,
+    its depth is its parent's + 1, retrieve rows walk parent to child, and every node lies on
+    some row."""
+    tree = default_bank().get(name)
+    for node in range(tree.num_nodes + 1):
+        ancestors, walk = {node}, node
+        while tree.parents[walk] >= 0:
+            walk = int(tree.parents[walk])
+            ancestors.add(walk)
+        assert set(torch.nonzero(tree.attention_mask[node]).flatten().tolist()) == ancestors
+        if node:
+            assert tree.depths[node] == tree.depths[tree.parents[node]] + 1
+    on_rows = set()
+    for row in tree.retrieve_indices.tolist():
+        nodes = [node for node in row if node >= 0]
+        assert nodes[0] == 0 and all(tree.parents[child] == parent for parent, child in zip(nodes, nodes[1:]))
+        on_rows.update(nodes)
+    assert on_rows == set(range(tree.num_nodes + 1))
+
+
+def test_the_published_default_tree_and_the_bank():
+    tree = default_bank().get(DEFAULT_TREE)
+    assert (tree.num_nodes, tree.max_depth, tree.top_k) == (63, 4, 10)
+    assert tuple(tree.retrieve_indices.shape) == (42, 5)  # Medusa's 42 leaves for this tree
+    assert default_bank().get(DEFAULT_TREE) is tree  # switching is a lookup, built once
+    assert NAMED_TREES["medusa_16"] == NAMED_TREES["mc_sim_7b_63"][:16]
+    with pytest.raises(KeyError, match="unknown tree 'nope'; known: chain_2"):
+        TopologyBank({"chain_2": NAMED_TREES["chain_2"]}).get("nope")
+
+
+def test_greedy_tree_verification_keeps_the_longest_matching_path():
+    tree = Topology.build("small", [[0], [1], [0, 0], [0, 1], [1, 0], [2]])
+    tokens = torch.tensor([7, 1, 2, 3, 4, 5, 6])  # root, then nodes 1..6
+    logits = torch.zeros(7, 8)
+    logits[0, 1] = 5.0  # at the root the target picks 1: node 1 (0,) matches, nodes 2 and 3 do not
+    logits[1, 5] = 5.0  # after node 1 it picks 5: node 5 (0, 1) matches, node 4 (0, 0) does not
+    logits[5, 2] = 5.0  # after node 5: the next token
+    logits[2, 6] = 5.0  # node 6 (1, 0) would match its parent, but node 2 itself was rejected
+    verdict = verify_tree_greedy(tokens, logits, tree)
+    assert verdict.nodes == [0, 1, 5] and verdict.num_accepted == 2 and verdict.next_token == 2
+    logits[0, 1] = -5.0  # nothing matches at the root: the target's own token, no node kept
+    verdict = verify_tree_greedy(tokens, logits, tree)
+    assert verdict.nodes == [0] and verdict.next_token == int(logits[0].argmax())
+
+
+def test_tree_decoding_is_greedy_decoding_and_keeps_the_cache_consistent_across_tree_switches():
+    """Trees from a perturbed draft's top-k (switching topology every step), verified greedily
+    against the target: the tokens equal target-only greedy decoding, some nodes are accepted,
+    and after the accepted paths were moved into place the next step's logits equal a fresh
+    forward over the committed tokens (1e-5)."""
+    from conftest import perturbed_copy, repeating_prompt, tiny_llama
+
+    from specdec_core.batching import SequenceKV
+    from specdec_core.drafters.model_tree import draft_tree
+    from specdec_core.policies import make_policy
+    from specdec_core.sampling import SamplingParams
+    from specdec_core.target import TargetScorer
+
+    target = tiny_llama()
+    draft = perturbed_copy(target, 0.002)
+    prompt = repeating_prompt(3)
+    scorer = TargetScorer(target)
+    scorer.reset(prompt, make_policy("greedy", {}), SamplingParams())
+    draft_cache, committed, accepted = SequenceKV(), list(prompt), 0
+    for name in ("medusa_8", "chain_4", "mc_sim_7b_63", "medusa_16", "chain_2", "mc_sim_7b_63", "medusa_32"):
+        tree = default_bank().get(name)
+        nodes = draft_tree(draft, draft_cache, committed, tree)
+        tokens = [committed[-1], *nodes]
+        verdict = verify_tree_greedy(torch.tensor(tokens), scorer.score_tree(tokens, tree).logits, tree)
+        scorer.commit_path(verdict.nodes)
+        committed += [tokens[node] for node in verdict.nodes[1:]] + [verdict.next_token]
+        accepted += verdict.num_accepted
+    with torch.inference_mode():
+        fresh = target(torch.tensor([committed])).logits[0, -1].float()
+        reference = list(prompt)
+        while len(reference) < len(committed):
+            reference.append(int(target(torch.tensor([reference])).logits[0, -1].argmax()))
+    assert committed == reference
+    assert accepted > 7  # the trees earned more than one token per step
+    next_logits = scorer.score([committed[-1]]).logits[0]
+    assert torch.allclose(next_logits, fresh, atol=1e-5), (next_logits - fresh).abs().max()
