@@ -25,6 +25,8 @@ from specdec_core.errors import SpecdecError
 from specdec_core.policies import AcceptancePolicy
 from specdec_core.request import ComponentSpec
 from specdec_core.sampling import SamplingParams
+from specdec_core.topologies import default_bank
+from specdec_core.tree import Topology
 from specdec_core.types import DraftBlock, TargetBlock
 
 from .errors import WorkerOverloaded, WorkerUnavailable
@@ -58,6 +60,7 @@ class RemoteTarget:
         self.bytes_received = 0
         self.full_rows_bytes = 0  # what full fp32 rows would have cost
         self.pending_keep = 0  # a commit not yet sent: it rides on the next Score
+        self.pending_path: list[int] = []  # likewise after a tree
 
     async def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
         request = pb.TargetReset(
@@ -71,13 +74,19 @@ class RemoteTarget:
         except grpc.RpcError as error:
             raise classify(error, "target") from None
 
-    async def score(self, tokens: Sequence[int]) -> TargetBlock:
-        request = pb.ScoreRequest(session_id=self.session_id, tokens=list(tokens), commit_keep=self.pending_keep)
+    async def score(self, tokens: Sequence[int], tree: Optional[Topology] = None) -> TargetBlock:
+        request = pb.ScoreRequest(
+            session_id=self.session_id,
+            tokens=list(tokens),
+            commit_keep=self.pending_keep,
+            commit_path=self.pending_path,
+            tree=tree.name if tree is not None else "",
+        )
         try:
             reply = await self.stub.Score(request, timeout=self.deadline_s)
         except grpc.RpcError as error:
             raise classify(error, "target") from None
-        self.pending_keep = 0
+        self.pending_keep, self.pending_path = 0, []
         self.bytes_received += reply.ByteSize()
         self.full_rows_bytes += len(tokens) * reply.vocab_size * 4
         if reply.HasField("logits"):
@@ -92,8 +101,14 @@ class RemoteTarget:
             logits=logits, features=features, token_log_probs=token_log_probs, batch_rows=max(1, reply.step_rows)
         )
 
+    async def score_tree(self, tokens: Sequence[int], tree: Topology) -> TargetBlock:
+        return await self.score(tokens, tree)
+
     def commit(self, num_keep: int) -> None:
         self.pending_keep = num_keep
+
+    def commit_path(self, nodes: Sequence[int]) -> None:
+        self.pending_path = list(nodes)
 
     async def release(self) -> None:
         await release(self.stub, self.session_id, self.deadline_s, "target")
@@ -153,7 +168,8 @@ class RemoteDrafter:
         self.bytes_received += reply.ByteSize()
         logits = tensor_from_proto(reply.logits) if reply.HasField("logits") else None
         token_probs = torch.tensor(list(reply.token_probs)) if reply.token_probs else None
-        return DraftBlock(torch.tensor(list(reply.tokens), dtype=torch.long), logits, token_probs)
+        tree = default_bank().get(reply.tree) if reply.tree else None
+        return DraftBlock(torch.tensor(list(reply.tokens), dtype=torch.long), logits, token_probs, tree)
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         self.pending_tokens.extend(new_tokens)

@@ -18,7 +18,7 @@ from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec_core.compact import compact_rows, wire_top_k
 from specdec_core.drafters import make_drafter, validate_drafter
-from specdec_core.drafters.model import propose_together
+from specdec_core.drafters.model import ModelDrafter, propose_together
 from specdec_core.errors import SpecdecError, check_token_ids
 from specdec_core.frontend import Frontend
 from specdec_core.loader import ModelSpec
@@ -28,6 +28,7 @@ from specdec_core.profile import CalibrationSettings, TargetProfile, calibration
 from specdec_core.request import MAX_DRAFT_TOKENS
 from specdec_core.sampling import SamplingParams
 from specdec_core.target import PREFILL_CHUNK, Row, TargetScorer, forward_rows
+from specdec_core.topologies import default_bank
 
 from .admission import Admission, Overloaded
 from .auth import RequireSecret
@@ -270,8 +271,8 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
         return future.result()
 
     def sessions_in_steps(self) -> int:
-        # only model drafters gain from sharing a step: a lookup row never waits for companions
-        return self.table.count(lambda session: session[0].needs_model)
+        # only chain model drafters share a step's forwards: a lookup row never waits for companions
+        return self.table.count(lambda session: isinstance(session[0], ModelDrafter))
 
     def check_row(self, row: PendingRow) -> None:
         _, with_logits = self.session(row.session_id)
@@ -279,7 +280,7 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
 
     @staticmethod
     def reply(with_logits: bool, block) -> pb.DraftReply:
-        reply = pb.DraftReply(tokens=block.tokens.tolist())
+        reply = pb.DraftReply(tokens=block.tokens.tolist(), tree=block.tree.name if block.tree is not None else "")
         if block.sampled:
             reply.token_probs.extend(block.token_probs.tolist())
         if block.logits is not None and (with_logits or block.sampled):
@@ -295,11 +296,11 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
             if row["commit_tokens"]:
                 drafter_session.commit(row["commit_tokens"])
             drafters.append(drafter_session)
-            if drafter_session.needs_model:
+            if isinstance(drafter_session, ModelDrafter):
                 proposals.append(drafter_session.drafting(row["max_tokens"], row["batch_rows"]))
         blocks = iter(propose_together(self.draft_model, proposals) if proposals else ())
         return [
-            next(blocks) if drafter.needs_model else drafter.propose(row["max_tokens"], row["batch_rows"])
+            next(blocks) if isinstance(drafter, ModelDrafter) else drafter.propose(row["max_tokens"], row["batch_rows"])
             for drafter, row in zip(drafters, rows)
         ]
 
@@ -367,17 +368,41 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
     @checked
     def Score(self, request, context):
         tokens = self.check_tokens(request.tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)  # [last, drafts]
-        future = self.batcher.submit(request.session_id, tokens=tokens, prefill=False, commit_keep=request.commit_keep)
+        if request.tree:
+            tree = known_tree(request.tree)
+            if len(tokens) != tree.num_nodes + 1:
+                raise SpecdecError(f"tree {tree.name!r} takes {tree.num_nodes + 1} tokens (root and nodes)")
+        future = self.batcher.submit(
+            request.session_id,
+            tokens=tokens,
+            prefill=False,
+            commit_keep=request.commit_keep,
+            commit_path=list(request.commit_path),
+            tree=request.tree,
+        )
         return future.result()
 
     def check_row(self, row: PendingRow) -> None:
         scorer = self.session(row.session_id)
         if row.prefill:
             return
-        commit_keep, tokens = row.fields["commit_keep"], row.fields["tokens"]
+        commit_keep, commit_path, tokens = row.fields["commit_keep"], row.fields["commit_path"], row.fields["tokens"]
         if not 0 <= commit_keep <= scorer.num_scored:
             raise SpecdecError(f"commit_keep must lie in [0, {scorer.num_scored}] (the tokens last scored)")
-        if scorer.committed_len + commit_keep + len(tokens) > self.max_positions:
+        if commit_path:
+            tree = scorer.scored_tree
+            parents = tree.parents.tolist() if tree is not None else []
+            if (
+                commit_keep
+                or not tree
+                or commit_path[0] != 0
+                or any(
+                    not 0 < node < len(parents) or parents[node] != parent
+                    for parent, node in zip(commit_path, commit_path[1:])
+                )
+            ):
+                raise SpecdecError("commit_path must be a root-first path of the tree last scored")
+        if scorer.committed_len + commit_keep + len(commit_path) + len(tokens) > self.max_positions:
             raise SpecdecError(f"the session would exceed {self.max_positions} positions")
         row.reply = functools.partial(self.reply, scorer)
 
@@ -404,8 +429,19 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
             scorer = self.session(row["session_id"])
             if row.get("commit_keep"):
                 scorer.commit(row["commit_keep"])
-            step.append(Row(scorer, row["tokens"], prefill=row["prefill"]))
+            if row.get("commit_path"):
+                scorer.commit_path(row["commit_path"])
+            tree = known_tree(row["tree"]) if row.get("tree") else None
+            step.append(Row(scorer, row["tokens"], prefill=row["prefill"], tree=tree))
         return forward_rows(step)
+
+
+def known_tree(name: str):
+    """A named tree (specdec_core/topologies.py); an unknown name is the caller's error."""
+    try:
+        return default_bank().get(name)
+    except KeyError as error:
+        raise SpecdecError(str(error.args[0])) from None
 
 
 def start_server(

@@ -43,14 +43,20 @@ async def speculative_loop(
         draft = await drafter.propose(min(request.num_draft_tokens, output.remaining - 1), batch_rows)
         metrics.draft_ms.append((time.perf_counter() - clock) * 1e3)
         clock = time.perf_counter()
-        block = await target.score([last_token, *draft.tokens.tolist()])
+        scored = [last_token, *draft.tokens.tolist()]
+        block = await (target.score(scored) if draft.tree is None else target.score_tree(scored, draft.tree))
         metrics.target_ms.append((time.perf_counter() - clock) * 1e3)
         batch_rows = block.batch_rows if follows_load else 1
         clock = time.perf_counter()
-        verdict = policy.verify(draft.to(block.logits.device), block, sampling, verify_rng)
+        verify = policy.verify if draft.tree is None else policy.verify_tree
+        verdict = verify(draft.to(block.logits.device), block, sampling, verify_rng)
         metrics.verify_ms.append((time.perf_counter() - clock) * 1e3)
-        new_tokens = [*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
-        target.commit(verdict.num_accepted + 1)
+        new_tokens = [*verdict.kept_tokens(draft), verdict.next_token]
+        if verdict.path is None:
+            target.commit(verdict.num_accepted + 1)
+        else:  # the accepted path goes on as the chain it is
+            target.commit_path(verdict.path)
+            block = block.along(verdict.path)
         drafter.commit(new_tokens)
         metrics.record(draft, verdict)
         last_token = new_tokens[-1]

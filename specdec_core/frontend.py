@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from .drafters import validate_drafter
+from .drafters import DRAFTERS, validate_drafter
 from .errors import SpecdecError, check_token_ids
-from .policies import AcceptancePolicy, make_policy
+from .policies import POLICIES, AcceptancePolicy, make_policy
 from .profile import TargetProfile
 from .request import ComponentSpec, GenerationRequest, LogProb, RequestDefaults, StreamChunk, TokenLogProbs
 from .sampling import SamplingParams
@@ -146,6 +146,13 @@ class Frontend:
             raise SpecdecError(f"policy {policy.name!r} needs temperature 0; use 'rejection' to sample", "policy")
         drafter = request.drafter or self.defaults.drafter
         validate_drafter(drafter.name, drafter.params)
+        if DRAFTERS[drafter.name].proposes_trees and not policy.supports_trees:
+            trees = ", ".join(sorted(name for name, cls in POLICIES.items() if cls.supports_trees))
+            raise SpecdecError(
+                f"drafter {drafter.name!r} proposes trees; policy {policy.name!r} has no tree rule "
+                f"(policies with one: {trees})",
+                "policy",
+            )
         num_draft_tokens = request.num_draft_tokens or self.defaults.num_draft_tokens
         prompt_ids = self.encode(request)
         prompt_field = "messages" if request.messages is not None else "prompt"

@@ -30,11 +30,13 @@ class SpecMetrics:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += verdict.num_accepted
-        grow = num_draft - len(self.num_draft_tokens_per_pos)
+        # a tree proposes one token per depth along whichever path wins: count positions by depth
+        num_positions = draft.tree.max_depth if draft.tree is not None else num_draft
+        grow = num_positions - len(self.num_draft_tokens_per_pos)
         if grow > 0:
             self.num_draft_tokens_per_pos += [0] * grow
             self.num_accepted_tokens_per_pos += [0] * grow
-        for position in range(num_draft):
+        for position in range(num_positions):
             self.num_draft_tokens_per_pos[position] += 1
             self.num_accepted_tokens_per_pos[position] += int(position < verdict.num_accepted)
         for name in self.counters:

@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Iterator, Protocol, Sequence, TypeVar
 
 from .policies import AcceptancePolicy
 from .sampling import SamplingParams
+from .tree import Topology
 from .types import DraftBlock, TargetBlock
 
 Item = TypeVar("Item")
@@ -22,8 +23,14 @@ class TargetSession(Protocol):
     async def score(self, tokens: Sequence[int]) -> TargetBlock:
         """Target logits for `[last committed, d_1..d_K]` (plus the policy's target features)."""
 
+    async def score_tree(self, tokens: Sequence[int], tree: Topology) -> TargetBlock:
+        """Target logits for `[last committed, nodes...]` of a candidate tree (logits only)."""
+
     def commit(self, num_keep: int) -> None:
         """Keep the first `num_keep` scored tokens in the KV cache; roll back the rest."""
+
+    def commit_path(self, nodes: Sequence[int]) -> None:
+        """After `score_tree`: keep the root and the accepted path's nodes; drop the rest."""
 
 
 class DraftSession(Protocol):
@@ -49,6 +56,12 @@ class Immediate:
 
     async def score(self, tokens: Sequence[int]) -> TargetBlock:
         return self.session.score(tokens)
+
+    async def score_tree(self, tokens: Sequence[int], tree: Topology) -> TargetBlock:
+        return self.session.score_tree(tokens, tree)
+
+    def commit_path(self, nodes: Sequence[int]) -> None:
+        self.session.commit_path(nodes)
 
     async def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         return self.session.propose(max_tokens, batch_rows)

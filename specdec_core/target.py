@@ -31,6 +31,7 @@ class TargetScorer:
         self.cache = SequenceKV()
         self.committed_len = 0
         self.num_scored = 0  # tokens of the last `score`, of which `commit` keeps some
+        self.scored_tree: Optional[Topology] = None  # the tree the last score was, if one
 
     def start(
         self,
@@ -117,7 +118,7 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
     for row in rows:
         row.scorer.cache.crop(row.scorer.committed_len)
         if not row.prefill:
-            row.scorer.num_scored = len(row.tokens)
+            row.scorer.num_scored, row.scorer.scored_tree = len(row.tokens), row.tree
     model = rows[0].scorer.model
     hidden, offsets = forward_ragged(
         model, [row.scorer.cache for row in rows], [row.tokens for row in rows], [row.tree for row in rows]

@@ -27,6 +27,8 @@ NAMED_TREES = {
     **{f"chain_{depth}": tuple((0,) * length for length in range(1, depth + 1)) for depth in (2, 4)},
 }
 DEFAULT_TREE = "mc_sim_7b_63"
+# a draft model pays a forward per depth and the CPU target per node: a small tree by default
+DEFAULT_DRAFT_TREE = "medusa_16"
 
 
 @functools.cache

@@ -90,19 +90,33 @@ class Topology:
 
 
 class TopologyBank:
-    """Named topologies, each built once (`Topology.build`); `get` is a lookup."""
+    """Named topologies, each built once (`Topology.build`); `get` is a lookup. "NAME@D" names
+    the tree's nodes of depth <= D (what fits before a request's last tokens), built on first use."""
 
     def __init__(self, trees: Mapping[str, Iterable[Sequence[int]]]):
         self.topologies = {name: Topology.build(name, paths) for name, paths in trees.items()}
+        self.known = sorted(self.topologies)
 
     def get(self, name: str) -> Topology:
-        try:
-            return self.topologies[name]
-        except KeyError:
-            raise KeyError(f"unknown tree {name!r}; known: {', '.join(sorted(self.topologies))}") from None
+        if name not in self.topologies:
+            base, _, depth = name.partition("@")
+            if base not in self.known or not depth.isdigit() or int(depth) < 1:
+                raise KeyError(f"unknown tree {name!r}; known: {', '.join(self.known)} (or NAME@DEPTH)")
+            paths = [path for path in self.topologies[base].paths if len(path) <= int(depth)]
+            self.topologies[name] = Topology.build(name, paths)
+        return self.topologies[name]
+
+    def limited(self, name: str, max_depth: int) -> Topology:
+        """The tree `name`, or its nodes of depth <= `max_depth` where it is deeper."""
+        tree = self.get(name)
+        return tree if tree.max_depth <= max_depth else self.get(f"{name}@{max_depth}")
 
     def __contains__(self, name: str) -> bool:
-        return name in self.topologies
+        try:
+            self.get(name)
+        except KeyError:
+            return False
+        return True
 
     def names(self) -> list[str]:
-        return sorted(self.topologies)
+        return self.known

@@ -1,43 +1,26 @@
-"""Verification of a candidate tree (tree.py) against the target's logits at every node, one
-path per leaf (the topology's retrieve rows). Greedy: a path keeps its nodes while each node's
-token is the target's argmax at its parent; the best path is the longest kept, ties going to the
-higher total target log-probability of its kept tokens; the next token is the argmax at the
-path's last kept node, so greedy tree decoding emits what target-only greedy decoding does."""
+"""Which path of a candidate tree (tree.py) the target accepts, given per-node accept flags from
+a policy's rule (greedy: the node's token is the target's argmax at its parent; typical: its
+probability there clears the typical threshold). A path keeps its nodes while each is accepted;
+the best path is the longest kept, ties going to the higher total target log-probability of the
+kept tokens."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from .tree import Topology
 
 
-@dataclass
-class TreeVerdict:
-    nodes: list[int]  # the root (0) and the accepted path's nodes, tree node indices
-    next_token: int  # the target's own token after them
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.nodes) - 1
-
-
-def verify_tree_greedy(tokens: torch.Tensor, logits: torch.Tensor, tree: Topology) -> TreeVerdict:
-    """`tokens` [N + 1]: the root then the nodes; `logits` [N + 1, V]: the target's at each."""
-    retrieve = tree.retrieve_indices.to(logits.device)  # [L, D + 1], -1 past a leaf
-    present = retrieve >= 0
-    nodes = retrieve.clamp(min=0)
-    predicted = logits.argmax(-1)
-    log_probs = torch.log_softmax(logits, -1)
-    child, parent = nodes[:, 1:], nodes[:, :-1]
-    child_tokens = tokens.to(logits.device)[child]
-    matches = (child_tokens == predicted[parent]) & present[:, 1:]
-    kept = matches.long().cumprod(-1)  # 1 while every node so far matched
+def best_path(tree: Topology, node_accepted: torch.Tensor, node_log_probs: torch.Tensor) -> list[int]:
+    """`node_accepted` [N] bool and `node_log_probs` [N] (each node's token under the target at
+    its parent); returns the root (0) and the best path's kept nodes."""
+    retrieve = tree.retrieve_indices.to(node_accepted.device)  # [L, D + 1], -1 past a leaf
+    nodes = retrieve[:, 1:].clamp(min=0)
+    present = retrieve[:, 1:] >= 0
+    kept = (node_accepted[(nodes - 1).clamp(min=0)] & present).long().cumprod(-1).bool()  # all so far passed
     num_kept = kept.sum(-1)
-    path_log_probs = (log_probs[parent, child_tokens] * kept).sum(-1)
-    longest = num_kept == num_kept.max()
-    best = int(torch.where(longest, path_log_probs, torch.full_like(path_log_probs, -torch.inf)).argmax())
-    accepted = int(num_kept[best])
-    path = nodes[best, : accepted + 1].tolist()
-    return TreeVerdict(nodes=path, next_token=int(predicted[path[-1]]))
+    # where, not a product: a compact row gives unlisted tokens -inf, and -inf * 0 is nan
+    scores = torch.where(kept, node_log_probs[(nodes - 1).clamp(min=0)], 0.0).sum(-1)
+    scores = torch.where(num_kept == num_kept.max(), scores, torch.full_like(scores, -torch.inf))
+    best = int(scores.argmax())
+    return retrieve[best, : int(num_kept[best]) + 1].tolist()

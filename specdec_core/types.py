@@ -8,6 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from .sampling import SamplingParams, sampling_probs
+from .tree import Topology
 
 
 @dataclass
@@ -16,11 +17,13 @@ class DraftBlock:
     produced them. `token_probs [K]` holds p_d(c_i), the warped draft probability of each token,
     when the tokens were sampled (the drafter has the distribution at hand then, so verification
     never recomputes it). Otherwise the proposal is a deterministic function of the context,
-    i.e. a one-hot draft distribution."""
+    i.e. a one-hot draft distribution. With a `tree`, the K tokens are its nodes in its order
+    (tree.py), each proposed after its parent (the root: the last committed token)."""
 
     tokens: torch.Tensor  # [K] int64
     logits: Optional[torch.Tensor] = None  # [K, V]
     token_probs: Optional[torch.Tensor] = None  # [K] float32, only for sampled proposals
+    tree: Optional[Topology] = None
 
     @property
     def num_tokens(self) -> int:
@@ -35,7 +38,8 @@ class DraftBlock:
         if self.tokens.device == device:
             return self
         return DraftBlock(
-            *(None if tensor is None else tensor.to(device) for tensor in (self.tokens, self.logits, self.token_probs))
+            *(None if tensor is None else tensor.to(device) for tensor in (self.tokens, self.logits, self.token_probs)),
+            tree=self.tree,
         )
 
     def probs(self, sampling: SamplingParams, vocab_size: int, rows=slice(None)) -> torch.Tensor:
@@ -68,6 +72,10 @@ class TargetBlock:
     def vocab_size(self) -> int:
         return int(self.logits.shape[-1])
 
+    def along(self, nodes: list[int]) -> "TargetBlock":
+        """A tree's rows at `nodes` (root first): the block of the chain they form."""
+        return TargetBlock(logits=self.logits[nodes], batch_rows=self.batch_rows)
+
 
 @dataclass
 class Verdict:
@@ -78,3 +86,10 @@ class Verdict:
     num_accepted: int
     next_token: int
     trace: dict[str, torch.Tensor] = field(default_factory=dict)
+    path: Optional[list[int]] = None  # a tree's: the root (0) and the accepted nodes
+
+    def kept_tokens(self, draft: DraftBlock) -> list[int]:
+        """The accepted draft tokens, in order."""
+        if self.path is None:
+            return draft.tokens[: self.num_accepted].tolist()
+        return [int(draft.tokens[node - 1]) for node in self.path[1:]]

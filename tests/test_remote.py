@@ -95,6 +95,48 @@ def test_remote_output_equals_in_process_engine(cluster, tiny_engine, policy, te
         assert not metrics["draft_fallback"]
 
 
+@pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("typical", 0.8)])
+def test_draft_model_trees_travel_the_wire(cluster, tiny_engine, policy, temperature):
+    """Trees go out as node tokens + a tree name (NAME@DEPTH near the end) and their commits as
+    paths: the served tokens and acceptance equal the in-process engine's."""
+    req = GenerationRequest(
+        prompt_ids=repeating_prompt(7),
+        policy={"name": policy},
+        drafter={"name": "model_tree", "params": {"tree": "mc_sim_7b_63"}},
+        num_draft_tokens=6,
+        sampling={"max_tokens": 32, "temperature": temperature, "seed": 5},
+    )
+    tokens, metrics = remote_complete(cluster, req)
+    local = tiny_engine.complete(req)
+    assert tokens == local.token_ids and not metrics["draft_fallback"]
+    assert metrics["spec_decode_num_accepted_tokens"] == local.metrics["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_a_target_worker_checks_trees_and_their_commits(tiny_engine):
+    workers = Workers(tiny_engine)
+    stub, prompt = workers.stubs["target"], repeating_prompt(7)
+    greedy = component_to_proto(ComponentSpec(name="greedy"))
+    try:
+        stub.Reset(
+            pb.TargetReset(
+                session_id="s", prompt_ids=prompt, sampling=sampling_to_proto(SamplingParams()), policy=greedy
+            )
+        )
+        stub.Score(pb.ScoreRequest(session_id="s", tokens=[prompt[-1], 1, 2, 3, 4], tree="chain_4"))
+        for fields, message in [
+            ({"tree": "nope", "tokens": [1, 2]}, "unknown tree 'nope'"),
+            ({"tree": "chain_4", "tokens": [1, 2]}, "takes 5 tokens"),
+            ({"tokens": [1], "commit_path": [0, 2]}, "root-first path"),
+            ({"tokens": [1], "commit_path": [1, 2]}, "root-first path"),
+        ]:
+            with pytest.raises(grpc.RpcError) as failure:
+                stub.Score(pb.ScoreRequest(session_id="s", **fields))
+            assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in failure.value.details()
+        stub.Score(pb.ScoreRequest(session_id="s", tokens=[3], commit_path=[0, 1, 2]))  # a path of the chain
+    finally:
+        workers.stop()
+
+
 def test_concurrent_sessions_share_forwards_and_decode_as_they_would_alone(tiny_engine):
     """16 requests of different prompts, lengths, drafters and temperatures at once: the target
     and draft workers run them in shared steps (more session rows than steps), and each request's

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec_core.policies import make_policy
+from specdec_core.sampling import SamplingParams
 from specdec_core.topologies import DEFAULT_TREE, NAMED_TREES, default_bank
 from specdec_core.tree import Topology, TopologyBank
-from specdec_core.tree_verify import verify_tree_greedy
+from specdec_core.types import DraftBlock, TargetBlock
 
 
 def test_buffers_of_a_small_tree_equal_the_hand_computed_ones():
@@ -81,11 +83,13 @@ def test_greedy_tree_verification_keeps_the_longest_matching_path():
     logits[1, 5] = 5.0  # after node 1 it picks 5: node 5 (0, 1) matches, node 4 (0, 0) does not
     logits[5, 2] = 5.0  # after node 5: the next token
     logits[2, 6] = 5.0  # node 6 (1, 0) would match its parent, but node 2 itself was rejected
-    verdict = verify_tree_greedy(tokens, logits, tree)
-    assert verdict.nodes == [0, 1, 5] and verdict.num_accepted == 2 and verdict.next_token == 2
+    greedy, draft = make_policy("greedy", {}), DraftBlock(tokens=tokens[1:], tree=tree)
+    verdict = greedy.verify_tree(draft, TargetBlock(logits=logits), SamplingParams(), torch.Generator())
+    assert verdict.path == [0, 1, 5] and verdict.num_accepted == 2 and verdict.next_token == 2
+    assert verdict.kept_tokens(draft) == [1, 5]
     logits[0, 1] = -5.0  # nothing matches at the root: the target's own token, no node kept
-    verdict = verify_tree_greedy(tokens, logits, tree)
-    assert verdict.nodes == [0] and verdict.next_token == int(logits[0].argmax())
+    verdict = greedy.verify_tree(draft, TargetBlock(logits=logits), SamplingParams(), torch.Generator())
+    assert verdict.path == [0] and verdict.next_token == int(logits[0].argmax())
 
 
 def test_tree_decoding_is_greedy_decoding_and_keeps_the_cache_consistent_across_tree_switches():
@@ -97,23 +101,23 @@ def test_tree_decoding_is_greedy_decoding_and_keeps_the_cache_consistent_across_
 
     from specdec_core.batching import SequenceKV
     from specdec_core.drafters.model_tree import draft_tree
-    from specdec_core.policies import make_policy
-    from specdec_core.sampling import SamplingParams
     from specdec_core.target import TargetScorer
 
     target = tiny_llama()
-    draft = perturbed_copy(target, 0.002)
+    draft_model = perturbed_copy(target, 0.002)
     prompt = repeating_prompt(3)
     scorer = TargetScorer(target)
-    scorer.reset(prompt, make_policy("greedy", {}), SamplingParams())
+    greedy = make_policy("greedy", {})
+    scorer.reset(prompt, greedy, SamplingParams())
     draft_cache, committed, accepted = SequenceKV(), list(prompt), 0
     for name in ("medusa_8", "chain_4", "mc_sim_7b_63", "medusa_16", "chain_2", "mc_sim_7b_63", "medusa_32"):
         tree = default_bank().get(name)
-        nodes = draft_tree(draft, draft_cache, committed, tree)
-        tokens = [committed[-1], *nodes]
-        verdict = verify_tree_greedy(torch.tensor(tokens), scorer.score_tree(tokens, tree).logits, tree)
-        scorer.commit_path(verdict.nodes)
-        committed += [tokens[node] for node in verdict.nodes[1:]] + [verdict.next_token]
+        nodes = draft_tree(draft_model, draft_cache, committed, tree)
+        draft = DraftBlock(tokens=torch.tensor(nodes), tree=tree)
+        block = scorer.score_tree([committed[-1], *nodes], tree)
+        verdict = greedy.verify_tree(draft, block, SamplingParams(), torch.Generator())
+        scorer.commit_path(verdict.path)
+        committed += [*verdict.kept_tokens(draft), verdict.next_token]
         accepted += verdict.num_accepted
     with torch.inference_mode():
         fresh = target(torch.tensor([committed])).logits[0, -1].float()
@@ -124,3 +128,38 @@ def test_tree_decoding_is_greedy_decoding_and_keeps_the_cache_consistent_across_
     assert accepted > 7  # the trees earned more than one token per step
     next_logits = scorer.score([committed[-1]]).logits[0]
     assert torch.allclose(next_logits, fresh, atol=1e-5), (next_logits - fresh).abs().max()
+
+
+@pytest.mark.parametrize("tree", ["medusa_8", "mc_sim_7b_63", "chain_4"])
+def test_the_engine_decodes_draft_model_trees_as_target_only_greedy(tiny_engine, tree):
+    from conftest import repeating_prompt
+
+    from specdec_core import GenerationRequest
+
+    def request(drafter: dict, policy: str = "greedy", temperature: float = 0.0) -> GenerationRequest:
+        sampling = {"max_tokens": 30, "temperature": temperature, "seed": 4}
+        return GenerationRequest(
+            prompt_ids=repeating_prompt(5), drafter=drafter, policy={"name": policy}, sampling=sampling
+        )
+
+    reference = tiny_engine.complete(request({"name": "none"}))
+    trees = tiny_engine.complete(request({"name": "model_tree", "params": {"tree": tree}}))
+    assert trees.token_ids == reference.token_ids
+    assert trees.metrics["mean_acceptance_length"] > 1.5
+    assert len(trees.metrics["spec_decode_num_accepted_tokens_per_pos"]) == default_bank().get(tree).max_depth
+    # typical acceptance samples: seeded, a request's tokens repeat exactly
+    sampled = [tiny_engine.complete(request({"name": "model_tree"}, "typical", 0.8)).token_ids for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 30
+
+
+def test_a_tree_drafter_needs_a_policy_with_a_tree_rule_and_a_known_tree(tiny_engine):
+    from specdec_core import GenerationRequest, SpecdecError
+
+    with pytest.raises(SpecdecError, match="policy 'rejection' has no tree rule.*greedy, typical"):
+        tiny_engine.frontend.prepare(
+            GenerationRequest(prompt_ids=[1, 2, 3], drafter={"name": "model_tree"}, policy={"name": "rejection"})
+        )
+    with pytest.raises(SpecdecError, match="unknown tree 'nope'"):
+        tiny_engine.frontend.prepare(
+            GenerationRequest(prompt_ids=[1, 2, 3], drafter={"name": "model_tree", "params": {"tree": "nope"}})
+        )

@@ -1,4 +1,4 @@
-"""Drafters by name: `none`, `pld`, `model`, `mla` (docs/policies.md)."""
+"""Drafters by name: `none`, `pld`, `model`, `mla`, `model_tree` (docs/policies.md)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import torch
 from ..errors import SpecdecError, validate_params
 from .base import Drafter, NoDrafter
 from .model import ModelDrafter, MultiLevelDrafter
+from .model_tree import ModelTreeDrafter
 from .pld import PromptLookupDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {
-    cls.name: cls for cls in (NoDrafter, PromptLookupDrafter, ModelDrafter, MultiLevelDrafter)
+    cls.name: cls for cls in (NoDrafter, PromptLookupDrafter, ModelDrafter, MultiLevelDrafter, ModelTreeDrafter)
 }
 
 

@@ -31,6 +31,7 @@ class Drafter(ABC):
     name: ClassVar[str]
     Params: ClassVar[type[DrafterParams]] = DrafterParams
     needs_model: ClassVar[bool] = False  # True: constructed as Drafter(draft_model, params)
+    proposes_trees: ClassVar[bool] = False  # True: its blocks are candidate trees (DraftBlock.tree)
 
     def __init__(self, params: DrafterParams | None = None):
         self.params = params if params is not None else self.Params()

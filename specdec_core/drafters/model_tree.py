@@ -9,9 +9,13 @@ import functools
 from typing import Sequence
 
 import torch
+from pydantic import Field, field_validator
 
 from ..batching import SequenceKV, forward_ragged
+from ..topologies import DEFAULT_DRAFT_TREE, default_bank
 from ..tree import Path, Topology
+from ..types import DraftBlock
+from .base import Drafter, DrafterParams
 
 
 @functools.lru_cache(maxsize=64)
@@ -44,3 +48,40 @@ def draft_tree(model: torch.nn.Module, cache: SequenceKV, context: Sequence[int]
                 tokens[node_of[path]] = top[parent][path[-1]]
     cache.crop(history)
     return tokens[1:]
+
+
+class ModelTreeParams(DrafterParams):
+    tree: str = Field(DEFAULT_DRAFT_TREE, description="a named tree (specdec_core/topologies.py)")
+
+    @field_validator("tree")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name not in default_bank():
+            raise ValueError(f"unknown tree {name!r}; known: {', '.join(default_bank().names())}")
+        return name
+
+
+class ModelTreeDrafter(Drafter):
+    """`model_tree`: a candidate tree per step from the draft model's top-k (`draft_tree`),
+    verified in one target forward by a policy with a tree rule (greedy, typical). Near
+    `max_tokens` it proposes the tree's part that fits."""
+
+    name = "model_tree"
+    Params = ModelTreeParams
+    needs_model = True
+    proposes_trees = True
+
+    def __init__(self, model: torch.nn.Module, params: ModelTreeParams | None = None):
+        super().__init__(params)
+        self.model = model
+
+    def reset(self, prompt_ids, sampling) -> None:
+        super().reset(prompt_ids, sampling)
+        self.cache = SequenceKV(len(prompt_ids) + sampling.max_tokens + 1)
+
+    def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+        if max_tokens <= 0:
+            return DraftBlock.empty()
+        tree = default_bank().limited(self.params.tree, max_tokens)
+        tokens = draft_tree(self.model, self.cache, self.context, tree)
+        return DraftBlock(tokens=torch.tensor(tokens, dtype=torch.long), tree=tree)

@@ -49,6 +49,7 @@ class AcceptancePolicy(ABC):
     lossless: ClassVar[bool] = False  # emits exactly the target's distribution (greedy: its argmax)
     counters: ClassVar[tuple[str, ...]] = ()  # trace flags the metrics count (penalized, loose, ...)
     supports_sampling: ClassVar[bool] = True  # False: temperature must be 0
+    supports_trees: ClassVar[bool] = False  # True: `verify_tree` has a per-path rule
 
     def __init__(self, params: Optional[PolicyParams] = None):
         self.params = params if params is not None else self.Params()
@@ -87,6 +88,13 @@ class AcceptancePolicy(ABC):
         sampling: SamplingParams,
         generator: torch.Generator,
     ) -> Verdict: ...
+
+    def verify_tree(
+        self, draft: DraftBlock, target: TargetBlock, sampling: SamplingParams, generator: torch.Generator
+    ) -> Verdict:
+        """Verify a candidate tree (`draft.tree`; `target` holds the root's row and every node's):
+        the Verdict's `path` is the accepted one (tree_verify.py)."""
+        raise NotImplementedError(f"policy {self.name!r} has no tree rule")
 
     def __repr__(self) -> str:
         return f"{self.name}({self.params.model_dump()})"

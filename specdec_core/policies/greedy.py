@@ -1,7 +1,12 @@
-"""Exact match: accept while the draft token equals the target argmax (needs temperature 0)."""
+"""Exact match: accept while the draft token equals the target argmax (needs temperature 0). In
+a tree, a node passes when its token is the target's argmax at its parent."""
 
 from __future__ import annotations
 
+import torch
+
+from ..sampling import argmax
+from ..tree_verify import best_path
 from ..types import Verdict
 from .base import AcceptancePolicy, accepted_prefix, base_decision, first_false
 
@@ -10,6 +15,7 @@ class GreedyPolicy(AcceptancePolicy):
     name = "greedy"
     lossless = True
     supports_sampling = False
+    supports_trees = True
 
     def verify(self, draft, target, sampling, generator) -> Verdict:
         decision = base_decision(draft, target, sampling, generator)
@@ -19,3 +25,14 @@ class GreedyPolicy(AcceptancePolicy):
             int(decision.target_argmax[num_accepted]),
             {"accepted": accepted_prefix(decision.accepted, num_accepted)},
         )
+
+    def verify_tree(self, draft, target, sampling, generator) -> Verdict:
+        parents = draft.tree.parents[1:].to(target.logits.device)
+        node_accepted = draft.tokens == argmax(target.logits)[parents]
+        node_log_probs = target.logits.log_softmax(-1)[parents, draft.tokens]
+        path = best_path(draft.tree, node_accepted, node_log_probs)
+        return tree_verdict(path, int(argmax(target.logits[path[-1]][None])[0]))
+
+
+def tree_verdict(path: list[int], next_token: int) -> Verdict:
+    return Verdict(len(path) - 1, next_token, {"accepted": torch.ones(len(path) - 1, dtype=torch.bool)}, path)
