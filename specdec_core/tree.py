@@ -107,9 +107,10 @@ class TopologyBank:
         return self.topologies[name]
 
     def limited(self, name: str, max_depth: int) -> Topology:
-        """The tree `name`, or its nodes of depth <= `max_depth` where it is deeper."""
+        """The tree `name` (NAME or NAME@D), or its nodes of depth <= `max_depth` where it is deeper."""
         tree = self.get(name)
-        return tree if tree.max_depth <= max_depth else self.get(f"{name}@{max_depth}")
+        base = name.partition("@")[0]
+        return tree if tree.max_depth <= max_depth else self.get(f"{base}@{max_depth}")
 
     def __contains__(self, name: str) -> bool:
         try:

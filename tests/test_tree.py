@@ -73,6 +73,13 @@ def test_the_published_default_tree_and_the_bank():
     assert NAMED_TREES["medusa_16"] == NAMED_TREES["mc_sim_7b_63"][:16]
     with pytest.raises(KeyError, match="unknown tree 'nope'; known: chain_2"):
         TopologyBank({"chain_2": NAMED_TREES["chain_2"]}).get("nope")
+    # NAME@D: the nodes of depth <= D, what a drafter proposes near a request's last tokens
+    shallow = default_bank().limited(DEFAULT_TREE, 2)
+    assert shallow.name == "mc_sim_7b_63@2" and shallow.max_depth == 2
+    assert shallow.paths == tuple(path for path in tree.paths if len(path) <= 2)
+    assert default_bank().limited("mc_sim_7b_63@3", 2) is shallow and default_bank().limited(DEFAULT_TREE, 9) is tree
+    for bad in ("mc_sim_7b_63@x", "mc_sim_7b_63@0", "nope@2"):
+        assert bad not in default_bank()
 
 
 def test_greedy_tree_verification_keeps_the_longest_matching_path():

@@ -5,7 +5,6 @@ depth's parents, so a tree of depth D costs D draft forwards."""
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
@@ -13,21 +12,16 @@ from pydantic import Field, field_validator
 
 from ..batching import SequenceKV, forward_ragged
 from ..topologies import DEFAULT_DRAFT_TREE, default_bank
-from ..tree import Path, Topology
+from ..tree import Topology
 from ..types import DraftBlock
 from .base import Drafter, DrafterParams
 
 
-@functools.lru_cache(maxsize=64)
-def shallower(paths: tuple[Path, ...], depth: int) -> Topology:
-    """The tree's nodes above `depth` (depth >= 2: at least one node)."""
-    return Topology.build(f"above {depth}", [path for path in paths if len(path) < depth])
-
-
 @torch.inference_mode()
 def draft_tree(model: torch.nn.Module, cache: SequenceKV, context: Sequence[int], tree: Topology) -> list[int]:
-    """The tree's node tokens (in its order) after `context`, whose last token is the root.
-    `cache` holds a prefix of the context; it comes back holding all of it but the root."""
+    """The node tokens of `tree` (a named tree of the default bank, in its order) after `context`,
+    whose last token is the root. `cache` holds a prefix of the context; it comes back holding
+    all of it but the root."""
     cache.crop(len(context) - 1)
     if cache.length < len(context) - 1:
         forward_ragged(model, [cache], [list(context[cache.length : -1])])
@@ -36,7 +30,7 @@ def draft_tree(model: torch.nn.Module, cache: SequenceKV, context: Sequence[int]
     tokens = [context[-1]] + [0] * tree.num_nodes
     for depth in range(1, tree.max_depth + 1):
         cache.crop(history)
-        above = shallower(tree.paths, depth) if depth > 1 else None
+        above = default_bank().limited(tree.name, depth - 1) if depth > 1 else None  # the nodes drafted so far
         row = tokens[: above.num_nodes + 1] if above else tokens[:1]
         hidden, _ = forward_ragged(model, [cache], [row], [above])
         logits = model.lm_head(hidden[0])
