@@ -28,10 +28,11 @@ class GreedyPolicy(AcceptancePolicy):
 
     def verify_tree(self, draft, target, sampling, generator) -> Verdict:
         parents = draft.tree.parents[1:].to(target.logits.device)
-        node_accepted = draft.tokens == argmax(target.logits)[parents]
+        predicted = argmax(target.logits)
+        node_accepted = draft.tokens == predicted[parents]
         node_log_probs = target.logits.log_softmax(-1)[parents, draft.tokens]
         path = best_path(draft.tree, node_accepted, node_log_probs)
-        return tree_verdict(path, int(argmax(target.logits[path[-1]][None])[0]))
+        return tree_verdict(path, int(predicted[path[-1]]))
 
 
 def tree_verdict(path: list[int], next_token: int) -> Verdict:
