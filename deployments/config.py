@@ -6,6 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from specdec_core.heads import AUTO
 from specdec_core.loader import DEFAULT_DRAFT, ModelSpec
 from specdec_core.profile import CalibrationSettings
 from specdec_core.request import RequestDefaults
@@ -48,6 +49,16 @@ class AppConfig(BaseModel):
     model_name: str = "specdec-smollm2-135m"
     target: ModelSpec = Field(default_factory=ModelSpec)
     draft: Optional[ModelSpec] = DEFAULT_DRAFT
+    target_heads: Optional[str] = Field(
+        AUTO,
+        description="the target's multi-token heads (drafter `heads`): a directory of Medusa heads, "
+        "auto (those shipped for the embedded target), or None",
+    )
+    tree_banks: list[str] = Field(
+        default_factory=list,
+        description="tree bank files of `specdec frontier`: requests may name their trees (the server and "
+        "the target worker register them)",
+    )
     defaults: RequestDefaults = Field(
         default_factory=RequestDefaults, description="policy, drafter and K for requests that leave them out"
     )

@@ -1,6 +1,7 @@
 """gRPC proxies that satisfy specdec_core's `TargetSession` and `DraftSession`, so the served
 engine runs `speculative_loop` unchanged, on the coordinator's event loop (grpc.aio stubs). A
-step costs one round trip per worker: `commit` is held and sent with the next Propose / Score.
+step costs one round trip per worker: `commit` is held and sent with the next Propose / Score
+(with the heads drafter, on the target's next Heads call, a second round trip to the target).
 Every call carries a deadline.
 
 Errors: a worker that is gone or late (UNAVAILABLE, DEADLINE_EXCEEDED, or NOT_FOUND for a
@@ -22,6 +23,7 @@ from protos import specdec_pb2_grpc as pb_grpc
 from specdec_core.compact import expand_rows
 from specdec_core.drafters import NoDrafter
 from specdec_core.errors import SpecdecError
+from specdec_core.heads import HeadGuesses
 from specdec_core.policies import AcceptancePolicy
 from specdec_core.request import ComponentSpec
 from specdec_core.sampling import SamplingParams
@@ -109,6 +111,25 @@ class RemoteTarget:
 
     def commit_path(self, nodes: Sequence[int]) -> None:
         self.pending_path = list(nodes)
+
+    async def guess(self, root_token: int, width: int) -> Optional[HeadGuesses]:
+        """The heads' guesses (the heads drafter's source); the held commit rides on this call."""
+        request = pb.HeadsRequest(
+            session_id=self.session_id,
+            root_token=root_token,
+            width=width,
+            commit_keep=self.pending_keep,
+            commit_path=self.pending_path,
+        )
+        try:
+            reply = await self.stub.Heads(request, timeout=self.deadline_s)
+        except grpc.RpcError as error:
+            raise classify(error, "target") from None
+        self.pending_keep, self.pending_path = 0, []
+        self.bytes_received += reply.ByteSize()
+        if not reply.HasField("tokens"):
+            return None
+        return HeadGuesses(tensor_from_proto(reply.tokens), torch.tensor(list(reply.top_probs)), reply.root_prob)
 
     async def release(self) -> None:
         await release(self.stub, self.session_id, self.deadline_s, "target")

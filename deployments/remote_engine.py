@@ -21,6 +21,7 @@ import grpc
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
+from specdec_core.drafters import HeadsDrafter, validate_drafter
 from specdec_core.engine import speculative_loop
 from specdec_core.frontend import Frontend, PreparedRequest
 from specdec_core.profile import TargetProfile
@@ -68,8 +69,9 @@ class RemoteEngine:
         metrics: Optional[MetricsSink] = None,
         secret: Optional[str] = None,
     ):
-        self.frontend = copy.copy(frontend)  # its profile is the target worker's, asked of it
+        self.frontend = copy.copy(frontend)  # its profile and heads are the target worker's, asked of it
         self.frontend.profile = lambda: self.profiles.get(self.stubs["target"])
+        self.frontend.num_heads = lambda: self.heads_counts.get(self.stubs["target"], 0)
         self.deadline_s = deadline_s
         self.metrics = metrics or NoMetrics()  # told of each finished request; the ingresses tell it of failures
         self.secret = secret  # the workers' shared secret, sent with every call
@@ -77,6 +79,7 @@ class RemoteEngine:
         self.stubs: dict[str, object] = {}
         self.channels: list[grpc.aio.Channel] = []  # every one opened, closed with the engine
         self.profiles: dict[object, Optional[TargetProfile]] = {}  # per target stub: its worker's own
+        self.heads_counts: dict[object, int] = {}  # likewise its heads
         for role, address in addresses.items():
             self.connect(role, address)
 
@@ -100,7 +103,7 @@ class RemoteEngine:
             except grpc.RpcError as error:
                 raise classify(error, "target") from None
             profile = TargetProfile.model_validate_json(reply.profile_json) if reply.profile_json else None
-            self.profiles = {stub: profile}
+            self.profiles, self.heads_counts = {stub: profile}, {stub: reply.num_heads}
         return self.frontend.prepare(request)
 
     async def open(self, request: GenerationRequest, request_id: Optional[str] = None) -> AsyncIterator[StreamChunk]:
@@ -118,9 +121,13 @@ class RemoteEngine:
 
     async def decode(self, request: PreparedRequest, session_id: str, arrival: float) -> AsyncIterator[StreamChunk]:
         target = RemoteTarget(self.stubs["target"], session_id, self.deadline_s)
-        drafter = RemoteDrafter(
-            self.stubs["draft"], session_id, request.drafter, request.policy.needs_draft_logits(), self.deadline_s
-        )
+        remote_drafter = None  # the heads drafter uses no draft worker: the heads run on the target's
+        if request.drafter.name == HeadsDrafter.name:
+            drafter = HeadsDrafter(target, validate_drafter(request.drafter.name, request.drafter.params))
+        else:
+            drafter = remote_drafter = RemoteDrafter(
+                self.stubs["draft"], session_id, request.drafter, request.policy.needs_draft_logits(), self.deadline_s
+            )
         timings, last_chunk_at = RequestTimings(), arrival
         loop = speculative_loop(request, drafter, target, self.frontend.output(request.sampling))
         try:
@@ -135,17 +142,19 @@ class RemoteEngine:
                         last_chunk_at = now
                     if chunk.metrics is not None:
                         steps = max(chunk.metrics["num_steps"], 1)
+                        received = target.bytes_received + (remote_drafter.bytes_received if remote_drafter else 0)
                         chunk.metrics.update(
-                            wire_bytes_per_step=round((target.bytes_received + drafter.bytes_received) / steps, 1),
+                            wire_bytes_per_step=round(received / steps, 1),
                             full_logits_bytes_per_step=round(target.full_rows_bytes / steps, 1),
-                            draft_fallback=drafter.failed is not None,
+                            draft_fallback=remote_drafter is not None and remote_drafter.failed is not None,
                         )
                         timings.latency_s = now - arrival
                         self.metrics.finished(request, chunk.metrics, timings)
                     yield chunk
         finally:  # also on client disconnect (closed or cancelled): free both sessions
             await target.release()
-            await drafter.release()
+            if remote_drafter is not None:
+                await remote_drafter.release()
 
     async def count_sessions(self) -> dict[str, Optional[int]]:
         """From any event loop: open sessions per worker; None for a worker that does not answer."""

@@ -14,6 +14,7 @@ from ray import serve
 
 from specdec_core.frontend import Frontend
 from specdec_core.kernels.cpu import configure_cpu
+from specdec_core.topologies import load_tree_bank
 
 from .config import AppConfig
 from .grpc_ingress import GrpcIngress
@@ -33,6 +34,8 @@ class SpecdecServer:
     def __init__(self, config: dict):
         configure_cpu(1)  # verify is small; the cores belong to the workers
         self.config = AppConfig(**config)
+        for bank in self.config.tree_banks:
+            load_tree_bank(bank)
         frontend = Frontend.from_spec(self.config.target, self.config.defaults, self.config.max_tokens_limit)
         workers = {role: start_worker(role, self.config) for role in ROLES}
         addresses = {role: ray.get(worker.get_address.remote()) for role, worker in workers.items()}

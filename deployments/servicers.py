@@ -21,6 +21,7 @@ from specdec_core.drafters import make_drafter, validate_drafter
 from specdec_core.drafters.model import ModelDrafter, propose_together
 from specdec_core.errors import SpecdecError, check_token_ids
 from specdec_core.frontend import Frontend
+from specdec_core.heads import HeadGuesses, MedusaHeads
 from specdec_core.loader import ModelSpec
 from specdec_core.memory import kv_bytes_per_token
 from specdec_core.policies import make_policy
@@ -317,17 +318,23 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         batch_window_s: float = 0.005,
         prefill_chunk: int = PREFILL_CHUNK,
         admission: Optional[Admission] = None,
+        heads: Optional[MedusaHeads] = None,
     ):
-        """`profile`: the target's, measured at load (the defaults of policies that need one)."""
+        """`profile`: the target's, measured at load (the defaults of policies that need one);
+        `heads`: its multi-token heads (drafter `heads`), on its device."""
         super().__init__(
             target_model.config, idle_timeout_s, channel, admission, target_model, batch_window_s, prefill_chunk
         )
         self.target_model = target_model
         self.profile = profile
+        self.heads = heads
 
     @checked
     def Profile(self, request, context):
-        return pb.TargetProfileReply(profile_json=self.profile.model_dump_json() if self.profile else "")
+        return pb.TargetProfileReply(
+            profile_json=self.profile.model_dump_json() if self.profile else "",
+            num_heads=self.heads.num_heads if self.heads is not None else 0,
+        )
 
     @checked
     def Reset(self, request, context):
@@ -359,7 +366,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
     def op_reset(self, session_id: str, prompt_ids: list[int], policy: dict, sampling: dict, max_len: int) -> list[int]:
         """Open the session, its cache allocated for `max_len` positions; returns the prompt
         tokens to prefill (in steps)."""
-        scorer = TargetScorer(self.target_model)
+        scorer = TargetScorer(self.target_model, self.heads)
         policy_object = make_policy(policy["name"], policy["params"])
         prefill = scorer.start(prompt_ids, policy_object, SamplingParams(**sampling), max_len)
         self.table.put(session_id, scorer)
@@ -387,6 +394,14 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         if row.prefill:
             return
         commit_keep, commit_path, tokens = row.fields["commit_keep"], row.fields["commit_path"], row.fields["tokens"]
+        self.check_commit(scorer, commit_keep, commit_path)
+        if scorer.committed_len + commit_keep + len(commit_path) + len(tokens) > self.max_positions:
+            raise SpecdecError(f"the session would exceed {self.max_positions} positions")
+        row.reply = functools.partial(self.reply, scorer)
+
+    @staticmethod
+    def check_commit(scorer: TargetScorer, commit_keep: int, commit_path: Sequence[int]) -> None:
+        """A commit of the last Score's tokens: at most those, or a root-first path of its tree."""
         if not 0 <= commit_keep <= scorer.num_scored:
             raise SpecdecError(f"commit_keep must lie in [0, {scorer.num_scored}] (the tokens last scored)")
         if commit_path:
@@ -402,9 +417,6 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
                 )
             ):
                 raise SpecdecError("commit_path must be a root-first path of the tree last scored")
-        if scorer.committed_len + commit_keep + len(commit_path) + len(tokens) > self.max_positions:
-            raise SpecdecError(f"the session would exceed {self.max_positions} positions")
-        row.reply = functools.partial(self.reply, scorer)
 
     def reply(self, scorer: TargetScorer, block) -> pb.ScoreReply:
         """The compact answer to a Score call (on the torch thread: it computes top-k rows)."""
@@ -422,15 +434,52 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
             reply.token_log_probs.CopyFrom(tensor_to_proto(block.token_log_probs))
         return reply
 
+    @checked
+    def Heads(self, request, context):
+        if self.heads is None:
+            raise SpecdecError("this target has no multi-token heads")
+        check_token_ids([request.root_token], self.vocab_size, "root_token")
+        if not 1 <= request.width <= self.vocab_size:
+            raise SpecdecError(f"width must lie in [1, {self.vocab_size}]")
+        op = {
+            "op": "guess",
+            "session_id": request.session_id,
+            "commit_keep": request.commit_keep,
+            "commit_path": list(request.commit_path),
+            "root_token": request.root_token,
+            "width": request.width,
+        }
+        guesses = self.call(op)
+        if guesses is None:
+            return pb.HeadsReply()
+        return pb.HeadsReply(
+            tokens=tensor_to_proto(guesses.tokens), top_probs=guesses.top_probs.tolist(), root_prob=guesses.root_prob
+        )
+
+    def op_guess(
+        self, session_id: str, commit_keep: int, commit_path: list[int], root_token: int, width: int
+    ) -> Optional[HeadGuesses]:
+        """Apply the last Score's commit, then the heads' guesses after it."""
+        scorer = self.session(session_id)
+        self.check_commit(scorer, commit_keep, commit_path)
+        self.apply_commit(scorer, commit_keep, commit_path)
+        return scorer.guess(root_token, width)
+
+    @staticmethod
+    def apply_commit(scorer: TargetScorer, commit_keep: int, commit_path: Sequence[int]) -> None:
+        if commit_keep:
+            scorer.commit(commit_keep)
+        if commit_path:
+            scorer.commit_path(commit_path)
+        scorer.num_scored, scorer.scored_tree = 0, None  # committed once
+
     def op_step(self, rows: list[dict]) -> list:
         """One forward over the rows of a step: verify blocks (after their commits) and prompt chunks."""
         step = []
         for row in rows:
             scorer = self.session(row["session_id"])
-            if row.get("commit_keep"):
-                scorer.commit(row["commit_keep"])
-            if row.get("commit_path"):
-                scorer.commit_path(row["commit_path"])
+            if not row["prefill"]:
+                self.apply_commit(scorer, row["commit_keep"], row["commit_path"])
             tree = known_tree(row["tree"]) if row.get("tree") else None
             step.append(Row(scorer, row["tokens"], prefill=row["prefill"], tree=tree))
         return forward_rows(step)

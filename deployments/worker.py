@@ -57,15 +57,19 @@ class WorkerRank:
         """Join the group (when there is one), load the model and serve it (rank 0: returns its
         gRPC address) or follow rank 0."""
         from protos import specdec_pb2_grpc as pb_grpc
+        from specdec_core.heads import load_heads
         from specdec_core.kernels.cpu import configure_cpu
         from specdec_core.loader import load_configs, load_model
         from specdec_core.parallel import join_group, load_sharded_model
+        from specdec_core.topologies import load_tree_bank
 
         from .admission import Admission
         from .servicers import TORCH_THREAD, DraftServicer, TargetServicer, on_torch_thread, start_server
         from .tensor_parallel import ControlChannel, follow
 
         config, worker = self.config, worker_config(self.role, self.config)
+        for bank in config.tree_banks:  # trees the coordinator may name
+            load_tree_bank(bank)
         on_torch_thread(configure_cpu, worker.torch_threads or config.torch_threads or max(1, int(worker.num_cpus)))
         spec = config.draft if self.role == "draft" else config.target
         channel = None
@@ -91,6 +95,7 @@ class WorkerRank:
             )
             add = pb_grpc.add_DrafterServicer_to_server
         else:
+            heads = on_torch_thread(load_heads, config.target_heads, spec.source, model)
             servicer = TargetServicer(
                 model,
                 idle_timeout_s,
@@ -98,6 +103,7 @@ class WorkerRank:
                 batch_window_s=worker.batch_window_ms / 1000,
                 prefill_chunk=worker.prefill_chunk,
                 admission=admission,
+                heads=heads,
             )
             add = pb_grpc.add_TargetServicer_to_server
         if self.rank > 0:

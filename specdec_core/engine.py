@@ -10,8 +10,9 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
 import torch
 
-from .drafters import make_drafter
+from .drafters import HeadsDrafter, make_drafter, validate_drafter
 from .frontend import Frontend, OutputTracker, PreparedRequest
+from .heads import AUTO, MedusaHeads, load_heads
 from .loader import ModelSpec, load_model, load_tokenizer
 from .logprobs import emitted_log_probs
 from .metrics import SpecMetrics
@@ -85,37 +86,48 @@ class SpeculativeEngine:
         draft_model: Optional[torch.nn.Module] = None,
         defaults: Optional[RequestDefaults] = None,
         profile: Optional[Callable[[torch.nn.Module, Frontend], TargetProfile]] = None,
+        heads: Optional[MedusaHeads] = None,
     ):
         """`profile(target_model, frontend)` gives the target's profile (profile.py), on first need
-        only; by default it is measured then, which needs a tokenizer (without one there is none)."""
+        only; by default it is measured then, which needs a tokenizer (without one there is none).
+        `heads`: the target's multi-token heads (drafter `heads`), on its device."""
         self.target_model = target_model
         self.draft_model = draft_model
+        self.heads = heads
         generation_config = getattr(target_model, "generation_config", None)
         self.frontend = Frontend(tokenizer, target_model.config, generation_config, defaults)
+        self.frontend.num_heads = lambda: heads.num_heads if heads is not None else 0
         if profile is None and tokenizer is not None:
             profile = lambda model, frontend: measure_profile(model, frontend, CalibrationSettings())  # noqa: E731
         if profile is not None:
             self.frontend.profile = functools.cache(lambda: profile(target_model, self.frontend))
 
     @classmethod
-    def from_specs(cls, target: ModelSpec, draft: Optional[ModelSpec] = None) -> "SpeculativeEngine":
-        """The engine of a target and a draft spec; the target's profile is read from the cache, or
-        measured and cached on first need."""
+    def from_specs(
+        cls, target: ModelSpec, draft: Optional[ModelSpec] = None, heads: Optional[str] = AUTO
+    ) -> "SpeculativeEngine":
+        """The engine of a target and a draft spec, and the target's heads (`load_heads`); the
+        target's profile is read from the cache, or measured and cached on first need."""
         progress = calibration_progress(target.source)
+        target_model = load_model(target)
         return cls(
-            load_model(target),
+            target_model,
             load_tokenizer(target),
             load_model(draft) if draft else None,
             profile=lambda model, frontend: load_profile(target, model, frontend, CalibrationSettings(), progress),
+            heads=load_heads(heads, target.source, target_model),
         )
 
     def stream(self, request: GenerationRequest) -> Iterator[StreamChunk]:
         """Validates `request` now (SpecdecError), then decodes it as the iterator is consumed."""
         prepared = self.frontend.prepare(request)
-        drafter = make_drafter(prepared.drafter.name, prepared.drafter.params, self.draft_model)
-        target = TargetScorer(self.target_model)
+        target = Immediate(TargetScorer(self.target_model, self.heads))
+        if prepared.drafter.name == HeadsDrafter.name:
+            drafter = HeadsDrafter(target, validate_drafter(prepared.drafter.name, prepared.drafter.params))
+        else:
+            drafter = Immediate(make_drafter(prepared.drafter.name, prepared.drafter.params, self.draft_model))
         output = self.frontend.output(prepared.sampling)
-        return run_immediately(speculative_loop(prepared, Immediate(drafter), Immediate(target), output))
+        return run_immediately(speculative_loop(prepared, drafter, target, output))
 
     def complete(self, request: GenerationRequest) -> Completion:
         return Completion.from_chunks(list(self.stream(request)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from .drafters import DRAFTERS, validate_drafter
+from .drafters import DRAFTERS, HeadsDrafter, validate_drafter
 from .errors import SpecdecError, check_token_ids
 from .policies import POLICIES, AcceptancePolicy, make_policy
 from .profile import TargetProfile
@@ -96,11 +96,14 @@ class Frontend:
         defaults: Optional[RequestDefaults] = None,
         max_tokens_limit: Optional[int] = None,
         profile: Callable[[], Optional[TargetProfile]] = lambda: None,
+        num_heads: Callable[[], int] = lambda: 0,
     ):
         """`profile`: the target's profile, asked for only by requests whose policy takes a
-        default from it (EASD without tau_h); None where the target has none."""
+        default from it (EASD without tau_h); None where the target has none. `num_heads`: the
+        target's multi-token heads (drafter `heads`), 0 where it has none."""
         self.tokenizer = tokenizer
         self.profile = profile
+        self.num_heads = num_heads
         self.vocab_size = model_config.vocab_size
         self.max_positions = getattr(model_config, "max_position_embeddings", 1 << 20)
         self.defaults = defaults or RequestDefaults()
@@ -153,6 +156,8 @@ class Frontend:
                 f"(policies with one: {trees})",
                 "policy",
             )
+        if drafter.name == HeadsDrafter.name and not self.num_heads():
+            raise SpecdecError("drafter 'heads' needs multi-token heads on the target; this one has none", "drafter")
         num_draft_tokens = request.num_draft_tokens or self.defaults.num_draft_tokens
         prompt_ids = self.encode(request)
         prompt_field = "messages" if request.messages is not None else "prompt"

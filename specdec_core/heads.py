@@ -1,28 +1,47 @@
 """Medusa-style multi-token heads on the target's last hidden state: head i (0-based) reads the
 final hidden state at position t, which the target's LM head turns into token t + 1, and
-predicts token t + 2 + i. Each head is `num_layers` residual blocks (x + SiLU(W x + b)) and its
-own vocabulary projection.
+predicts token t + 2 + i. Each head is `num_layers` residual blocks (x + SiLU(W x + b)) and a
+vocabulary projection: its own, or the target's LM head (`own_lm_head=False`, Medusa's heads
+with the projection shared, which makes heads small enough to ship: specdec_core/data/heads/).
 
 `MedusaHeads.load` reads Medusa's published format: a `medusa_lm_head.pt` state dict of a
-ModuleList of heads, `{head}.{layer}.linear.{weight,bias}` then `{head}.{num_layers}.weight`.
-The head and layer counts come from the keys: the `medusa_num_heads` of published configs is not
-always the number of heads their weights hold (Medusa's own loader overrides it). Medusa repeats
-one block object per head (`[ResBlock] * num_layers`), so its layers share weights; here each
-layer has its own parameters, loaded with the same values, which computes the same function.
-`save` writes the same format, so heads trained here load in Medusa's code and back."""
+ModuleList of heads, `{head}.{layer}.linear.{weight,bias}` then `{head}.{num_layers}.weight`
+(absent: the target's LM head projects). The head and layer counts come from the keys: the
+`medusa_num_heads` of published configs is not always the number of heads their weights hold
+(Medusa's own loader overrides it). Medusa repeats one block object per head
+(`[ResBlock] * num_layers`), so its layers share weights; here each layer has its own
+parameters, loaded with the same values, which computes the same function. `save` writes the
+same format, so heads trained here load in Medusa's code and back."""
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
 
 WEIGHTS_FILE = "medusa_lm_head.pt"
 CONFIG_FILE = "config.json"
+# heads trained here for the embedded default (`specdec train-heads`, docs/trees.md), by target source
+SHIPPED_HEADS = {"embedded:smollm2-135m-instruct": Path(__file__).parent / "data" / "heads" / "smollm2-135m-instruct"}
+AUTO = "auto"
+
+
+def load_heads(setting: Optional[str], target_source: str, model: nn.Module) -> Optional["MedusaHeads"]:
+    """A target's heads, on its device and in its dtype: `setting` is a directory of Medusa heads,
+    "auto" (the heads shipped for `target_source`, if any) or None (no heads)."""
+    directory = SHIPPED_HEADS.get(target_source) if setting == AUTO else setting
+    if directory is None:
+        return None
+    heads = MedusaHeads.load(directory)
+    lm_head = model.get_output_embeddings().weight
+    if not heads.own_lm_head and lm_head.shape[-1] != heads.hidden_size:
+        raise ValueError(f"heads of hidden size {heads.hidden_size} do not fit a target of {lm_head.shape[-1]}")
+    return heads.to(lm_head.device, lm_head.dtype).eval()
 
 
 class ResidualBlock(nn.Module):
@@ -35,22 +54,56 @@ class ResidualBlock(nn.Module):
         return hidden + nn.functional.silu(self.linear(hidden))
 
 
+@dataclass
+class HeadGuesses:
+    """What the heads guess after one committed position: each head's `width` most likely
+    tokens, their top-1 probabilities, and the target's probability of the token it committed
+    there (the root of the next tree): the features the tree scheduler reads."""
+
+    tokens: torch.Tensor  # [num_heads, width] int64, best first
+    top_probs: torch.Tensor  # [num_heads] float32
+    root_prob: float
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.tokens.shape[0])
+
+
 class MedusaHeads(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1):
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1, own_lm_head=True):
         super().__init__()
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
-        self.num_heads, self.num_layers = num_heads, num_layers
+        self.num_heads, self.num_layers, self.own_lm_head = num_heads, num_layers, own_lm_head
         self.heads = nn.ModuleList(
             nn.Sequential(
                 *(ResidualBlock(hidden_size) for _ in range(num_layers)),
-                nn.Linear(hidden_size, vocab_size, bias=False),
+                *([nn.Linear(hidden_size, vocab_size, bias=False)] if own_lm_head else []),
             )
             for _ in range(num_heads)
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits `[num_heads, *hidden.shape[:-1], V]` of every head at every position."""
-        return torch.stack([head(hidden) for head in self.heads])
+    def forward(self, hidden: torch.Tensor, lm_head: Optional[Callable] = None) -> torch.Tensor:
+        """Logits `[num_heads, *hidden.shape[:-1], V]` of every head at every position;
+        `lm_head`: the target's, which projects heads that have none of their own."""
+        if not self.own_lm_head and lm_head is None:
+            raise ValueError("these heads share the target's LM head: pass it")
+        project = (lambda states: states) if self.own_lm_head else lm_head
+        return torch.stack([project(head(hidden)) for head in self.heads])
+
+    @torch.inference_mode()
+    def guess(self, hidden: torch.Tensor, lm_head: Callable, root_token: int, width: int) -> HeadGuesses:
+        """The heads' guesses at one final hidden state `[H]` (the target's, whose LM head gave
+        `root_token`)."""
+        state = hidden.reshape(1, -1)
+        if self.own_lm_head:  # [1, T, H] into the target's LM head, as its forward does
+            root_logits, head_logits = lm_head(state[None])[0, 0], self(state)[:, 0]
+        else:  # one pass over the shared projection for the root and every head: it is the largest
+            # weight of a guess, and on a CPU reading it once instead of per head saves most of the time
+            logits = lm_head(torch.cat([state, *(head(state) for head in self.heads)])[None])[0]
+            root_logits, head_logits = logits[0], logits[1:]
+        top = head_logits.float().softmax(-1).topk(width, dim=-1)
+        root_prob = float(root_logits.float().softmax(-1)[root_token])
+        return HeadGuesses(top.indices, top.values[:, 0].contiguous(), root_prob)
 
     @classmethod
     def load(cls, directory: Union[str, Path]) -> "MedusaHeads":
@@ -60,28 +113,31 @@ class MedusaHeads(nn.Module):
         if not weights_path.exists():
             raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
         state = torch.load(weights_path, map_location="cpu", weights_only=True)
-        key = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
+        key = re.compile(r"^(\d+)\.(\d+)\.(linear\.)?(weight|bias)$")
         layout = [key.match(name) for name in state]
         if not state or not all(layout):
             raise ValueError(f"{weights_path} is not a Medusa head state dict (keys like 0.0.linear.weight)")
         num_heads = 1 + max(int(match[1]) for match in layout)
-        num_layers = max(int(match[2]) for match in layout)  # the last index is the vocabulary projection
-        vocab_size, hidden_size = state[f"0.{num_layers}.weight"].shape
-        heads = cls(hidden_size, vocab_size, num_heads, num_layers)
-        heads.heads.load_state_dict(state)
+        num_layers = 1 + max(int(match[2]) for match in layout if match[3])
+        own_lm_head = any(not match[3] for match in layout)
+        hidden_size = state["0.0.linear.weight"].shape[1]
+        vocab_size = state[f"0.{num_layers}.weight"].shape[0] if own_lm_head else 0
+        heads = cls(hidden_size, vocab_size, num_heads, num_layers, own_lm_head)
+        heads.heads.load_state_dict({name: tensor.float() for name, tensor in state.items()})
         return heads
 
-    def save(self, directory: Union[str, Path], base_model: str = "") -> None:
-        """Write Medusa's format: `medusa_lm_head.pt` and the head counts in `config.json`."""
+    def save(self, directory: Union[str, Path], base_model: str = "", dtype: torch.dtype = torch.float32) -> None:
+        """Write Medusa's format: `medusa_lm_head.pt` (in `dtype`) and the head counts in `config.json`."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {name: tensor.detach().cpu() for name, tensor in self.heads.state_dict().items()}
+        state = {name: tensor.detach().to("cpu", dtype) for name, tensor in self.heads.state_dict().items()}
         torch.save(state, directory / WEIGHTS_FILE)
         config = {
             "medusa_num_heads": self.num_heads,
             "medusa_num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
+            "shares_base_lm_head": not self.own_lm_head,
             "base_model_name_or_path": base_model,
         }
         (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

@@ -17,6 +17,7 @@ class SpecMetrics:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)  # per trace flag the policy counts
+    tree_steps: dict[str, int] = field(default_factory=dict)  # steps per tree (a scheduler's choices)
     draft_ms: list[float] = field(default_factory=list)
     target_ms: list[float] = field(default_factory=list)
     verify_ms: list[float] = field(default_factory=list)
@@ -30,6 +31,8 @@ class SpecMetrics:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += verdict.num_accepted
+        if draft.tree is not None:
+            self.tree_steps[draft.tree.name] = self.tree_steps.get(draft.tree.name, 0) + 1
         # a tree proposes one token per depth along whichever path wins: count positions by depth
         num_positions = draft.tree.max_depth if draft.tree is not None else num_draft
         grow = num_positions - len(self.num_draft_tokens_per_pos)
@@ -66,6 +69,7 @@ class SpecMetrics:
                 for accepted, proposed in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)
             ],
             **self.counters,
+            **({"tree_steps": dict(self.tree_steps)} if self.tree_steps else {}),
             "prefill_ms": round(self.prefill_ms, 3),
             "draft_ms_p50": p50(self.draft_ms),
             "target_ms_p50": p50(self.target_ms),

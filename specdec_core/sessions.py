@@ -6,8 +6,9 @@ sessions without any event loop, since none of its awaits ever waits."""
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterator, Protocol, Sequence, TypeVar
+from typing import Any, AsyncIterator, Iterator, Optional, Protocol, Sequence, TypeVar
 
+from .heads import HeadGuesses
 from .policies import AcceptancePolicy
 from .sampling import SamplingParams
 from .tree import Topology
@@ -31,6 +32,10 @@ class TargetSession(Protocol):
 
     def commit_path(self, nodes: Sequence[int]) -> None:
         """After `score_tree`: keep the root and the accepted path's nodes; drop the rest."""
+
+    async def guess(self, root_token: int, width: int) -> Optional[HeadGuesses]:
+        """With multi-token heads: their guesses after the last committed position (the heads
+        drafter's source, drafters/heads.py)."""
 
 
 class DraftSession(Protocol):
@@ -65,6 +70,9 @@ class Immediate:
 
     async def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         return self.session.propose(max_tokens, batch_rows)
+
+    async def guess(self, root_token: int, width: int) -> Optional[HeadGuesses]:
+        return self.session.guess(root_token, width)
 
     def commit(self, kept: Any) -> None:
         self.session.commit(kept)

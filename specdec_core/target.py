@@ -2,7 +2,9 @@
 cache that always holds exactly the committed tokens but the last one. Rollback of rejected
 positions crops the cache. `forward_rows` runs many sessions' verify blocks and prompt chunks in
 one forward (a ragged batch, batching.py); each row comes out as it would alone. A verify row may
-be a candidate tree (`score_tree`), whose accepted path `commit_path` moves into place."""
+be a candidate tree (`score_tree`), whose accepted path `commit_path` moves into place. With
+multi-token heads (heads.py), the scorer keeps the final hidden state of the last committed
+position, where `guess` runs the heads for the next tree."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from .batching import DEFAULT_CAPACITY, SequenceKV, forward_ragged
+from .heads import HeadGuesses, MedusaHeads
 from .logprobs import token_log_probs
 from .policies import AcceptancePolicy
 from .sampling import SamplingParams
@@ -26,12 +29,15 @@ class TargetScorer:
     states and LM head, from `sampling.generator("target")`, so they come out the same wherever
     the target runs."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, heads: Optional[MedusaHeads] = None):
         self.model = model
+        self.heads = heads
         self.cache = SequenceKV()
         self.committed_len = 0
         self.num_scored = 0  # tokens of the last `score`, of which `commit` keeps some
         self.scored_tree: Optional[Topology] = None  # the tree the last score was, if one
+        self.scored_hidden: Optional[torch.Tensor] = None  # [T, H] of the last score, with heads
+        self.committed_hidden: Optional[torch.Tensor] = None  # [H] of the last committed position
 
     def start(
         self,
@@ -51,6 +57,7 @@ class TargetScorer:
         self.cache = SequenceKV(max_len)
         self.committed_len = 0
         self.num_scored = 0
+        self.scored_hidden = self.committed_hidden = None
         return list(prompt_ids[:-1])
 
     def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
@@ -75,6 +82,8 @@ class TargetScorer:
         """This row's block from its final hidden states `[1, T, H]` (a tree's: logits only)."""
         # [1, T, H] into the LM head: a row-parallel LM head (DeepSpeed's) splits dim 2
         block = TargetBlock(logits=self.model.lm_head(hidden)[0].float())
+        if self.heads is not None:
+            self.scored_hidden = hidden[0]
         if tree is not None:
             return block
         if self.policy.needs_hidden:
@@ -89,12 +98,28 @@ class TargetScorer:
         """Keep the first `num_keep` scored tokens; the rest are rolled back on the next call."""
         self.committed_len += num_keep
         self.cache.crop(self.committed_len)
+        self.keep_hidden(num_keep - 1)
 
     def commit_path(self, nodes: Sequence[int]) -> None:
         """After `score_tree`: keep the root and the accepted path, `nodes` (tree node indices,
         root 0 first); their cache entries move into place and the other nodes' are dropped."""
         self.cache.keep_at(self.committed_len, [self.committed_len + node for node in nodes])
         self.committed_len += len(nodes)
+        self.keep_hidden(nodes[-1])
+
+    def keep_hidden(self, row: int) -> None:
+        """With heads: the last committed position is the scored row `row`."""
+        if self.scored_hidden is not None and row >= 0:
+            self.committed_hidden = self.scored_hidden[row]
+
+    def guess(self, root_token: int, width: int) -> Optional[HeadGuesses]:
+        """The heads' guesses for the tokens after `root_token` (the last committed token, which
+        the last committed position predicted); None before any position is committed."""
+        if self.heads is None:
+            raise ValueError("this target has no multi-token heads")
+        if self.committed_hidden is None:
+            return None
+        return self.heads.guess(self.committed_hidden, self.model.lm_head, root_token, width)
 
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: a long prompt never holds a step for its whole length
@@ -127,6 +152,8 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
     for row, begin, end in zip(rows, offsets, offsets[1:]):
         if row.prefill:
             row.scorer.committed_len += len(row.tokens)
+            if row.scorer.heads is not None:
+                row.scorer.committed_hidden = hidden[0, end - 1]
             blocks.append(None)
         else:
             blocks.append(row.scorer.finish(row.tokens, hidden[:, begin:end], row.tree))

@@ -9,6 +9,9 @@ chains are one-path trees, the shape a chain drafter proposes."""
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
+from typing import Union
 
 from .tree import TopologyBank
 
@@ -35,3 +38,13 @@ DEFAULT_DRAFT_TREE = "medusa_16"
 def default_bank() -> TopologyBank:
     """Every named tree, built once per process."""
     return TopologyBank(NAMED_TREES)
+
+
+def load_tree_bank(path: Union[str, Path]) -> list[str]:
+    """Register the trees of a bank file (`specdec frontier`'s `{"trees": {name: paths}}`) in the
+    default bank; returns their names. Every process that names them (the coordinator and the
+    target worker) loads the same files."""
+    trees = json.loads(Path(path).read_text())["trees"]
+    for name, paths in trees.items():
+        default_bank().add(name, [tuple(node) for node in paths])
+    return list(trees)

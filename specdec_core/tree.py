@@ -106,6 +106,17 @@ class TopologyBank:
             self.topologies[name] = Topology.build(name, paths)
         return self.topologies[name]
 
+    def add(self, name: str, paths: Iterable[Sequence[int]]) -> Topology:
+        """Register a tree (e.g. from a `specdec frontier` bank file); a name keeps its paths."""
+        tree = Topology.build(name, paths)
+        if name in self.topologies and self.topologies[name].paths != tree.paths:
+            raise ValueError(f"tree {name!r} is already registered with other paths")
+        if "@" in name:
+            raise ValueError(f"tree name {name!r} may not hold '@' (NAME@DEPTH names a depth limit)")
+        self.topologies[name] = tree
+        self.known = sorted({*self.known, name})
+        return tree
+
     def limited(self, name: str, max_depth: int) -> Topology:
         """The tree `name` (NAME or NAME@D), or its nodes of depth <= `max_depth` where it is deeper."""
         tree = self.get(name)

@@ -77,6 +77,32 @@ def smol_engine():
     return SpeculativeEngine.from_specs(ModelSpec(), DEFAULT_DRAFT)
 
 
+HEADS_PROMPTS = 12
+
+
+@pytest.fixture(scope="session")
+def trained_heads(tmp_path_factory, tiny_target):
+    """Heads for the tiny target, trained on its own continuations of the prompts the tests ask
+    (`train-heads` on a tiny random model), and their training log."""
+    from specdec_core.train_heads import DistillSettings, TrainSettings, train_heads
+
+    out = tmp_path_factory.mktemp("heads")
+    prompts = [repeating_prompt(seed) for seed in range(HEADS_PROMPTS)]
+    settings = TrainSettings(
+        num_heads=3, own_lm_head=True, steps=80, batch_positions=64, learning_rate=1e-2, holdout=0.0, warmup_steps=5
+    )
+    heads, log = train_heads(tiny_target, prompts, out, DistillSettings(continuation_tokens=40, batch_size=5), settings)
+    return heads.eval(), log, out, settings
+
+
+@pytest.fixture(scope="session")
+def heads_engine(trained_heads, tiny_target):
+    from specdec_core import SpeculativeEngine
+
+    draft = perturbed_copy(tiny_target, 0.002)
+    return SpeculativeEngine(tiny_target, None, draft, profile=lambda *_: tiny_profile(), heads=trained_heads[0])
+
+
 def repeating_prompt(seed: int, length: int = 24, vocab_size: int = TINY_VOCAB) -> list[int]:
     """A prompt with repeats, so prompt lookup finds matches."""
     generator = torch.Generator().manual_seed(seed)

@@ -131,6 +131,24 @@ def test_model_drafter_block_length_follows_acceptance_and_draft_cost(tiny_engin
     assert block_lengths({"adaptive": False}, [False] * 6) == [15] * 6
 
 
+@pytest.mark.parametrize("drafter_name", ["model", "mla"])
+def test_entropy_gated_chains_stop_where_the_path_value_falls_to_tau(tiny_engine, drafter_name):
+    """With `path_threshold` tau a chain drafter stops after the first token at which the product
+    of its top-1 probabilities is <= tau (EntMTP's score over a chain)."""
+    prompt = repeating_prompt(3)
+
+    def propose(params: dict):
+        drafter = make_drafter(drafter_name, {"adaptive": False, **params}, tiny_engine.draft_model)
+        drafter.reset(prompt, SamplingParams())
+        return drafter.propose(15)
+
+    full = propose({})
+    values = full.logits.softmax(-1).amax(-1).double().cumprod(0)
+    for depth in (1, 4, 9):
+        gated = propose({"path_threshold": float(values[depth - 1] + values[depth]) / 2})
+        assert gated.tokens.tolist() == full.tokens[: depth + 1].tolist()
+
+
 def test_mla_uses_fewer_draft_forwards_than_the_plain_draft(tiny_engine):
     prompt = repeating_prompt(0, length=40)
     counts = {}

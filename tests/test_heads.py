@@ -61,3 +61,184 @@ def test_heads_saved_here_load_back_and_a_foreign_file_is_refused(tmp_path):
         MedusaHeads.load(tmp_path)
     with pytest.raises(FileNotFoundError, match="no medusa_lm_head.pt"):
         MedusaHeads.load(tmp_path / "missing")
+
+
+def test_train_heads_lowers_the_loss_and_writes_heads_that_load_and_resume(trained_heads, tiny_target):
+    from conftest import HEADS_PROMPTS
+
+    from specdec_core.train_heads import DISTILLED_FILE, head_labels, train
+
+    heads, log, out, settings = trained_heads
+    data = torch.load(out / DISTILLED_FILE, weights_only=True)
+    assert len(data["continuations"]) == HEADS_PROMPTS and all(len(tokens) == 40 for tokens in data["continuations"])
+    # the labels: the state that predicted token i teaches head k token i + 1 + k
+    assert head_labels([5, 6, 7, 8], 2).tolist() == [[6, 7], [7, 8], [8, -100], [-100, -100]]
+    # no holdout: before and after are the loss on the training positions
+    assert all(loss < 0.5 * start for loss, start in zip(log["after"]["loss"], log["before"]["loss"])), log
+    hidden = torch.cat(data["hidden"])
+    loaded = MedusaHeads.load(out)
+    with torch.no_grad():
+        assert torch.allclose(loaded(hidden[:5]), heads(hidden[:5]), atol=1e-5)
+    # a rerun with the same settings resumes at the last step: nothing more to train
+    again, _ = train(tiny_target, data, settings, out)
+    assert all(torch.equal(again.state_dict()[name], value) for name, value in heads.state_dict().items())
+
+
+def heads_request(drafter: dict, seed: int = 0, policy: str = "greedy", temperature: float = 0.0):
+    from conftest import repeating_prompt
+
+    from specdec_core import GenerationRequest
+
+    return GenerationRequest(
+        prompt_ids=repeating_prompt(seed),
+        drafter=drafter,
+        policy={"name": policy},
+        sampling={"max_tokens": 40, "temperature": temperature, "seed": 3},
+    )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"tree": "mc_sim_7b_63"},
+        {"tree": "chain_4"},
+        # the tiny target's scores: top1 about 0.003, path_value 1e-5 to 3e-3
+        {
+            "scheduler": "binary_tau",
+            "tree": "chain_2",
+            "aggressive": "mc_sim_7b_63",
+            "tau_on": 5e-4,
+            "score": "path_value",
+        },
+        {"scheduler": "ladder", "trees": ["chain_2", "medusa_8", "medusa_32"], "thresholds": [0.0029, 0.0031]},
+    ],
+)
+def test_greedy_heads_decoding_is_target_only_greedy(heads_engine, params):
+    """Trees from the target's heads, verified greedily, give target-only greedy decoding's tokens;
+    the trained heads earn more than a token per step, and the scheduler's trees are the ones used."""
+    from specdec_core.drafters.heads import HeadsParams
+
+    trees, used = set(HeadsParams(**params).tree_names()), set()
+    for seed in (0, 1):
+        reference = heads_engine.complete(heads_request({"name": "none"}, seed))
+        heads = heads_engine.complete(heads_request({"name": "heads", "params": params}, seed))
+        assert heads.token_ids == reference.token_ids
+        assert heads.metrics["mean_acceptance_length"] > 1.5
+        used |= {name.partition("@")[0] for name in heads.metrics["tree_steps"]}
+    assert used == trees  # a scheduler switched between all of its trees
+
+
+def test_heads_sharing_the_targets_lm_head_save_small_load_back_and_guess(tmp_path):
+    from specdec_core.heads import HeadGuesses
+
+    lm_head = nn.Linear(8, 20, bias=False)
+    heads = MedusaHeads(hidden_size=8, vocab_size=20, num_heads=3, num_layers=1, own_lm_head=False)
+    for parameter in heads.parameters():
+        nn.init.normal_(parameter)
+    heads.save(tmp_path, dtype=torch.float16)
+    assert all("linear" in name for name in torch.load(tmp_path / "medusa_lm_head.pt"))  # no projections
+    loaded = MedusaHeads.load(tmp_path)
+    assert (loaded.num_heads, loaded.own_lm_head) == (3, False)
+    hidden = torch.randn(8)
+    with torch.no_grad():
+        expected = torch.stack([lm_head(head(hidden)) for head in loaded.heads]).softmax(-1)
+    guesses = loaded.guess(hidden, lm_head, root_token=4, width=5)
+    assert isinstance(guesses, HeadGuesses) and guesses.num_heads == 3
+    assert torch.equal(guesses.tokens, expected.topk(5).indices)
+    assert torch.allclose(guesses.top_probs, expected.max(-1).values)
+    with torch.no_grad():
+        assert abs(guesses.root_prob - float(lm_head(hidden).softmax(-1)[4])) < 1e-6
+    with pytest.raises(ValueError, match="share the target's LM head"):
+        loaded(hidden)
+
+
+def test_the_heads_drafter_builds_the_schedulers_tree_from_the_guesses():
+    """With guesses from a stand-in source: each step's tree is the scheduler's choice on the
+    step's score, and its node (r_1..r_d) holds head d's r_d-th guess."""
+    import asyncio
+
+    from specdec_core.drafters.heads import HeadsDrafter, HeadsParams
+    from specdec_core.heads import HeadGuesses
+    from specdec_core.sampling import SamplingParams
+    from specdec_core.topologies import default_bank
+
+    class Source:
+        def __init__(self, root_probs):
+            self.root_probs, self.asked = list(root_probs), []
+
+        async def guess(self, root_token, width):
+            self.asked.append((root_token, width))
+            tokens = torch.arange(4 * width).reshape(4, width) + 100  # head d's rank r: 100 + d * width + r
+            return HeadGuesses(tokens, torch.full((4,), 0.5), self.root_probs.pop(0))
+
+    params = HeadsParams(scheduler="binary_tau", tree="medusa_8", aggressive="mc_sim_7b_63", tau_on=0.6, tau_off=0.3)
+    source = Source([0.2, 0.8, 0.5, 0.1, 0.7])
+    drafter = HeadsDrafter(source, params)
+
+    async def steps():
+        await drafter.reset([1, 2, 3], SamplingParams())
+        blocks = []
+        for step in range(5):
+            blocks.append(await drafter.propose(8))
+            drafter.commit([10 + step])
+        return blocks
+
+    blocks = asyncio.run(steps())
+    assert [block.tree.name for block in blocks] == [
+        "medusa_8",
+        "mc_sim_7b_63",
+        "mc_sim_7b_63",
+        "medusa_8",
+        "mc_sim_7b_63",
+    ]
+    width = default_bank().get("mc_sim_7b_63").top_k
+    assert source.asked == [(3, width), (10, width), (11, width), (12, width), (13, width)]
+    tree = blocks[1].tree
+    expected = [100 + (len(path) - 1) * width + path[-1] for path in tree.paths]
+    assert blocks[1].tokens.tolist() == expected
+    assert drafter.scores == [0.2, 0.8, 0.5, 0.1, 0.7]  # top1: the paper's score, p0
+
+
+def test_heads_requests_are_checked(heads_engine, tiny_engine):
+    from specdec_core import GenerationRequest, SpecdecError
+
+    def prepare(engine, params):
+        return engine.frontend.prepare(
+            GenerationRequest(prompt_ids=[1, 2], drafter={"name": "heads", "params": params})
+        )
+
+    with pytest.raises(SpecdecError, match="needs multi-token heads on the target"):
+        prepare(tiny_engine, {})
+    with pytest.raises(SpecdecError, match="binary_tau needs `aggressive`"):
+        prepare(heads_engine, {"scheduler": "binary_tau"})
+    with pytest.raises(SpecdecError, match="unknown tree 'nope'"):
+        prepare(heads_engine, {"scheduler": "ladder", "trees": ["chain_2", "nope"], "thresholds": [0.5]})
+    with pytest.raises(SpecdecError, match="has no tree rule"):
+        heads_engine.frontend.prepare(
+            GenerationRequest(prompt_ids=[1, 2], drafter={"name": "heads"}, policy={"name": "rejection"})
+        )
+
+
+def test_typical_acceptance_over_heads_trees_repeats_under_a_seed(heads_engine):
+    runs = [heads_engine.complete(heads_request({"name": "heads"}, 2, "typical", 0.8)).token_ids for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 40
+
+
+def test_sharegpt_first_turns_are_read_item_by_item_and_a_truncated_tail_is_skipped():
+    import io
+    import json
+
+    from specdec_core.questions import first_human_turns, sharegpt_first_turns
+
+    def conversation(first: str) -> dict:
+        return {"id": first, "conversations": [{"from": "human", "value": first}, {"from": "gpt", "value": "ok"}]}
+
+    items = [conversation(f"question {index}") for index in range(5)] + [{"id": "x", "conversations": []}]
+    text = json.dumps(items, indent=2)
+    assert first_human_turns(io.StringIO(text), 10, chunk=64) == [f"question {index}" for index in range(5)]
+    assert first_human_turns(io.StringIO(text[: text.index("question 4") + 5]), 10, chunk=64) == [
+        f"question {index}" for index in range(4)
+    ]
+    assert first_human_turns(io.StringIO(text), 2, chunk=7) == ["question 0", "question 1"]
+    turns = sharegpt_first_turns(20)  # the wheel's own file
+    assert len(turns) == 20 and all(turn.strip() for turn in turns)

@@ -112,6 +112,67 @@ def test_draft_model_trees_travel_the_wire(cluster, tiny_engine, policy, tempera
     assert metrics["spec_decode_num_accepted_tokens"] == local.metrics["spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("typical", 0.8)])
+def test_heads_trees_come_from_the_target_worker(heads_engine, policy, temperature):
+    """The heads drafter asks the target worker for its heads' guesses (Heads, which carries the
+    last commit) and uses no draft worker; the served tokens, acceptance and tree choices of a
+    binary_tau scheduler equal the in-process engine's."""
+    target = TargetServicer(heads_engine.target_model, 60.0, heads_engine.frontend.profile(), heads=heads_engine.heads)
+    workers = Workers(heads_engine, target=target)
+    params = {"scheduler": "binary_tau", "tree": "chain_2", "aggressive": "mc_sim_7b_63", "tau_on": 5e-4}
+    req = GenerationRequest(
+        prompt_ids=repeating_prompt(1),
+        policy={"name": policy},
+        drafter={"name": "heads", "params": {**params, "score": "path_value"}},
+        sampling={"max_tokens": 32, "temperature": temperature, "seed": 5},
+    )
+    try:
+        tokens, metrics = remote_complete(workers.engine, req)
+        local = heads_engine.complete(req)
+        assert tokens == local.token_ids
+        assert metrics["tree_steps"] == local.metrics["tree_steps"] and len(metrics["tree_steps"]) > 1
+        assert metrics["spec_decode_num_accepted_tokens"] == local.metrics["spec_decode_num_accepted_tokens"] > 0
+        assert workers.stubs["draft"].Stats(pb.Empty()).requests == 0
+    finally:
+        workers.stop()
+
+
+def test_a_target_worker_checks_heads_calls(heads_engine, tiny_engine):
+    """Heads on a target without heads, a bad width or root, and a commit sent twice are refused."""
+    with_heads = TargetServicer(
+        heads_engine.target_model, 60.0, heads_engine.frontend.profile(), heads=heads_engine.heads
+    )
+    workers = {"heads": Workers(heads_engine, target=with_heads), "none": Workers(tiny_engine)}
+    prompt, greedy = repeating_prompt(7), component_to_proto(ComponentSpec(name="greedy"))
+    reset = pb.TargetReset(
+        session_id="s", prompt_ids=prompt, sampling=sampling_to_proto(SamplingParams()), policy=greedy
+    )
+    try:
+        for group in workers.values():
+            group.stubs["target"].Reset(reset)
+        assert workers["none"].stubs["target"].Profile(pb.Empty()).num_heads == 0
+        with pytest.raises(grpc.RpcError, match="no multi-token heads"):
+            workers["none"].stubs["target"].Heads(pb.HeadsRequest(session_id="s", root_token=1, width=2))
+        stub = workers["heads"].stubs["target"]
+        assert stub.Profile(pb.Empty()).num_heads == heads_engine.heads.num_heads
+        first = stub.Heads(pb.HeadsRequest(session_id="s", root_token=prompt[-1], width=3))
+        assert list(first.tokens.shape) == [heads_engine.heads.num_heads, 3]
+        for fields, message in [
+            ({"root_token": -1, "width": 2}, "root_token"),
+            ({"root_token": 1, "width": 0}, "width must lie in"),
+        ]:
+            with pytest.raises(grpc.RpcError) as failure:
+                stub.Heads(pb.HeadsRequest(session_id="s", **fields))
+            assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in failure.value.details()
+        stub.Score(pb.ScoreRequest(session_id="s", tokens=[prompt[-1], 1, 2, 3, 4], tree="chain_4"))
+        stub.Heads(pb.HeadsRequest(session_id="s", root_token=1, width=2, commit_path=[0, 1]))
+        with pytest.raises(grpc.RpcError, match="root-first path"):  # that commit was applied: not again
+            stub.Score(pb.ScoreRequest(session_id="s", tokens=[5], commit_path=[0, 1]))
+    finally:
+        for group in workers.values():
+            group.stop()
+
+
 def test_a_target_worker_checks_trees_and_their_commits(tiny_engine):
     workers = Workers(tiny_engine)
     stub, prompt = workers.stubs["target"], repeating_prompt(7)

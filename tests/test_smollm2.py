@@ -22,7 +22,7 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("drafter", ["pld", "model", "mla"])
+@pytest.mark.parametrize("drafter", ["pld", "model", "mla", "heads"])
 def test_greedy_speculation_is_identical_to_target_only_on_smollm2(smol_engine, drafter):
     for prompt in PROMPTS:
         messages = [{"role": "user", "content": prompt}]
@@ -36,6 +36,7 @@ def test_greedy_speculation_is_identical_to_target_only_on_smollm2(smol_engine, 
         )
         assert speculative.token_ids == reference.token_ids
         assert speculative.text == reference.text and reference.text.strip()
+        assert speculative.metrics["spec_decode_num_accepted_tokens"] > 0  # the shipped heads load by default
 
 
 def test_stop_strings_truncate_text_and_stream_consistently(smol_engine):
@@ -247,3 +248,39 @@ def test_verify_cost_prints_the_block_cost_curve():
     validate_drafter("model", {"verify_cost": json.loads(printed.group(1)), "draft_cost": float(draft_cost.group(1))})
     bad = CliRunner().invoke(app, ["verify-cost", "--max-tokens", "8", "--context", "4", "--draft", "none"])
     assert bad.exit_code == 2 and "--context" in bad.output
+
+
+def test_train_heads_and_frontier_run_end_to_end(tmp_path):
+    """`train-heads` on ShareGPT (two prompts, a few steps) writes heads that `frontier` searches
+    trees for; the bank file's trees then run in the bench."""
+    heads_dir = tmp_path / "heads"
+    args = ["train-heads", "--out", str(heads_dir), "--prompts", "2", "--continuation-tokens", "8"]
+    result = CliRunner().invoke(app, [*args, "--set", "steps=3", "--set", "batch_positions=8", "--set", "holdout=0"])
+    assert result.exit_code == 0, result.output
+    assert (heads_dir / "medusa_lm_head.pt").exists() and json.loads((heads_dir / "train_log.json").read_text())[
+        "after"
+    ]
+    frontier_dir = tmp_path / "frontier"
+    args = ["frontier", "--tasks", "qa", "--prompts", "1", "--max-new-tokens", "8", "--budget", "4", "--rerank", "2"]
+    result = CliRunner().invoke(app, [*args, "--taus", "0.5", "--heads", str(heads_dir), "--out", str(frontier_dir)])
+    assert result.exit_code == 0, result.output
+    bank = json.loads((frontier_dir / "qa.json").read_text())
+    assert [row["nodes"] for row in bank["frontier"]] == [1, 2, 3, 4] and bank["best"] in bank["trees"]
+    assert (frontier_dir / "qa.png").stat().st_size > 0
+    method = f"specdec:greedy+heads(tree={bank['best']})"
+    args = [
+        "bench",
+        "--categories",
+        "qa",
+        "--per-category",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--methods",
+        f"target,{method}",
+    ]
+    bank_args = ["--trees", str(frontier_dir / "qa.json"), "--heads", str(heads_dir)]
+    result = CliRunner().invoke(app, [*args, *bank_args, "--out", str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    rows = {row["method"]: row for row in json.loads((tmp_path / "b" / "bench.json").read_text())["results"]}
+    assert rows[method]["identical_to_target"] == 1.0

@@ -1,4 +1,4 @@
-"""Drafters by name: `none`, `pld`, `model`, `mla`, `model_tree` (docs/policies.md)."""
+"""Drafters by name: `none`, `pld`, `model`, `mla`, `model_tree`, `heads` (docs/policies.md)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import torch
 
 from ..errors import SpecdecError, validate_params
 from .base import Drafter, NoDrafter
+from .heads import HeadsDrafter
 from .model import ModelDrafter, MultiLevelDrafter
 from .model_tree import ModelTreeDrafter
 from .pld import PromptLookupDrafter
 
-DRAFTERS: dict[str, type[Drafter]] = {
-    cls.name: cls for cls in (NoDrafter, PromptLookupDrafter, ModelDrafter, MultiLevelDrafter, ModelTreeDrafter)
+# HeadsDrafter is no Drafter: it asks the target session for its heads' guesses (async)
+DRAFTERS: dict[str, type] = {
+    cls.name: cls
+    for cls in (NoDrafter, PromptLookupDrafter, ModelDrafter, MultiLevelDrafter, ModelTreeDrafter, HeadsDrafter)
 }
 
 
@@ -37,6 +40,8 @@ def make_drafter(
     name: str, params: Optional[dict[str, Any]] = None, draft_model: Optional[torch.nn.Module] = None
 ) -> Drafter:
     validated = validate_drafter(name, params)
+    if DRAFTERS[name] is HeadsDrafter:
+        raise DrafterError("drafter 'heads' reads the target's heads: it is made beside the target session")
     if DRAFTERS[name].needs_model:
         if draft_model is None:
             raise DrafterError(f"drafter {name!r} needs a draft model, and none is loaded")
@@ -44,4 +49,4 @@ def make_drafter(
     return DRAFTERS[name](validated)
 
 
-__all__ = ["DRAFTERS", "Drafter", "DrafterError", "make_drafter", "validate_drafter"]
+__all__ = ["DRAFTERS", "Drafter", "DrafterError", "HeadsDrafter", "make_drafter", "validate_drafter"]

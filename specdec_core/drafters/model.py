@@ -42,6 +42,13 @@ class ModelDrafterParams(AdaptiveLengthParams):
     confidence_threshold: float = Field(
         0.0, ge=0.0, le=1.0, description="stop drafting when the draft's top prob is below this"
     )
+    path_threshold: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="entropy-gated K: stop once the path value (the product of the draft's top-1 probs "
+        "so far, EntMTP's score over a chain) is at or below this; 0: off",
+    )
     # the embedded pair's: the int4 draft's 1-token step over the fp32 target's, from
     # `specdec verify-cost` (docs/performance.md)
     draft_cost: float = Field(
@@ -107,6 +114,7 @@ class ModelDrafter(Drafter):
         token_probs: list[torch.Tensor] = []  # p_d of sampled tokens, for verification
         sampled = not self.sampling.greedy and not self.deterministic
         max_tokens = self.block_limit(max_tokens, batch_rows).length
+        path_value = 1.0
         while len(tokens) < max_tokens:
             sequence = self.context + tokens
             self.sync_cache(sequence)
@@ -122,12 +130,19 @@ class ModelDrafter(Drafter):
                 predicted_ids = argmax(logits)
             predicted = predicted_ids.tolist()
             matched = common_prefix_length(guess, predicted, len(guess))
-            tokens.extend(predicted[: matched + 1])
-            rows.append(logits[: matched + 1])
+            kept, gated = matched + 1, False
+            if self.params.path_threshold > 0:  # keep up to the first token whose path value is <= tau
+                values = path_value * logits[:kept].softmax(-1).amax(-1).double().cumprod(0)
+                below = (values <= self.params.path_threshold).nonzero()
+                if len(below):
+                    kept, gated = int(below[0]) + 1, True
+                path_value = float(values[kept - 1])
+            tokens.extend(predicted[:kept])
+            rows.append(logits[:kept])
             if sampled:
-                token_probs.append(probs[: matched + 1].gather(-1, predicted_ids[: matched + 1, None]).squeeze(-1))
+                token_probs.append(probs[:kept].gather(-1, predicted_ids[:kept, None]).squeeze(-1))
             threshold = self.params.confidence_threshold
-            if threshold > 0 and logits[matched].softmax(-1).amax() < threshold:
+            if gated or (threshold > 0 and logits[matched].softmax(-1).amax() < threshold):
                 break
         self.last_proposal = tokens[:max_tokens]
         self.drafted += len(self.last_proposal)

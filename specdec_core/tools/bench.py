@@ -83,7 +83,8 @@ def pld_params(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 SPECULATIVE_METHOD = re.compile(
-    r"^(?:specdec|endpoint):(?P<policy>\w+)(?:\((?P<params>.*)\))?\+(?P<drafter>\w+)(?:@(?P<k>\d+))?$"
+    r"^(?:specdec|endpoint):(?P<policy>\w+)(?:\((?P<params>.*?)\))?"
+    r"\+(?P<drafter>\w+)(?:\((?P<drafter_params>.*)\))?(?:@(?P<k>\d+))?$"
 )
 
 
@@ -93,19 +94,23 @@ class SpeculativeMethod:
     drafter: str
     num_draft_tokens: Optional[int] = None  # None: the bench's -k
     policy_params: dict[str, Any] = field(default_factory=dict)  # over --policy-param's
+    drafter_params: dict[str, Any] = field(default_factory=dict)  # over --drafter-param's
 
 
 def parse_specdec_method(method: str) -> SpeculativeMethod:
-    """`specdec:<policy>[(k=v,...)]+<drafter>[@K]` (or `endpoint:...`), e.g.
-    `specdec:dropmatch(criteria=["js"],dropout=0.05)+mla@15`: values are JSON where they parse."""
+    """`specdec:<policy>[(k=v,...)]+<drafter>[(k=v,...)][@K]` (or `endpoint:...`), e.g.
+    `specdec:dropmatch(criteria=["js"],dropout=0.05)+mla@15` or
+    `specdec:greedy+heads(scheduler=binary_tau,aggressive=medusa_32,tau_on=0.5)`: values are JSON
+    where they parse."""
     match = SPECULATIVE_METHOD.match(method)
     if match is None:
-        raise ValueError(f"method {method!r} must look like specdec:<policy>[(k=v,...)]+<drafter>[@K]")
+        raise ValueError(f"method {method!r} must look like specdec:<policy>[(k=v,...)]+<drafter>[(k=v,...)][@K]")
     return SpeculativeMethod(
         match["policy"],
         match["drafter"],
         int(match["k"]) if match["k"] else None,
         parse_params(split_top_level(match["params"] or "")),
+        parse_params(split_top_level(match["drafter_params"] or "")),
     )
 
 
@@ -127,7 +132,11 @@ class Runner:
         """`method` None: target-only, under the default policy for the temperature."""
         drafter = method.drafter if method else "none"
         takes_lookup = drafter in DRAFTERS and issubclass(DRAFTERS[drafter].Params, PromptLookupParams)
-        drafter_params = {**(self.pld_params if takes_lookup else {}), **self.config.drafter_params.get(drafter, {})}
+        drafter_params = {
+            **(self.pld_params if takes_lookup else {}),
+            **self.config.drafter_params.get(drafter, {}),
+            **(method.drafter_params if method else {}),
+        }
         policy = None
         if method:
             policy_params = {**self.config.policy_params.get(method.policy, {}), **method.policy_params}

@@ -29,6 +29,10 @@ TargetDtypeOpt = typer.Option("float32", "--target-dtype")
 DraftOpt = typer.Option(DEFAULT_DRAFT.source, "--draft", help="draft model source ('none' for no draft model)")
 DraftDtypeOpt = typer.Option(DEFAULT_DRAFT.dtype, "--draft-dtype")
 DraftLayersOpt = typer.Option(DEFAULT_DRAFT.num_layers, "--draft-layers", help="keep the first N draft layers")
+HeadsOpt = typer.Option(
+    "auto", "--heads", help="the target's multi-token heads: a directory of Medusa heads, auto (shipped ones), none"
+)
+TreesOpt = typer.Option([], "--trees", help="a tree bank file of `specdec frontier` (its trees by name), repeatable")
 QuestionsOpt = typer.Option(
     str(DEFAULT_QUESTIONS),
     "--questions",
@@ -58,14 +62,25 @@ def comma_list(text: str) -> list[str]:
     return params.split_top_level(text)
 
 
-def build_engine(target: str, target_dtype: str, draft: str, draft_dtype: str, draft_layers: Optional[int]):
+def build_engine(
+    target: str,
+    target_dtype: str,
+    draft: str,
+    draft_dtype: str,
+    draft_layers: Optional[int],
+    heads: Optional[str] = "auto",
+    trees: Iterable[Path] = (),
+):
     from ..engine import SpeculativeEngine
     from ..kernels.cpu import configure_cpu
+    from ..topologies import load_tree_bank
 
     configure_cpu(os.cpu_count() or 1)
+    for bank in trees:
+        load_tree_bank(bank)
     target_spec = ModelSpec(source=target, dtype=target_dtype)
     draft_spec = None if draft == "none" else ModelSpec(source=draft, dtype=draft_dtype, num_layers=draft_layers)
-    return SpeculativeEngine.from_specs(target_spec, draft_spec)
+    return SpeculativeEngine.from_specs(target_spec, draft_spec, None if heads == "none" else heads)
 
 
 def fail(message: str) -> None:
@@ -181,7 +196,8 @@ def bench(
         "target,hf:prompt_lookup,specdec:greedy+pld",
         "--methods",
         help="comma list: target, hf:prompt_lookup, hf:assisted, specdec:<policy>[(k=v,...)]+<drafter>[@K], "
-        "endpoint:<policy>[(k=v,...)]+<drafter>[@K]; (k=v,...) sets that method's policy parameters",
+        "endpoint:<policy>[(k=v,...)]+<drafter>[(k=v,...)][@K]; (k=v,...) sets that method's policy or "
+        "drafter parameters",
     ),
     categories: str = typer.Option("all", "--categories", help="comma list or 'all'"),
     per_category: int = typer.Option(5, "--per-category"),
@@ -205,6 +221,8 @@ def bench(
     draft: str = DraftOpt,
     draft_dtype: str = DraftDtypeOpt,
     draft_layers: Optional[int] = DraftLayersOpt,
+    heads: str = HeadsOpt,
+    trees: list[Path] = TreesOpt,
 ):
     """Benchmark decoding methods on Spec-Bench; writes OUT/bench.json, OUT/bench.png and
     OUT/outputs.jsonl (every method's output per question)."""
@@ -239,7 +257,7 @@ def bench(
         load_sweep(config, [int(level) for level in levels], lambda: connect(endpoint), target, out)
         return
     endpoint_client = connect(endpoint) if endpoint else None
-    engine = build_engine(target, target_dtype, draft, draft_dtype, draft_layers)
+    engine = build_engine(target, target_dtype, draft, draft_dtype, draft_layers, heads, trees)
     try:
         rows, outputs = run_bench(engine, config, lambda items: tqdm(items, desc="questions"), endpoint_client)
     except (SpecdecError, ValueError, FileNotFoundError) as error:
@@ -368,6 +386,97 @@ def verify_cost(
     if "draft_cost" in params:  # model and mla drafters also price each draft forward
         console.print(
             f"model and mla drafters, also: --drafter-param 'draft_cost={params['draft_cost']}'", soft_wrap=True
+        )
+
+
+@app.command("train-heads")
+def train_heads_command(
+    out: Path = typer.Option(Path("heads_out"), "--out", help="heads, log and resumable state go here"),
+    prompts: int = typer.Option(256, "--prompts", help="ShareGPT first turns the target continues"),
+    max_prompt_tokens: int = typer.Option(256, "--max-prompt-tokens", help="longer prompts are skipped"),
+    continuation_tokens: int = typer.Option(128, "--continuation-tokens"),
+    distill_batch: int = typer.Option(16, "--distill-batch", help="prompts continued together"),
+    setting: list[str] = typer.Option(
+        [], "--set", help="a training setting k=v, repeatable (specdec_core/train_heads.py TrainSettings)"
+    ),
+    target: str = TargetOpt,
+    target_dtype: str = TargetDtypeOpt,
+):
+    """Train Medusa-style heads for a target by self-distillation on ShareGPT: the target's own
+    greedy continuations of the first turns, heads of its final hidden states (its weights
+    frozen). Resumable: rerun the same command to go on from the last checkpoint."""
+    from pydantic import ValidationError
+
+    from ..engine import SpeculativeEngine
+    from ..kernels.cpu import configure_cpu
+    from ..questions import sharegpt_first_turns
+    from ..train_heads import DistillSettings, TrainSettings, train_heads
+
+    try:
+        distill_settings = DistillSettings(continuation_tokens=continuation_tokens, batch_size=distill_batch)
+        train_settings = TrainSettings(**parse_params(setting))
+    except ValidationError as error:
+        fail(format_validation_errors(error.errors(), "train-heads"))
+    configure_cpu(os.cpu_count() or 1)
+    engine = SpeculativeEngine.from_specs(ModelSpec(source=target, dtype=target_dtype), None, heads=None)
+    tokenizer = engine.frontend.tokenizer
+    if tokenizer is None:
+        fail("train-heads needs a target with a tokenizer (its prompts are ShareGPT's text)")
+    prompt_ids = []
+    for turn in sharegpt_first_turns(prompts * 4):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": turn}], tokenize=False, add_generation_prompt=True
+        )
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) <= max_prompt_tokens:
+            prompt_ids.append(ids)
+        if len(prompt_ids) == prompts:
+            break
+    _, log = train_heads(
+        engine.target_model, prompt_ids, out, distill_settings, train_settings, engine.frontend.eos_ids, target
+    )
+    console.print(json.dumps({key: log[key] for key in ("before", "after", "train_seconds")}))
+    console.print(f"heads written to {out} (load them with --heads {out})")
+
+
+@app.command()
+def frontier(
+    tasks: str = typer.Option("mt_bench,math_reasoning,qa", "--tasks", help="Spec-Bench categories, or mt_bench"),
+    prompts: int = typer.Option(12, "--prompts", help="calibration questions per task (the last ones)"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    budget: int = typer.Option(40, "--budget", help="the largest tree, in nodes"),
+    rerank: int = typer.Option(5, "--rerank", help="frontier trees timed on the real loop (spread over sizes)"),
+    taus: str = typer.Option("0.3,0.5,0.7,0.9", "--taus", help="binary_tau thresholds swept (score top1)"),
+    out: Path = typer.Option(Path("frontier_out"), "--out"),
+    target: str = TargetOpt,
+    target_dtype: str = TargetDtypeOpt,
+    heads: str = HeadsOpt,
+):
+    """EntMTP's offline tree search for the target's heads: per task the acceptance frontier
+    (Algorithm 1), re-scored by each tree's own rollout, re-ranked by measured tokens/s; writes
+    OUT/TASK.json (a tree bank: load it with --trees) and OUT/TASK.png."""
+    from .frontier import frontier as search
+
+    if budget < 1 or rerank < 1 or prompts < 1:
+        fail("need --budget, --rerank and --prompts >= 1")
+    engine = build_engine(target, target_dtype, "none", "float32", None, heads)
+    try:
+        tau_values = [float(tau) for tau in comma_list(taus)]
+        results = search(engine, comma_list(tasks), prompts, max_new_tokens, budget, rerank, tau_values, out)
+    except (SpecdecError, ValueError, FileNotFoundError) as error:
+        fail(str(error))
+    rows = [
+        {"task": result["task"], **row}
+        for result in results
+        for row in [{"tree": result["default"]["tree"], **result["default"]}, *result["frontier"]]
+        if "tok_per_s" in row
+    ]
+    print_table(rows, ["task", "tree", "nodes", "estimate", "own", "bias_pct", "tok_per_s", "tokens_per_step"], ())
+    for result in results:
+        schedule = result["binary_tau"]
+        console.print(
+            f"{result['task']}: best static tree {result['best']}; binary_tau {schedule['tree']} -> "
+            f"{schedule['aggressive']} at tau_on={schedule.get('tau_on')} -> {out / (result['task'] + '.json')}"
         )
 
 

@@ -32,6 +32,8 @@ TABLE_COLUMNS = (
     "target_nll",
     "correct",
     "accuracy",
+    "draft_ms_p50",
+    "target_ms_p50",
     "verify_ms_p50",
     *POLICY_COUNTERS,
 )
@@ -71,7 +73,14 @@ def aggregate(results: list[MethodResult], methods: list[str]) -> list[dict]:
                 target_rate = rate
             drafts = sum(run.metrics.get("spec_decode_num_drafts", 0) for run in runs)
             accepted = sum(run.metrics.get("spec_decode_num_accepted_tokens", 0) for run in runs)
-            verify_ms = [run.metrics["verify_ms_p50"] for run in runs if "verify_ms_p50" in run.metrics]
+            step_ms = {
+                key: [run.metrics[key] for run in runs if key in run.metrics]
+                for key in ("draft_ms_p50", "target_ms_p50", "verify_ms_p50")
+            }
+            tree_steps: dict[str, int] = defaultdict(int)  # a tree scheduler's choices
+            for run in runs:
+                for tree, count in run.metrics.get("tree_steps", {}).items():
+                    tree_steps[tree.partition("@")[0]] += count
             identical = [entry.identical for entry in entries if entry.identical is not None]
             graded = [entry.correct for entry in entries if entry.correct is not None]
             nll_total = sum(entry.nll * len(entry.run.token_ids) for entry in entries)
@@ -88,7 +97,8 @@ def aggregate(results: list[MethodResult], methods: list[str]) -> list[dict]:
                     "target_nll": round(nll_total / new_tokens, 4) if new_tokens else None,
                     "correct": sum(graded) if graded else None,
                     "accuracy": round(sum(graded) / len(graded), 4) if graded else None,
-                    "verify_ms_p50": round(statistics.median(verify_ms), 4) if verify_ms else None,
+                    **{key: round(statistics.median(values), 4) if values else None for key, values in step_ms.items()},
+                    **({"tree_steps": dict(tree_steps)} if tree_steps else {}),
                     **{
                         counter: sum(run.metrics.get(counter, 0) for run in runs)
                         for counter in POLICY_COUNTERS

@@ -1,0 +1,113 @@
+"""`heads`: candidate trees from the target's own multi-token heads (heads.py), Medusa's
+self-speculation. The heads run beside the target, on the final hidden state of the last
+committed position, so this drafter asks its target session for their guesses
+(`TargetScorer.guess`, or the target worker's Heads call) and builds the step's tree from them:
+the node of path (r_1, .., r_d) is head d's r_d-th most likely token, whatever its parent.
+
+Which tree, per step, is EntMTP's scheduler's choice (scheduler.py): `static`, `binary_tau`
+between a conservative and an aggressive tree, or a `ladder` over several, on a score of the
+decode state: `top1`, the paper's `max(p0, g_1..g_D)` (which equals p0, the target's
+probability of the root), or `path_value`, g_D = p0 * p_1 * .. * p_D over the heads' top-1
+probabilities (EAGLE-2's value of the top-1 path)."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Protocol, Sequence
+
+import torch
+from pydantic import Field, model_validator
+
+from ..heads import HeadGuesses
+from ..sampling import SamplingParams
+from ..scheduler import BinaryTauParams, LadderParams, SchedulerParams, StaticParams, TreeScheduler, path_score
+from ..topologies import DEFAULT_TREE, default_bank
+from ..tree import Topology
+from ..types import DraftBlock
+from .base import DrafterParams
+
+
+class HeadsSource(Protocol):
+    async def guess(self, root_token: int, width: int) -> Optional[HeadGuesses]:
+        """The heads' guesses after the last committed position (None before there is one)."""
+
+
+class HeadsParams(DrafterParams):
+    scheduler: Literal["static", "binary_tau", "ladder"] = "static"
+    tree: str = Field(DEFAULT_TREE, description="static: the tree; binary_tau: the conservative tree")
+    aggressive: Optional[str] = Field(None, description="binary_tau: the tree while the score is high")
+    tau_on: Optional[float] = Field(None, ge=0.0, le=1.0, description="binary_tau: switch up when score > tau_on")
+    tau_off: Optional[float] = Field(None, ge=0.0, le=1.0, description="binary_tau: back when score <= tau_off")
+    trees: tuple[str, ...] = Field((), description="ladder: from the smallest tree to the largest")
+    thresholds: tuple[float, ...] = Field((), description="ladder: len(trees) - 1 rising scores")
+    score: Literal["top1", "path_value"] = "top1"
+
+    @model_validator(mode="after")
+    def _a_schedule_of_known_trees(self):
+        self.schedule()  # the scheduler's own checks
+        for name in self.tree_names():
+            if name not in default_bank():
+                raise ValueError(f"unknown tree {name!r}; known: {', '.join(default_bank().names())}")
+        return self
+
+    def schedule(self) -> SchedulerParams:
+        if self.scheduler == "static":
+            return StaticParams(tree=self.tree)
+        if self.scheduler == "ladder":
+            return LadderParams(trees=self.trees, thresholds=self.thresholds)
+        if self.aggressive is None or self.tau_on is None:
+            raise ValueError("binary_tau needs `aggressive` (a tree) and `tau_on`")
+        return BinaryTauParams(
+            conservative=self.tree, aggressive=self.aggressive, tau_on=self.tau_on, tau_off=self.tau_off
+        )
+
+    def tree_names(self) -> list[str]:
+        schedule = self.schedule()
+        if isinstance(schedule, StaticParams):
+            return [schedule.tree]
+        if isinstance(schedule, BinaryTauParams):
+            return [schedule.conservative, schedule.aggressive]
+        return list(schedule.trees)
+
+
+def heads_tree_tokens(tree: Topology, guesses: HeadGuesses) -> torch.Tensor:
+    """The node tokens of `tree` (no deeper than the heads, no wider than their guesses) from
+    the heads' guesses: tree.py's candidate gather over a [depth, top_k] table."""
+    return guesses.tokens[: tree.max_depth, : tree.top_k].reshape(-1)[tree.candidate_index]
+
+
+class HeadsDrafter:
+    """A `DraftSession` over a target session with heads (`HeadsSource`)."""
+
+    name = "heads"
+    Params = HeadsParams
+    needs_model = False
+    proposes_trees = True
+
+    def __init__(self, source: HeadsSource, params: Optional[HeadsParams] = None):
+        self.source = source
+        self.params = params if params is not None else HeadsParams()
+        trees = [default_bank().get(name) for name in self.params.tree_names()]
+        self.width = max(tree.top_k for tree in trees)
+        self.scores: list[float] = []  # per proposed step, for the bench's scheduler reports
+
+    async def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+        self.root = prompt_ids[-1]
+        self.scheduler = TreeScheduler(self.params.schedule())
+
+    async def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+        if max_tokens <= 0:
+            return DraftBlock.empty()
+        guesses = await self.source.guess(self.root, self.width)
+        if guesses is None:  # nothing committed yet (a one-token prompt): a plain step
+            return DraftBlock.empty()
+        if self.params.score == "top1":
+            score = path_score([guesses.root_prob, *guesses.top_probs.tolist()])
+        else:
+            score = guesses.root_prob * float(guesses.top_probs.prod())
+        self.scores.append(score)
+        tree = default_bank().limited(self.scheduler.choose(score), min(max_tokens, guesses.num_heads))
+        tokens = heads_tree_tokens(tree, guesses)
+        return DraftBlock(tokens=tokens, tree=tree)
+
+    def commit(self, new_tokens: Sequence[int]) -> None:
+        self.root = new_tokens[-1]
