@@ -66,6 +66,8 @@ def completion_cases() -> list[HttpCase]:
             ({"policy": {"name": "nope"}}, 400, "policy"),
             ({"policy": {"name": "fly", "params": {"theta": -1}}}, 400, "policy"),
             ({"drafter": "nope"}, 400, "drafter"),
+            ({"drafter": {"name": "heads", "params": {"scheduler": "binary_tau"}}}, 400, "drafter"),
+            ({"drafter": {"name": "heads", "params": {"tree": "nope"}}}, 400, "drafter"),
             ({"num_draft_tokens": 500}, 400, "num_draft_tokens"),
             ({"num_draft_tokens": 0}, 400, "num_draft_tokens"),
             ({"stop": 5}, 400, "stop"),
@@ -111,6 +113,7 @@ GRPC_CASES = [
     {"prompt": "hi", "policy": {"name": "nope"}},
     {"prompt": "hi", "policy": {"name": "fly", "params_json": "{"}},
     {"prompt": "hi", "drafter": {"name": "nope"}},
+    {"prompt": "hi", "drafter": {"name": "heads", "params_json": '{"scheduler": "ladder", "trees": ["chain_2"]}'}},
     {"messages": [{"role": "wizard", "content": "hi"}]},
     {"prompt": "hi", "num_draft_tokens": 500},
 ]

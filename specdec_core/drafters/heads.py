@@ -88,7 +88,7 @@ class HeadsDrafter:
         self.params = params if params is not None else HeadsParams()
         trees = [default_bank().get(name) for name in self.params.tree_names()]
         self.width = max(tree.top_k for tree in trees)
-        self.scores: list[float] = []  # per proposed step, for the bench's scheduler reports
+        self.last_score: Optional[float] = None  # the scheduler's input at the last proposal
 
     async def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         self.root = prompt_ids[-1]
@@ -104,7 +104,7 @@ class HeadsDrafter:
             score = path_score([guesses.root_prob, *guesses.top_probs.tolist()])
         else:
             score = guesses.root_prob * float(guesses.top_probs.prod())
-        self.scores.append(score)
+        self.last_score = score
         tree = default_bank().limited(self.scheduler.choose(score), min(max_tokens, guesses.num_heads))
         tokens = heads_tree_tokens(tree, guesses)
         return DraftBlock(tokens=tokens, tree=tree)
