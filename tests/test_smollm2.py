@@ -24,6 +24,7 @@ PROMPTS = [
 
 @pytest.mark.parametrize("drafter", ["pld", "model", "mla", "heads"])
 def test_greedy_speculation_is_identical_to_target_only_on_smollm2(smol_engine, drafter):
+    num_accepted = 0
     for prompt in PROMPTS:
         messages = [{"role": "user", "content": prompt}]
         reference = smol_engine.complete(
@@ -36,7 +37,10 @@ def test_greedy_speculation_is_identical_to_target_only_on_smollm2(smol_engine, 
         )
         assert speculative.token_ids == reference.token_ids
         assert speculative.text == reference.text and reference.text.strip()
-        assert speculative.metrics["spec_decode_num_accepted_tokens"] > 0  # the shipped heads load by default
+        num_accepted += speculative.metrics["spec_decode_num_accepted_tokens"]
+    # each drafter earns something over the prompts (not each prompt: pld finds no repeat in the
+    # planets' list); for heads this checks that the shipped heads load by default
+    assert num_accepted > 0
 
 
 def test_stop_strings_truncate_text_and_stream_consistently(smol_engine):
