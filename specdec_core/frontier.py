@@ -33,8 +33,8 @@ def rank_table(
 ) -> torch.Tensor:
     """`[n_starts, num_heads]` int: for the step whose root is the prompt's last token, then each
     output token in turn, the rank of the true token at depth d among head d-1's top-`width`
-    guesses (`width` where it is not among them, or where the loop would not draft it: past the
-    output's second-to-last token)."""
+    guesses (-1 where it is not among them, or where the loop would not draft it: past the
+    output's second-to-last token), so no node, whatever its rank, is accepted there."""
     sequence = list(prompt_ids) + list(output_ids)
     if len(prompt_ids) < 2:
         raise ValueError("a prompt needs 2 tokens: a step's guesses come from the position before its root")
@@ -48,7 +48,7 @@ def rank_table(
     # head d-1 at position p guesses token p + 1 + d: row r (p = start + r), head h -> start + r + 2 + h
     targets = tokens[start + 2 + torch.arange(states.shape[0])[:, None] + torch.arange(heads.num_heads)]
     hits = guesses.permute(1, 0, 2) == targets[..., None].to(guesses.device)  # [n_starts, num_heads, width]
-    return torch.where(hits.any(-1), hits.int().argmax(-1), width).cpu()
+    return torch.where(hits.any(-1), hits.int().argmax(-1), -1).cpu()
 
 
 def node_acceptance(table: torch.Tensor, paths: Sequence[Path]) -> torch.Tensor:

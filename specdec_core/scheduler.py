@@ -73,13 +73,6 @@ class TreeScheduler:
         self.params = params
         self.aggressive = False  # binary_tau's state
 
-    def first(self) -> str:
-        """The tree of the first step (no score yet): the static one, the conservative, the smallest."""
-        params = self.params
-        if isinstance(params, StaticParams):
-            return params.tree
-        return params.conservative if isinstance(params, BinaryTauParams) else params.trees[0]
-
     def choose(self, score: float) -> str:
         params = self.params
         if isinstance(params, StaticParams):

@@ -37,11 +37,13 @@ def test_the_replay_of_a_tree_is_what_the_engine_accepts_with_it(heads_engine, t
         assert len(starts) == run.metrics["num_steps"]
         assert int(lengths[starts].sum()) == run.metrics["spec_decode_num_accepted_tokens"] > 0
         assert own_acceptance([table], topology.paths) == int(lengths[starts].sum()) / len(starts)
+        # a guess past the table's width is never credited (a miss is not a rank)
+        assert not accept_lengths(table, [(topology.top_k,)]).any()
 
 
 def test_algorithm_1_adds_the_best_what_if_extension_with_its_tie_breaks():
-    # rows are step starts, columns heads: the true token's rank among each head's guesses (9: none)
-    table = torch.tensor([[0, 1, 9], [0, 0, 9], [1, 0, 0], [0, 1, 0], [2, 9, 9], [0, 1, 1], [0, 9, 9], [9, 9, 9]])
+    # rows are step starts, columns heads: the true token's rank among each head's guesses (-1: none)
+    table = torch.tensor([[0, 1, -1], [0, 0, -1], [1, 0, 0], [0, 1, 0], [2, -1, -1], [0, 1, 1], [0, -1, -1], [-1] * 3])
     assert sorted(next_children([(0,), (0, 0), (1,)], 3)) == [(0, 0, 0), (0, 1), (1, 0), (2,)]
     assert next_children([(0,)], 1) == [(1,)]
     frontier = acceptance_frontier([table], max_depth=3, budget=4)

@@ -34,13 +34,12 @@ def test_binary_tau_has_a_single_threshold_by_default_and_checks_its_order():
         PARAMS.validate_python({**params, "tau_off": 0.7})
 
 
-def test_ladder_bins_and_static_and_the_first_step():
+def test_ladder_bins_and_static():
     ladder = {"name": "ladder", "trees": ["a", "b", "c", "d"], "thresholds": [0.3, 0.6, 0.9]}
     assert trees_for(ladder, [0.1, 0.3, 0.31, 0.6, 0.75, 0.95]) == ["a", "a", "b", "b", "c", "d"]
     with pytest.raises(ValidationError, match="rising thresholds"):
         PARAMS.validate_python({**ladder, "thresholds": [0.6, 0.3, 0.9]})
     assert trees_for({"name": "static", "tree": "t"}, [0.0, 1.0]) == ["t", "t"]
-    assert TreeScheduler(PARAMS.validate_python(ladder)).first() == "a"
 
 
 def test_the_papers_score_is_the_verifiers_top1_probability():

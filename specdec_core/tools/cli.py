@@ -441,11 +441,15 @@ def train_heads_command(
 
 @app.command()
 def frontier(
-    tasks: str = typer.Option("mt_bench,math_reasoning,qa", "--tasks", help="Spec-Bench categories, or mt_bench"),
+    tasks: str = typer.Option(
+        "sharegpt,math_reasoning,qa", "--tasks", help="Spec-Bench categories, mt_bench, or sharegpt (held out)"
+    ),
     prompts: int = typer.Option(12, "--prompts", help="calibration questions per task (the last ones)"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     budget: int = typer.Option(40, "--budget", help="the largest tree, in nodes"),
-    rerank: int = typer.Option(5, "--rerank", help="frontier trees timed on the real loop (spread over sizes)"),
+    rerank: int = typer.Option(
+        6, "--rerank", help="frontier trees timed on the real loop (sizes spread geometrically)"
+    ),
     taus: str = typer.Option("0.3,0.5,0.7,0.9", "--taus", help="binary_tau thresholds swept (score top1)"),
     out: Path = typer.Option(Path("frontier_out"), "--out"),
     target: str = TargetOpt,

@@ -1,11 +1,13 @@
 """`specdec frontier`: per task, the acceptance frontier of heads trees (frontier.py, the paper's
 Algorithm 1), each frontier tree re-scored by its own rollout (the estimate's bias), a spread of
 them re-ranked by measured tokens/s on the real loop beside the published default, binary_tau
-between the smallest timed tree and the best with its threshold swept, a bank file of the
+between the two fastest with its threshold swept, a bank file of the
 frontier trees with the throughput-best one and the schedule named, and a PNG of both frontiers.
 
 Calibration uses the last questions of each category, so a bench over the first ones (its
-default) measures the chosen trees on other prompts. Timings run at T = 0 with the greedy policy."""
+default) measures the chosen trees on other prompts where a category has more questions than
+both take (Spec-Bench's MT-bench categories have 10: the `sharegpt` task calibrates on held-out
+ShareGPT first turns instead). Timings run at T = 0 with the greedy policy."""
 
 from __future__ import annotations
 
@@ -18,16 +20,28 @@ from tqdm.auto import tqdm
 
 from ..engine import SpeculativeEngine
 from ..frontier import FrontierPoint, acceptance_frontier, own_acceptance, rank_table
-from ..questions import DEFAULT_QUESTIONS, first_turn, load_questions
+from ..heads import MedusaHeads
+from ..questions import DEFAULT_QUESTIONS, first_turn, load_questions, sharegpt_first_turns
 from ..request import GenerationRequest
 from ..topologies import DEFAULT_TREE, default_bank
 
-# Spec-Bench's MT-bench part is eight categories; a task may name it as one
+# Spec-Bench's MT-bench part is eight categories; a task may name it as one (its categories hold
+# 10 questions each, so its calibration questions are among any 10-per-category bench's)
 TASKS = {"mt_bench": ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]}
+SHAREGPT = "sharegpt"
+# train-heads reads ShareGPT's first turns from the start (up to 4 per prompt it keeps): the
+# `sharegpt` task's prompts come from here on, unseen by heads trained on up to 1,024 prompts
+SHAREGPT_HELD_OUT = 4096
+MAX_SHAREGPT_PROMPT_TOKENS = 256  # train-heads' default bound: a long first turn is mostly prefill
 
 
 def calibration_prompts(engine: SpeculativeEngine, task: str, num_prompts: int) -> list[list[int]]:
-    """The chat-templated first turns of the task's last questions, `num_prompts` spread over its categories."""
+    """The chat-templated first turns of the task's last questions, `num_prompts` spread over its
+    categories; for `sharegpt`, held-out ShareGPT first turns of at most 256 tokens."""
+    if task == SHAREGPT:
+        turns = sharegpt_first_turns(SHAREGPT_HELD_OUT + 8 * num_prompts)[SHAREGPT_HELD_OUT:]
+        encoded = [engine.frontend.encode(GenerationRequest(messages=[{"role": "user", "content": t}])) for t in turns]
+        return [prompt for prompt in encoded if len(prompt) <= MAX_SHAREGPT_PROMPT_TOKENS][:num_prompts]
     categories = TASKS.get(task, [task])
     per_category = -(-num_prompts // len(categories))
     prompts = []
@@ -67,7 +81,7 @@ def run_task(
 ) -> dict:
     heads = engine.heads
     prompts = calibration_prompts(engine, task, num_prompts)
-    width = 1 + min(budget, 16)  # no rank past the budget can enter a tree of that many nodes
+    width = budget  # a tree of `budget` nodes has no rank past budget - 1
     tables = []
     for prompt in tqdm(prompts, desc=f"{task}: greedy outputs and head ranks", unit="prompt"):
         request = GenerationRequest(
@@ -80,17 +94,21 @@ def run_task(
     for point in frontier:
         default_bank().add(names[point.num_nodes], point.paths)
     default = default_bank().limited(DEFAULT_TREE, heads.num_heads)
-    # re-rank a spread of frontier sizes (always the largest) by measured throughput
-    picks = sorted({frontier[round(i * (len(frontier) - 1) / max(rerank - 1, 1))].num_nodes for i in range(rerank)})
+    # re-rank frontier sizes spread geometrically (1 node .. the largest) by measured throughput
+    largest = frontier[-1].num_nodes
+    picks = sorted({round(largest ** (i / max(rerank - 1, 1))) for i in range(rerank)})
     measured: dict[str, dict] = {}
     for name in tqdm([default.name, *(names[n] for n in picks)], desc=f"{task}: tokens/s", unit="tree"):
         measured[name] = measure(engine, prompts, {"tree": name}, max_new_tokens)
-    best = max((names[n] for n in picks), key=lambda name: measured[name]["tok_per_s"])
-    # binary_tau between the smallest timed tree and the best, tau swept (the paper's 1-D sweep)
-    schedule = {"scheduler": "binary_tau", "tree": names[picks[0]], "aggressive": best}
+    ranked = sorted((names[n] for n in picks), key=lambda name: measured[name]["tok_per_s"], reverse=True)
+    best = ranked[0]
+    # binary_tau between the two fastest trees (the smaller one conservative), tau swept (the
+    # paper's 1-D sweep)
+    conservative, aggressive = sorted(ranked[:2], key=lambda name: default_bank().get(name).num_nodes)
+    schedule = {"scheduler": "binary_tau", "tree": conservative, "aggressive": aggressive}
     sweep = [
         {"tau_on": tau, **measure(engine, prompts, {**schedule, "tau_on": tau}, max_new_tokens)}
-        for tau in tqdm(taus if names[picks[0]] != best else [], desc=f"{task}: binary_tau", unit="tau")
+        for tau in tqdm(taus if len(ranked) > 1 else [], desc=f"{task}: binary_tau", unit="tau")
     ]
     if sweep:
         schedule["tau_on"] = max(sweep, key=lambda row: row["tok_per_s"])["tau_on"]
@@ -160,6 +178,8 @@ def frontier(
 ) -> list[dict]:
     if engine.heads is None:
         raise ValueError("the target has no heads: give --heads")
+    if not isinstance(engine.heads, MedusaHeads):  # rank_table reads each head on its own
+        raise ValueError("the tree search replays Medusa heads; Hydra's heads read the path they extend")
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for task in tasks:
