@@ -112,12 +112,12 @@ class RemoteTarget:
     def commit_path(self, nodes: Sequence[int]) -> None:
         self.pending_path = list(nodes)
 
-    async def guess(self, root_token: int, width: int) -> Optional[HeadGuesses]:
-        """The heads' guesses (the heads drafter's source); the held commit rides on this call."""
+    async def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
+        """The heads' node tokens (the heads drafter's source); the held commit rides on this call."""
         request = pb.HeadsRequest(
             session_id=self.session_id,
             root_token=root_token,
-            width=width,
+            tree=tree,
             commit_keep=self.pending_keep,
             commit_path=self.pending_path,
         )
@@ -129,7 +129,11 @@ class RemoteTarget:
         self.bytes_received += reply.ByteSize()
         if not reply.HasField("tokens"):
             return None
-        return HeadGuesses(tensor_from_proto(reply.tokens), torch.tensor(list(reply.top_probs)), reply.root_prob)
+        topology = default_bank().get(reply.tree)
+        tokens = tensor_from_proto(reply.tokens)
+        if tokens.shape != (topology.num_nodes,):
+            raise RuntimeError(f"the target's heads sent {tuple(tokens.shape)} tokens for tree {reply.tree!r}")
+        return HeadGuesses(topology, tokens, torch.tensor(list(reply.top_probs)), reply.root_prob)
 
     async def release(self) -> None:
         await release(self.stub, self.session_id, self.deadline_s, "target")

@@ -21,7 +21,7 @@ from specdec_core.drafters import make_drafter, validate_drafter
 from specdec_core.drafters.model import ModelDrafter, propose_together
 from specdec_core.errors import SpecdecError, check_token_ids
 from specdec_core.frontend import Frontend
-from specdec_core.heads import HeadGuesses, MedusaHeads
+from specdec_core.heads import HeadGuesses, Heads
 from specdec_core.loader import ModelSpec
 from specdec_core.memory import kv_bytes_per_token
 from specdec_core.policies import make_policy
@@ -318,7 +318,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         batch_window_s: float = 0.005,
         prefill_chunk: int = PREFILL_CHUNK,
         admission: Optional[Admission] = None,
-        heads: Optional[MedusaHeads] = None,
+        heads: Optional[Heads] = None,
     ):
         """`profile`: the target's, measured at load (the defaults of policies that need one);
         `heads`: its multi-token heads (drafter `heads`), on its device."""
@@ -439,31 +439,34 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         if self.heads is None:
             raise SpecdecError("this target has no multi-token heads")
         check_token_ids([request.root_token], self.vocab_size, "root_token")
-        if not 1 <= request.width <= self.vocab_size:
-            raise SpecdecError(f"width must lie in [1, {self.vocab_size}]")
+        if request.tree not in default_bank():
+            raise SpecdecError(f"unknown tree {request.tree!r}")
         op = {
             "op": "guess",
             "session_id": request.session_id,
             "commit_keep": request.commit_keep,
             "commit_path": list(request.commit_path),
             "root_token": request.root_token,
-            "width": request.width,
+            "tree": request.tree,
         }
         guesses = self.call(op)
         if guesses is None:
             return pb.HeadsReply()
         return pb.HeadsReply(
-            tokens=tensor_to_proto(guesses.tokens), top_probs=guesses.top_probs.tolist(), root_prob=guesses.root_prob
+            tokens=tensor_to_proto(guesses.tokens),
+            top_probs=guesses.top_probs.tolist(),
+            root_prob=guesses.root_prob,
+            tree=guesses.tree.name,
         )
 
     def op_guess(
-        self, session_id: str, commit_keep: int, commit_path: list[int], root_token: int, width: int
+        self, session_id: str, commit_keep: int, commit_path: list[int], root_token: int, tree: str
     ) -> Optional[HeadGuesses]:
         """Apply the last Score's commit, then the heads' guesses after it."""
         scorer = self.session(session_id)
         self.check_commit(scorer, commit_keep, commit_path)
         self.apply_commit(scorer, commit_keep, commit_path)
-        return scorer.guess(root_token, width)
+        return scorer.guess(root_token, tree)
 
     @staticmethod
     def apply_commit(scorer: TargetScorer, commit_keep: int, commit_path: Sequence[int]) -> None:

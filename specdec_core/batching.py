@@ -90,28 +90,40 @@ def forward_ragged(
     """Run each row's new tokens after its cached ones in one forward; returns the final hidden
     states `[1, N, H]` of the packed rows (row i at positions offsets[i]..) and the offsets.
     `trees`: per row, the topology its tokens (root, then nodes) form, or None for a chain."""
+    input_ids = torch.tensor([[token for tokens in token_lists for token in tokens]], dtype=torch.long)
+    lengths = [len(tokens) for tokens in token_lists]
+    use_ragged_attention(model)
+    with kernels_by_chunk(lengths):
+        return run_ragged(model.model, caches, lengths, trees, input_ids=input_ids.to(model.device))
+
+
+def run_ragged(
+    base_model: torch.nn.Module,
+    caches: Sequence[SequenceKV],
+    lengths: Sequence[int],
+    trees: Optional[Sequence[Optional[Topology]]] = None,
+    **inputs: torch.Tensor,
+):
+    """`forward_ragged` for a base model (layers, no LM head; its attention the ragged one) over
+    rows of `lengths` new positions, given as its `input_ids` or `inputs_embeds` `[1, N, ..]`."""
     trees = trees or [None] * len(caches)
     offsets = [0]
-    for tokens in token_lists:
-        offsets.append(offsets[-1] + len(tokens))
-    device = model.device
-    input_ids = torch.tensor([[token for tokens in token_lists for token in tokens]], dtype=torch.long, device=device)
+    for length in lengths:
+        offsets.append(offsets[-1] + length)
     positions = torch.cat(
         [
-            cache.length + (tree.depths if tree is not None else torch.arange(len(tokens)))
-            for cache, tokens, tree in zip(caches, token_lists, trees)
+            cache.length + (tree.depths if tree is not None else torch.arange(length))
+            for cache, length, tree in zip(caches, lengths, trees)
         ]
     )
-    use_ragged_attention(model)
-    with kernels_by_chunk([len(tokens) for tokens in token_lists]):
-        output = model.model(
-            input_ids=input_ids,
-            position_ids=positions[None].to(device),
-            use_cache=False,
-            ragged=RaggedRows(caches, offsets, trees),
-        )
-    for cache, tokens in zip(caches, token_lists):
-        cache.advance(len(tokens))
+    output = base_model(
+        **inputs,
+        position_ids=positions[None].to(base_model.device),
+        use_cache=False,
+        ragged=RaggedRows(caches, offsets, trees),
+    )
+    for cache, length in zip(caches, lengths):
+        cache.advance(length)
     return output.last_hidden_state, offsets
 
 

@@ -12,7 +12,7 @@ import torch
 
 from .drafters import HeadsDrafter, make_drafter, validate_drafter
 from .frontend import Frontend, OutputTracker, PreparedRequest
-from .heads import AUTO, MedusaHeads, load_heads
+from .heads import AUTO, Heads, load_heads
 from .loader import ModelSpec, load_model, load_tokenizer
 from .logprobs import emitted_log_probs
 from .metrics import SpecMetrics
@@ -86,7 +86,7 @@ class SpeculativeEngine:
         draft_model: Optional[torch.nn.Module] = None,
         defaults: Optional[RequestDefaults] = None,
         profile: Optional[Callable[[torch.nn.Module, Frontend], TargetProfile]] = None,
-        heads: Optional[MedusaHeads] = None,
+        heads: Optional[Heads] = None,
     ):
         """`profile(target_model, frontend)` gives the target's profile (profile.py), on first need
         only; by default it is measured then, which needs a tokenizer (without one there is none).

@@ -19,10 +19,13 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union
 
 import torch
 from torch import nn
+
+from .topologies import default_bank
+from .tree import Topology
 
 WEIGHTS_FILE = "medusa_lm_head.pt"
 CONFIG_FILE = "config.json"
@@ -30,16 +33,26 @@ CONFIG_FILE = "config.json"
 SHIPPED_HEADS = {"embedded:smollm2-135m-instruct": Path(__file__).parent / "data" / "heads" / "smollm2-135m-instruct"}
 AUTO = "auto"
 
+if TYPE_CHECKING:
+    from .hydra import HydraHeads
+Heads = Union["MedusaHeads", "HydraHeads"]
 
-def load_heads(setting: Optional[str], target_source: str, model: nn.Module) -> Optional["MedusaHeads"]:
-    """A target's heads, on its device and in its dtype: `setting` is a directory of Medusa heads,
-    "auto" (the heads shipped for `target_source`, if any) or None (no heads)."""
+
+def load_heads(setting: Optional[str], target_source: str, model: nn.Module) -> Optional["Heads"]:
+    """A target's heads, on its device and in its dtype: `setting` is a directory of Medusa heads
+    (`medusa_lm_head.pt`) or Hydra heads (`hydra_lm_head.pt`), "auto" (the heads shipped for
+    `target_source`, if any) or None (no heads)."""
+    from .hydra import HYDRA_WEIGHTS_FILE, HydraHeads
+
     directory = SHIPPED_HEADS.get(target_source) if setting == AUTO else setting
     if directory is None:
         return None
-    heads = MedusaHeads.load(directory)
+    if (Path(directory) / HYDRA_WEIGHTS_FILE).exists():
+        heads: Heads = HydraHeads.load(directory, model.config)
+    else:
+        heads = MedusaHeads.load(directory)
     lm_head = model.get_output_embeddings().weight
-    if not heads.own_lm_head and lm_head.shape[-1] != heads.hidden_size:
+    if heads.hidden_size != lm_head.shape[-1]:
         raise ValueError(f"heads of hidden size {heads.hidden_size} do not fit a target of {lm_head.shape[-1]}")
     return heads.to(lm_head.device, lm_head.dtype).eval()
 
@@ -56,17 +69,43 @@ class ResidualBlock(nn.Module):
 
 @dataclass
 class HeadGuesses:
-    """What the heads guess after one committed position: each head's `width` most likely
-    tokens, their top-1 probabilities, and the target's probability of the token it committed
-    there (the root of the next tree): the features the tree scheduler reads."""
+    """What the heads guess after one committed position: the node tokens of a candidate tree
+    (the tree asked for, cut to the heads' depth), the heads' top-1 probabilities along the
+    top-1 path, and the target's probability of the token it committed there (the root of the
+    next tree): the features the tree scheduler reads."""
 
-    tokens: torch.Tensor  # [num_heads, width] int64, best first
-    top_probs: torch.Tensor  # [num_heads] float32
+    tree: Topology
+    tokens: torch.Tensor  # [tree.num_nodes] int64, in the tree's order
+    top_probs: torch.Tensor  # [<= num_heads] float32, from the first head on
     root_prob: float
 
-    @property
-    def num_heads(self) -> int:
-        return int(self.tokens.shape[0])
+
+class HeadsSession(Protocol):
+    """One request's heads on its target session (TargetScorer): fed the final hidden states of
+    the positions it commits, in order, it guesses the tree after the last of them."""
+
+    def advance(self, hidden: torch.Tensor) -> None:
+        """`hidden` [n, H]: the next n committed positions' final hidden states."""
+
+    def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
+        """The node tokens of tree `tree` after `root_token` (None before a position is committed)."""
+
+
+class MedusaSession:
+    """Medusa's heads read only the last committed position's state."""
+
+    def __init__(self, heads: "MedusaHeads", model: nn.Module):
+        self.heads, self.lm_head = heads, model.lm_head
+        self.last: Optional[torch.Tensor] = None
+
+    def advance(self, hidden: torch.Tensor) -> None:
+        if len(hidden):
+            self.last = hidden[-1]
+
+    def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
+        if self.last is None:
+            return None
+        return self.heads.guess(self.last, self.lm_head, root_token, default_bank().limited(tree, self.heads.num_heads))
 
 
 class MedusaHeads(nn.Module):
@@ -90,10 +129,14 @@ class MedusaHeads(nn.Module):
         project = (lambda states: states) if self.own_lm_head else lm_head
         return torch.stack([project(head(hidden)) for head in self.heads])
 
+    def session(self, model: nn.Module) -> MedusaSession:
+        return MedusaSession(self, model)
+
     @torch.inference_mode()
-    def guess(self, hidden: torch.Tensor, lm_head: Callable, root_token: int, width: int) -> HeadGuesses:
-        """The heads' guesses at one final hidden state `[H]` (the target's, whose LM head gave
-        `root_token`)."""
+    def guess(self, hidden: torch.Tensor, lm_head: Callable, root_token: int, tree: Topology) -> HeadGuesses:
+        """The node tokens of `tree` (no deeper than the heads) at one final hidden state `[H]`
+        (the target's, whose LM head gave `root_token`): node (r_1, .., r_d) is head d's r_d-th
+        guess, whatever its parent (Medusa's candidate gather)."""
         state = hidden.reshape(1, -1)
         if self.own_lm_head:  # [1, T, H] into the target's LM head, as its forward does
             root_logits, head_logits = lm_head(state[None])[0, 0], self(state)[:, 0]
@@ -101,9 +144,10 @@ class MedusaHeads(nn.Module):
             # weight of a guess, and on a CPU reading it once instead of per head saves most of the time
             logits = lm_head(torch.cat([state, *(head(state) for head in self.heads)])[None])[0]
             root_logits, head_logits = logits[0], logits[1:]
-        top = head_logits.float().softmax(-1).topk(width, dim=-1)
+        top = head_logits.float().softmax(-1).topk(tree.top_k, dim=-1)
         root_prob = float(root_logits.float().softmax(-1)[root_token])
-        return HeadGuesses(top.indices, top.values[:, 0].contiguous(), root_prob)
+        tokens = top.indices[: tree.max_depth].reshape(-1)[tree.candidate_index.to(top.indices.device)]
+        return HeadGuesses(tree, tokens, top.values[:, 0].contiguous(), root_prob)
 
     @classmethod
     def load(cls, directory: Union[str, Path]) -> "MedusaHeads":

@@ -33,9 +33,9 @@ class TargetSession(Protocol):
     def commit_path(self, nodes: Sequence[int]) -> None:
         """After `score_tree`: keep the root and the accepted path's nodes; drop the rest."""
 
-    async def guess(self, root_token: int, width: int) -> Optional[HeadGuesses]:
-        """With multi-token heads: their guesses after the last committed position (the heads
-        drafter's source, drafters/heads.py)."""
+    async def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
+        """With multi-token heads: their node tokens of tree `tree` after the last committed
+        position (the heads drafter's source, drafters/heads.py)."""
 
 
 class DraftSession(Protocol):
@@ -71,8 +71,8 @@ class Immediate:
     async def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         return self.session.propose(max_tokens, batch_rows)
 
-    async def guess(self, root_token: int, width: int) -> Optional[HeadGuesses]:
-        return self.session.guess(root_token, width)
+    async def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
+        return self.session.guess(root_token, tree)
 
     def commit(self, kept: Any) -> None:
         self.session.commit(kept)

@@ -3,8 +3,8 @@ cache that always holds exactly the committed tokens but the last one. Rollback 
 positions crops the cache. `forward_rows` runs many sessions' verify blocks and prompt chunks in
 one forward (a ragged batch, batching.py); each row comes out as it would alone. A verify row may
 be a candidate tree (`score_tree`), whose accepted path `commit_path` moves into place. With
-multi-token heads (heads.py), the scorer keeps the final hidden state of the last committed
-position, where `guess` runs the heads for the next tree."""
+multi-token heads (heads.py, hydra.py), the scorer feeds the final hidden states of the positions
+it commits to the request's heads session, whose `guess` gives the next tree."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from .batching import DEFAULT_CAPACITY, SequenceKV, forward_ragged
-from .heads import HeadGuesses, MedusaHeads
+from .heads import HeadGuesses, Heads, HeadsSession
 from .logprobs import token_log_probs
 from .policies import AcceptancePolicy
 from .sampling import SamplingParams
@@ -29,7 +29,7 @@ class TargetScorer:
     states and LM head, from `sampling.generator("target")`, so they come out the same wherever
     the target runs."""
 
-    def __init__(self, model: torch.nn.Module, heads: Optional[MedusaHeads] = None):
+    def __init__(self, model: torch.nn.Module, heads: Optional[Heads] = None):
         self.model = model
         self.heads = heads
         self.cache = SequenceKV()
@@ -37,7 +37,7 @@ class TargetScorer:
         self.num_scored = 0  # tokens of the last `score`, of which `commit` keeps some
         self.scored_tree: Optional[Topology] = None  # the tree the last score was, if one
         self.scored_hidden: Optional[torch.Tensor] = None  # [T, H] of the last score, with heads
-        self.committed_hidden: Optional[torch.Tensor] = None  # [H] of the last committed position
+        self.heads_session: Optional[HeadsSession] = None
 
     def start(
         self,
@@ -57,7 +57,8 @@ class TargetScorer:
         self.cache = SequenceKV(max_len)
         self.committed_len = 0
         self.num_scored = 0
-        self.scored_hidden = self.committed_hidden = None
+        self.scored_hidden = None
+        self.heads_session = self.heads.session(self.model) if self.heads is not None else None
         return list(prompt_ids[:-1])
 
     def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
@@ -98,28 +99,27 @@ class TargetScorer:
         """Keep the first `num_keep` scored tokens; the rest are rolled back on the next call."""
         self.committed_len += num_keep
         self.cache.crop(self.committed_len)
-        self.keep_hidden(num_keep - 1)
+        self.advance_heads(slice(0, num_keep))
 
     def commit_path(self, nodes: Sequence[int]) -> None:
         """After `score_tree`: keep the root and the accepted path, `nodes` (tree node indices,
         root 0 first); their cache entries move into place and the other nodes' are dropped."""
         self.cache.keep_at(self.committed_len, [self.committed_len + node for node in nodes])
         self.committed_len += len(nodes)
-        self.keep_hidden(nodes[-1])
+        self.advance_heads(list(nodes))
 
-    def keep_hidden(self, row: int) -> None:
-        """With heads: the last committed position is the scored row `row`."""
-        if self.scored_hidden is not None and row >= 0:
-            self.committed_hidden = self.scored_hidden[row]
+    def advance_heads(self, rows) -> None:
+        """With heads: the scored rows `rows` (a slice or node indices) are committed positions."""
+        if self.heads_session is not None and self.scored_hidden is not None:
+            self.heads_session.advance(self.scored_hidden[rows])
+            self.scored_hidden = None  # each committed position enters the heads once
 
-    def guess(self, root_token: int, width: int) -> Optional[HeadGuesses]:
-        """The heads' guesses for the tokens after `root_token` (the last committed token, which
-        the last committed position predicted); None before any position is committed."""
-        if self.heads is None:
+    def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
+        """The heads' node tokens of tree `tree` after `root_token` (the last committed token,
+        which the last committed position predicted); None before any position is committed."""
+        if self.heads_session is None:
             raise ValueError("this target has no multi-token heads")
-        if self.committed_hidden is None:
-            return None
-        return self.heads.guess(self.committed_hidden, self.model.lm_head, root_token, width)
+        return self.heads_session.guess(root_token, tree)
 
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: a long prompt never holds a step for its whole length
@@ -152,8 +152,8 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
     for row, begin, end in zip(rows, offsets, offsets[1:]):
         if row.prefill:
             row.scorer.committed_len += len(row.tokens)
-            if row.scorer.heads is not None:
-                row.scorer.committed_hidden = hidden[0, end - 1]
+            if row.scorer.heads_session is not None:
+                row.scorer.heads_session.advance(hidden[0, begin:end])
             blocks.append(None)
         else:
             blocks.append(row.scorer.finish(row.tokens, hidden[:, begin:end], row.tree))

@@ -11,14 +11,16 @@ over `[root, nodes...]` and its verification need:
 - `parents` [N+1]: each node's parent (the root -1);
 - `candidate_index` [N]: where node n's token lies in a [depth, top_k] table of candidates
   (row depth - 1, column its last rank), flattened;
-- `retrieve_indices` [L, D+1]: the root-to-leaf node paths, one per leaf, padded with -1.
+- `retrieve_indices` [L, D+1]: the root-to-leaf node paths, one per leaf, padded with -1;
+- `levels`: per depth, its nodes, their parents and their last ranks, for drafters that expand a
+  tree depth by depth (a draft model, Hydra's heads): node n is its parent's rank-th child.
 
 A `TopologyBank` builds several once, so switching trees between steps is a lookup."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -52,6 +54,7 @@ class Topology:
     parents: torch.Tensor
     candidate_index: torch.Tensor
     retrieve_indices: torch.Tensor
+    levels: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # per depth: (nodes, parents, ranks)
     top_k: int
 
     @classmethod
@@ -77,7 +80,11 @@ class Topology:
             retrieve[row, 0] = 0
             for depth in range(1, len(leaf) + 1):
                 retrieve[row, depth] = node_of[leaf[:depth]]
-        return cls(name, ordered, mask, depths, parents, candidate_index, retrieve, top_k)
+        levels = tuple(
+            (nodes, parents[nodes], torch.tensor([ordered[node - 1][-1] for node in nodes.tolist()]))
+            for nodes in (torch.nonzero(depths == depth).flatten() for depth in range(1, width))
+        )
+        return cls(name, ordered, mask, depths, parents, candidate_index, retrieve, levels, top_k)
 
     @property
     def num_nodes(self) -> int:
@@ -90,38 +97,51 @@ class Topology:
 
 
 class TopologyBank:
-    """Named topologies, each built once (`Topology.build`); `get` is a lookup. "NAME@D" names
-    the tree's nodes of depth <= D (what fits before a request's last tokens), built on first use."""
+    """Named topologies, each built once (`Topology.build`); `get` is a lookup. Derived names are
+    built on first use: "NAME@D" names the tree's nodes of depth <= D (what fits before a
+    request's last tokens), "A+B" the union of trees' paths (every node a schedule may verify)."""
 
     def __init__(self, trees: Mapping[str, Iterable[Sequence[int]]]):
         self.topologies = {name: Topology.build(name, paths) for name, paths in trees.items()}
         self.known = sorted(self.topologies)
+        self.indices: dict[tuple[str, str], torch.Tensor] = {}
 
     def get(self, name: str) -> Topology:
         if name not in self.topologies:
-            base, _, depth = name.partition("@")
-            if base not in self.known or not depth.isdigit() or int(depth) < 1:
-                raise KeyError(f"unknown tree {name!r}; known: {', '.join(self.known)} (or NAME@DEPTH)")
-            paths = [path for path in self.topologies[base].paths if len(path) <= int(depth)]
+            base, depth = split_depth(name)
+            if depth is not None:
+                paths = [path for path in self.get(base).paths if len(path) <= depth]
+            elif "+" in name:
+                paths = [path for part in name.split("+") for path in self.get(part).paths]
+                paths = list(dict.fromkeys(paths))
+            else:
+                raise KeyError(f"unknown tree {name!r}; known: {', '.join(self.known)} (or NAME@DEPTH, A+B)")
             self.topologies[name] = Topology.build(name, paths)
         return self.topologies[name]
 
     def add(self, name: str, paths: Iterable[Sequence[int]]) -> Topology:
         """Register a tree (e.g. from a `specdec frontier` bank file); a name keeps its paths."""
+        if "@" in name or "+" in name:
+            raise ValueError(f"tree name {name!r} may not hold '@' or '+' (NAME@DEPTH and A+B name derived trees)")
         tree = Topology.build(name, paths)
         if name in self.topologies and self.topologies[name].paths != tree.paths:
             raise ValueError(f"tree {name!r} is already registered with other paths")
-        if "@" in name:
-            raise ValueError(f"tree name {name!r} may not hold '@' (NAME@DEPTH names a depth limit)")
         self.topologies[name] = tree
         self.known = sorted({*self.known, name})
         return tree
 
     def limited(self, name: str, max_depth: int) -> Topology:
-        """The tree `name` (NAME or NAME@D), or its nodes of depth <= `max_depth` where it is deeper."""
+        """The tree `name`, or its nodes of depth <= `max_depth` where it is deeper."""
         tree = self.get(name)
-        base = name.partition("@")[0]
-        return tree if tree.max_depth <= max_depth else self.get(f"{base}@{max_depth}")
+        return tree if tree.max_depth <= max_depth else self.get(f"{split_depth(name)[0]}@{max_depth}")
+
+    def node_index(self, name: str, within: str) -> torch.Tensor:
+        """Where each node of tree `name` lies among the nodes of tree `within` (which holds all of
+        its paths), so that one's node tokens gather from the other's."""
+        if (name, within) not in self.indices:
+            position = {path: index for index, path in enumerate(self.get(within).paths)}
+            self.indices[name, within] = torch.tensor([position[path] for path in self.get(name).paths])
+        return self.indices[name, within]
 
     def __contains__(self, name: str) -> bool:
         try:
@@ -132,3 +152,9 @@ class TopologyBank:
 
     def names(self) -> list[str]:
         return self.known
+
+
+def split_depth(name: str) -> tuple[str, Optional[int]]:
+    """ "NAME@D" -> (NAME, D); any other name -> (name, None)."""
+    base, _, depth = name.rpartition("@")
+    return (base, int(depth)) if base and depth.isdigit() and int(depth) >= 1 else (name, None)

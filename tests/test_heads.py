@@ -130,6 +130,7 @@ def test_greedy_heads_decoding_is_target_only_greedy(heads_engine, params):
 
 def test_heads_sharing_the_targets_lm_head_save_small_load_back_and_guess(tmp_path):
     from specdec_core.heads import HeadGuesses
+    from specdec_core.topologies import default_bank
 
     lm_head = nn.Linear(8, 20, bias=False)
     heads = MedusaHeads(hidden_size=8, vocab_size=20, num_heads=3, num_layers=1, own_lm_head=False)
@@ -142,9 +143,12 @@ def test_heads_sharing_the_targets_lm_head_save_small_load_back_and_guess(tmp_pa
     hidden = torch.randn(8)
     with torch.no_grad():
         expected = torch.stack([lm_head(head(hidden)) for head in loaded.heads]).softmax(-1)
-    guesses = loaded.guess(hidden, lm_head, root_token=4, width=5)
-    assert isinstance(guesses, HeadGuesses) and guesses.num_heads == 3
-    assert torch.equal(guesses.tokens, expected.topk(5).indices)
+    tree = default_bank().limited("mc_sim_7b_63", 3)
+    guesses = loaded.guess(hidden, lm_head, root_token=4, tree=tree)
+    assert isinstance(guesses, HeadGuesses) and guesses.tree is tree
+    # node (r_1, .., r_d) is head d's r_d-th guess, whatever its parent
+    ranked = expected.topk(tree.top_k).indices
+    assert guesses.tokens.tolist() == [int(ranked[len(path) - 1, path[-1]]) for path in tree.paths]
     assert torch.allclose(guesses.top_probs, expected.max(-1).values)
     with torch.no_grad():
         assert abs(guesses.root_prob - float(lm_head(hidden).softmax(-1)[4])) < 1e-6
@@ -153,8 +157,9 @@ def test_heads_sharing_the_targets_lm_head_save_small_load_back_and_guess(tmp_pa
 
 
 def test_the_heads_drafter_builds_the_schedulers_tree_from_the_guesses():
-    """With guesses from a stand-in source: each step's tree is the scheduler's choice on the
-    step's score, and its node (r_1..r_d) holds head d's r_d-th guess."""
+    """With guesses from a stand-in source: each step asks for the node tokens of every tree the
+    schedule may pick, its tree is the scheduler's choice on the step's score, and its nodes hold
+    the tokens guessed for their paths."""
     import asyncio
 
     from specdec_core.drafters.heads import HeadsDrafter, HeadsParams
@@ -166,10 +171,14 @@ def test_the_heads_drafter_builds_the_schedulers_tree_from_the_guesses():
         def __init__(self, root_probs):
             self.root_probs, self.asked = list(root_probs), []
 
-        async def guess(self, root_token, width):
-            self.asked.append((root_token, width))
-            tokens = torch.arange(4 * width).reshape(4, width) + 100  # head d's rank r: 100 + d * width + r
-            return HeadGuesses(tokens, torch.full((4,), 0.5), self.root_probs.pop(0))
+        async def guess(self, root_token, tree):
+            self.asked.append((root_token, tree))
+            topology = default_bank().limited(tree, 4)
+            tokens = torch.tensor([token_of(path) for path in topology.paths])
+            return HeadGuesses(topology, tokens, torch.full((4,), 0.5), self.root_probs.pop(0))
+
+    def token_of(path):  # a distinct token per path
+        return 100 + sum(rank * 10**depth for depth, rank in enumerate(path)) * 10 + len(path)
 
     params = HeadsParams(scheduler="binary_tau", tree="medusa_8", aggressive="mc_sim_7b_63", tau_on=0.6, tau_off=0.3)
     source = Source([0.2, 0.8, 0.5, 0.1, 0.7])
@@ -192,11 +201,10 @@ def test_the_heads_drafter_builds_the_schedulers_tree_from_the_guesses():
         "medusa_8",
         "mc_sim_7b_63",
     ]
-    width = default_bank().get("mc_sim_7b_63").top_k
-    assert source.asked == [(3, width), (10, width), (11, width), (12, width), (13, width)]
-    tree = blocks[1].tree
-    expected = [100 + (len(path) - 1) * width + path[-1] for path in tree.paths]
-    assert blocks[1].tokens.tolist() == expected
+    union = "medusa_8+mc_sim_7b_63"
+    assert source.asked == [(3, union), (10, union), (11, union), (12, union), (13, union)]
+    for block in blocks:
+        assert block.tokens.tolist() == [token_of(path) for path in block.tree.paths]
     assert scores == [0.2, 0.8, 0.5, 0.1, 0.7]  # top1: the paper's score, p0
 
 

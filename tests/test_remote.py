@@ -33,6 +33,7 @@ from specdec_core import GenerationRequest, SpecdecError  # noqa: E402
 from specdec_core.policies import POLICIES  # noqa: E402
 from specdec_core.request import ComponentSpec  # noqa: E402
 from specdec_core.sampling import SamplingParams  # noqa: E402
+from specdec_core.topologies import default_bank  # noqa: E402
 
 ADD = {"draft": pb_grpc.add_DrafterServicer_to_server, "target": pb_grpc.add_TargetServicer_to_server}
 
@@ -113,10 +114,12 @@ def test_draft_model_trees_travel_the_wire(cluster, tiny_engine, policy, tempera
 
 
 @pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("typical", 0.8)])
-def test_heads_trees_come_from_the_target_worker(heads_engine, policy, temperature):
+@pytest.mark.parametrize("heads", ["medusa", "hydra"])
+def test_heads_trees_come_from_the_target_worker(request, heads, policy, temperature):
     """The heads drafter asks the target worker for its heads' guesses (Heads, which carries the
     last commit) and uses no draft worker; the served tokens, acceptance and tree choices of a
-    binary_tau scheduler equal the in-process engine's."""
+    binary_tau scheduler equal the in-process engine's, with Medusa's heads and with Hydra's."""
+    heads_engine = request.getfixturevalue("heads_engine" if heads == "medusa" else "hydra_engine")
     target = TargetServicer(heads_engine.target_model, 60.0, heads_engine.frontend.profile(), heads=heads_engine.heads)
     workers = Workers(heads_engine, target=target)
     params = {"scheduler": "binary_tau", "tree": "chain_2", "aggressive": "mc_sim_7b_63", "tau_on": 5e-4}
@@ -138,7 +141,7 @@ def test_heads_trees_come_from_the_target_worker(heads_engine, policy, temperatu
 
 
 def test_a_target_worker_checks_heads_calls(heads_engine, tiny_engine):
-    """Heads on a target without heads, a bad width or root, and a commit sent twice are refused."""
+    """Heads on a target without heads, an unknown tree or a bad root, and a commit sent twice are refused."""
     with_heads = TargetServicer(
         heads_engine.target_model, 60.0, heads_engine.frontend.profile(), heads=heads_engine.heads
     )
@@ -152,20 +155,21 @@ def test_a_target_worker_checks_heads_calls(heads_engine, tiny_engine):
             group.stubs["target"].Reset(reset)
         assert workers["none"].stubs["target"].Profile(pb.Empty()).num_heads == 0
         with pytest.raises(grpc.RpcError, match="no multi-token heads"):
-            workers["none"].stubs["target"].Heads(pb.HeadsRequest(session_id="s", root_token=1, width=2))
+            workers["none"].stubs["target"].Heads(pb.HeadsRequest(session_id="s", root_token=1, tree="chain_2"))
         stub = workers["heads"].stubs["target"]
         assert stub.Profile(pb.Empty()).num_heads == heads_engine.heads.num_heads
-        first = stub.Heads(pb.HeadsRequest(session_id="s", root_token=prompt[-1], width=3))
-        assert list(first.tokens.shape) == [heads_engine.heads.num_heads, 3]
+        first = stub.Heads(pb.HeadsRequest(session_id="s", root_token=prompt[-1], tree="mc_sim_7b_63"))
+        cut = f"mc_sim_7b_63@{heads_engine.heads.num_heads}"  # the tree cut to the heads' depth
+        assert first.tree == cut and list(first.tokens.shape) == [default_bank().get(cut).num_nodes]
         for fields, message in [
-            ({"root_token": -1, "width": 2}, "root_token"),
-            ({"root_token": 1, "width": 0}, "width must lie in"),
+            ({"root_token": -1, "tree": "chain_2"}, "root_token"),
+            ({"root_token": 1, "tree": "nope"}, "unknown tree"),
         ]:
             with pytest.raises(grpc.RpcError) as failure:
                 stub.Heads(pb.HeadsRequest(session_id="s", **fields))
             assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in failure.value.details()
         stub.Score(pb.ScoreRequest(session_id="s", tokens=[prompt[-1], 1, 2, 3, 4], tree="chain_4"))
-        stub.Heads(pb.HeadsRequest(session_id="s", root_token=1, width=2, commit_path=[0, 1]))
+        stub.Heads(pb.HeadsRequest(session_id="s", root_token=1, tree="chain_2", commit_path=[0, 1]))
         with pytest.raises(grpc.RpcError, match="root-first path"):  # that commit was applied: not again
             stub.Score(pb.ScoreRequest(session_id="s", tokens=[5], commit_path=[0, 1]))
     finally:

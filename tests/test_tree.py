@@ -78,8 +78,24 @@ def test_the_published_default_tree_and_the_bank():
     assert shallow.name == "mc_sim_7b_63@2" and shallow.max_depth == 2
     assert shallow.paths == tuple(path for path in tree.paths if len(path) <= 2)
     assert default_bank().limited("mc_sim_7b_63@3", 2) is shallow and default_bank().limited(DEFAULT_TREE, 9) is tree
-    for bad in ("mc_sim_7b_63@x", "mc_sim_7b_63@0", "nope@2"):
+    for bad in ("mc_sim_7b_63@x", "mc_sim_7b_63@0", "nope@2", "chain_2+nope"):
         assert bad not in default_bank()
+    # A+B: the union of trees (every node a schedule may verify); a tree's nodes gather from it
+    union = default_bank().get("chain_4+medusa_8")
+    assert set(union.paths) == set(NAMED_TREES["chain_4"]) | set(NAMED_TREES["medusa_8"])
+    assert default_bank().limited("chain_4+medusa_8", 2).name == "chain_4+medusa_8@2"
+    index = default_bank().node_index("chain_4", "chain_4+medusa_8")
+    assert [union.paths[i] for i in index.tolist()] == list(default_bank().get("chain_4").paths)
+    with pytest.raises(ValueError, match="may not hold '@' or '\\+'"):
+        default_bank().add("a+b", [[0]])
+
+
+def test_levels_list_each_depths_nodes_with_their_parents_and_ranks():
+    tree = Topology.build("small", [[0], [1], [0, 0], [0, 1], [1, 0], [2]])  # nodes 1..6 by (depth, ranks)
+    assert [[part.tolist() for part in level] for level in tree.levels] == [
+        [[1, 2, 3], [0, 0, 0], [0, 1, 2]],
+        [[4, 5, 6], [1, 1, 2], [0, 1, 0]],
+    ]
 
 
 def test_greedy_tree_verification_keeps_the_longest_matching_path():

@@ -1,8 +1,10 @@
-"""`heads`: candidate trees from the target's own multi-token heads (heads.py), Medusa's
-self-speculation. The heads run beside the target, on the final hidden state of the last
-committed position, so this drafter asks its target session for their guesses
-(`TargetScorer.guess`, or the target worker's Heads call) and builds the step's tree from them:
-the node of path (r_1, .., r_d) is head d's r_d-th most likely token, whatever its parent.
+"""`heads`: candidate trees from the target's own multi-token heads (heads.py: Medusa's,
+hydra.py: Hydra's), self-speculation. The heads run beside the target, on the final hidden
+states of the committed positions, so this drafter asks its target session for the node tokens
+(`TargetScorer.guess`, or the target worker's Heads call) of every tree its schedule may pick,
+in one call, and takes the step's tree from them: with Medusa's heads the node of path
+(r_1, .., r_d) is head d's r_d-th most likely token whatever its parent, with Hydra's the r_d-th
+given the path's tokens.
 
 Which tree, per step, is EntMTP's scheduler's choice (scheduler.py): `static`, `binary_tau`
 between a conservative and an aggressive tree, or a `ladder` over several, on a score of the
@@ -14,21 +16,20 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Protocol, Sequence
 
-import torch
 from pydantic import Field, model_validator
 
 from ..heads import HeadGuesses
 from ..sampling import SamplingParams
 from ..scheduler import BinaryTauParams, LadderParams, SchedulerParams, StaticParams, TreeScheduler, path_score
 from ..topologies import DEFAULT_TREE, default_bank
-from ..tree import Topology
 from ..types import DraftBlock
 from .base import DrafterParams
 
 
 class HeadsSource(Protocol):
-    async def guess(self, root_token: int, width: int) -> Optional[HeadGuesses]:
-        """The heads' guesses after the last committed position (None before there is one)."""
+    async def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
+        """The heads' node tokens of tree `tree` after the last committed position (None before
+        there is one)."""
 
 
 class HeadsParams(DrafterParams):
@@ -69,12 +70,6 @@ class HeadsParams(DrafterParams):
         return list(schedule.trees)
 
 
-def heads_tree_tokens(tree: Topology, guesses: HeadGuesses) -> torch.Tensor:
-    """The node tokens of `tree` (no deeper than the heads, no wider than their guesses) from
-    the heads' guesses: tree.py's candidate gather over a [depth, top_k] table."""
-    return guesses.tokens[: tree.max_depth, : tree.top_k].reshape(-1)[tree.candidate_index]
-
-
 class HeadsDrafter:
     """A `DraftSession` over a target session with heads (`HeadsSource`)."""
 
@@ -86,8 +81,9 @@ class HeadsDrafter:
     def __init__(self, source: HeadsSource, params: Optional[HeadsParams] = None):
         self.source = source
         self.params = params if params is not None else HeadsParams()
-        trees = [default_bank().get(name) for name in self.params.tree_names()]
-        self.width = max(tree.top_k for tree in trees)
+        # every tree the schedule may pick, guessed in one call (with Hydra's heads a node's children
+        # depend on its token, so the tree must be known before the guess; the score comes after)
+        self.guessed_tree = "+".join(dict.fromkeys(self.params.tree_names()))
         self.last_score: Optional[float] = None  # the scheduler's input at the last proposal
 
     async def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
@@ -97,7 +93,7 @@ class HeadsDrafter:
     async def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         if max_tokens <= 0:
             return DraftBlock.empty()
-        guesses = await self.source.guess(self.root, self.width)
+        guesses = await self.source.guess(self.root, self.guessed_tree)
         if guesses is None:  # nothing committed yet (a one-token prompt): a plain step
             return DraftBlock.empty()
         if self.params.score == "top1":
@@ -105,8 +101,8 @@ class HeadsDrafter:
         else:
             score = guesses.root_prob * float(guesses.top_probs.prod())
         self.last_score = score
-        tree = default_bank().limited(self.scheduler.choose(score), min(max_tokens, guesses.num_heads))
-        tokens = heads_tree_tokens(tree, guesses)
+        tree = default_bank().limited(self.scheduler.choose(score), min(max_tokens, guesses.tree.max_depth))
+        tokens = guesses.tokens[default_bank().node_index(tree.name, guesses.tree.name).to(guesses.tokens.device)]
         return DraftBlock(tokens=tokens, tree=tree)
 
     def commit(self, new_tokens: Sequence[int]) -> None:

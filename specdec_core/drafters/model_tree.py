@@ -26,22 +26,17 @@ def draft_tree(model: torch.nn.Module, cache: SequenceKV, context: Sequence[int]
     if cache.length < len(context) - 1:
         forward_ragged(model, [cache], [list(context[cache.length : -1])])
     history = cache.length
-    node_of = {path: index + 1 for index, path in enumerate(tree.paths)}
-    tokens = [context[-1]] + [0] * tree.num_nodes
-    for depth in range(1, tree.max_depth + 1):
+    tokens = torch.zeros(tree.num_nodes + 1, dtype=torch.long)
+    tokens[0] = context[-1]
+    for depth, (nodes, parents, ranks) in enumerate(tree.levels, start=1):
         cache.crop(history)
         above = default_bank().limited(tree.name, depth - 1) if depth > 1 else None  # the nodes drafted so far
-        row = tokens[: above.num_nodes + 1] if above else tokens[:1]
+        row = tokens[: above.num_nodes + 1 if above else 1].tolist()
         hidden, _ = forward_ragged(model, [cache], [row], [above])
-        logits = model.lm_head(hidden[0])
-        width = max(path[-1] for path in tree.paths if len(path) == depth) + 1
-        top = logits.topk(width, dim=-1).indices.tolist()
-        for path in tree.paths:
-            if len(path) == depth:
-                parent = node_of.get(path[:-1], 0)
-                tokens[node_of[path]] = top[parent][path[-1]]
+        top = model.lm_head(hidden[0]).topk(int(ranks.max()) + 1, dim=-1).indices.cpu()
+        tokens[nodes] = top[parents, ranks]
     cache.crop(history)
-    return tokens[1:]
+    return tokens[1:].tolist()
 
 
 class ModelTreeParams(DrafterParams):
