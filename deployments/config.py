@@ -51,7 +51,7 @@ class AppConfig(BaseModel):
     draft: Optional[ModelSpec] = DEFAULT_DRAFT
     target_heads: Optional[str] = Field(
         AUTO,
-        description="the target's multi-token heads (drafter `heads`): a directory of Medusa heads, "
+        description="the target's multi-token heads (drafter `heads`): a directory of Medusa or Hydra heads, "
         "auto (those shipped for the embedded target), or None",
     )
     tree_banks: list[str] = Field(

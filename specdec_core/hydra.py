@@ -171,8 +171,10 @@ def prefix_layer(target_config: PretrainedConfig, state: dict[str, torch.Tensor]
         config.layer_types = config.layer_types[:1]
     model = AutoModel.from_config(config, attn_implementation="sdpa")
     model.embed_tokens = None
-    state = {name: tensor.float() for name, tensor in state.items() if not name.startswith("embed_tokens.")}
-    model.load_state_dict(state)
+    # older transformers also saved the rotary frequencies, which the config gives
+    read = {name: tensor.float() for name, tensor in state.items() if not name.endswith("rotary_emb.inv_freq")}
+    model.load_state_dict({name: tensor for name, tensor in read.items() if not name.startswith("embed_tokens.")})
+    use_ragged_attention(model)  # its cache is a SequenceKV, as the target's
     return model
 
 
@@ -183,8 +185,6 @@ class HydraSession:
     def __init__(self, heads: HydraHeads, model: nn.Module):
         self.heads, self.model = heads, model
         self.cache = SequenceKV() if heads.prefix is not None else None
-        if heads.prefix is not None:
-            use_ragged_attention(heads.prefix)
         self.state: Optional[torch.Tensor] = None
         self.last_hidden: Optional[torch.Tensor] = None
 

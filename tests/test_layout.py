@@ -54,5 +54,9 @@ def test_spec_bench_questions_ship_with_the_package():
     assert "Apache License" in (DEFAULT_QUESTIONS.parent / "LICENSE").read_text()
     questions = load_questions(DEFAULT_QUESTIONS, ["all"], 1000)
     assert len(questions) == 480 and len({question["category"] for question in questions}) == 13
+    # --skip: each category's next questions after its first N (tuning on other questions than a bench's)
+    qa = [question for question in questions if question["category"] == "qa"]
+    assert load_questions(DEFAULT_QUESTIONS, ["qa", "rag"], 3, skip=40)[:3] == qa[40:43]
+    assert len(load_questions(DEFAULT_QUESTIONS, ["writing"], 5, skip=8)) == 2  # it has 10
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert '"data/spec_bench/*"' in pyproject  # installed as package data, not only in a checkout

