@@ -4,10 +4,11 @@ step costs one round trip per worker: `commit` is held and sent with the next Pr
 (with the heads drafter, on the target's next Heads call, a second round trip to the target).
 Every call carries a deadline.
 
-Errors: a worker that is gone or late (UNAVAILABLE, DEADLINE_EXCEEDED, or NOT_FOUND for a
-session that expired or died with its worker) or full (RESOURCE_EXHAUSTED) turns the draft side
-into target-only decoding (counted) and the target side into `WorkerUnavailable` (full:
-`WorkerOverloaded`). INVALID_ARGUMENT is the user's error
+Errors: a worker that is gone or late (UNAVAILABLE, DEADLINE_EXCEEDED, NOT_FOUND for a session
+that expired or died with its worker, or CANCELLED: a stopping server's answer to the calls it
+holds, grpc/grpc#41785; our own cancellation is asyncio's, never a status) or full
+(RESOURCE_EXHAUSTED) turns the draft side into target-only decoding (counted) and the target
+side into `WorkerUnavailable` (full: `WorkerOverloaded`). INVALID_ARGUMENT is the user's error
 (`SpecdecError`). Any other status is a bug in the worker and propagates as the RpcError."""
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ from .wire import component_to_proto, sampling_to_proto, tensor_from_proto
 
 logger = logging.getLogger(__name__)
 
-GONE_OR_LATE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND)
+GONE_OR_LATE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.CANCELLED,
+)
 # a reset prefills the prompt: allow it this many step deadlines
 RESET_DEADLINES = 10
 

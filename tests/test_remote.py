@@ -345,6 +345,33 @@ def test_draft_worker_failure_falls_back_to_target_only(tiny_engine):
     workers.stop()
 
 
+class ProposeCancelled(DraftServicer):
+    """A draft worker whose third Propose ends CANCELLED, as a stopping gRPC server ends the calls
+    it had not yet handed to a handler (grpc/grpc#41785; seen when Ray kills the worker)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.proposals = 0
+
+    def Propose(self, request, context):
+        self.proposals += 1
+        if self.proposals == 3:
+            context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+        return super().Propose(request, context)
+
+
+def test_a_draft_call_cancelled_by_its_stopping_worker_falls_back(tiny_engine):
+    draft = ProposeCancelled(tiny_engine.draft_model, tiny_engine.target_model.config)
+    workers = Workers(tiny_engine, draft=draft)
+    req = request("greedy", "model")
+    try:
+        chunks = list(workers.engine.stream(req))
+        assert draft.proposals == 3 and chunks[-1].metrics["draft_fallback"] is True
+        assert [token for chunk in chunks for token in chunk.token_ids] == tiny_engine.complete(req).token_ids
+    finally:
+        workers.stop()
+
+
 def test_the_watcher_reconnects_a_worker_that_came_back_elsewhere(tiny_engine):
     """The draft worker dies and a new one starts on another port: requests fall back until the
     watcher's next round repoints the engine, then speculate again. No request waits on it."""
