@@ -19,6 +19,7 @@ A `TopologyBank` builds several once, so switching trees between steps is a look
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
@@ -99,15 +100,20 @@ class Topology:
 class TopologyBank:
     """Named topologies, each built once (`Topology.build`); `get` is a lookup. Derived names are
     built on first use: "NAME@D" names the tree's nodes of depth <= D (what fits before a
-    request's last tokens), "A+B" the union of trees' paths (every node a schedule may verify)."""
+    request's last tokens), "A+B" the union of trees' paths (every node a schedule may verify).
+    Requests pick named trees only (`require_named`); the derived ones a process has built are
+    kept least-recently-used, at most `max_derived`, since their names come off the wire."""
 
-    def __init__(self, trees: Mapping[str, Iterable[Sequence[int]]]):
-        self.topologies = {name: Topology.build(name, paths) for name, paths in trees.items()}
-        self.known = sorted(self.topologies)
-        self.indices: dict[tuple[str, str], torch.Tensor] = {}
+    def __init__(self, trees: Mapping[str, Iterable[Sequence[int]]], max_derived: int = 256):
+        self.named = {name: Topology.build(name, paths) for name, paths in trees.items()}
+        self.max_derived = max_derived
+        self.derived: OrderedDict[str, Topology] = OrderedDict()
+        self.indices: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
 
     def get(self, name: str) -> Topology:
-        if name not in self.topologies:
+        if name in self.named:
+            return self.named[name]
+        if name not in self.derived:
             base, depth = split_depth(name)
             if depth is not None:
                 paths = [path for path in self.get(base).paths if len(path) <= depth]
@@ -115,19 +121,24 @@ class TopologyBank:
                 paths = [path for part in name.split("+") for path in self.get(part).paths]
                 paths = list(dict.fromkeys(paths))
             else:
-                raise KeyError(f"unknown tree {name!r}; known: {', '.join(self.known)} (or NAME@DEPTH, A+B)")
-            self.topologies[name] = Topology.build(name, paths)
-        return self.topologies[name]
+                raise KeyError(f"unknown tree {name!r}; known: {', '.join(self.names())} (or NAME@DEPTH, A+B)")
+            self.derived[name] = Topology.build(name, paths)
+        return recent(self.derived, name, self.max_derived)
+
+    def require_named(self, name: str) -> str:
+        """`name`, a named tree (a request's choice), or a ValueError listing them."""
+        if name not in self.named:
+            raise ValueError(f"unknown tree {name!r}; known: {', '.join(self.names())}")
+        return name
 
     def add(self, name: str, paths: Iterable[Sequence[int]]) -> Topology:
         """Register a tree (e.g. from a `specdec frontier` bank file); a name keeps its paths."""
         if "@" in name or "+" in name:
             raise ValueError(f"tree name {name!r} may not hold '@' or '+' (NAME@DEPTH and A+B name derived trees)")
         tree = Topology.build(name, paths)
-        if name in self.topologies and self.topologies[name].paths != tree.paths:
+        if name in self.named and self.named[name].paths != tree.paths:
             raise ValueError(f"tree {name!r} is already registered with other paths")
-        self.topologies[name] = tree
-        self.known = sorted({*self.known, name})
+        self.named[name] = tree
         return tree
 
     def limited(self, name: str, max_depth: int) -> Topology:
@@ -141,7 +152,7 @@ class TopologyBank:
         if (name, within) not in self.indices:
             position = {path: index for index, path in enumerate(self.get(within).paths)}
             self.indices[name, within] = torch.tensor([position[path] for path in self.get(name).paths])
-        return self.indices[name, within]
+        return recent(self.indices, (name, within), self.max_derived)
 
     def __contains__(self, name: str) -> bool:
         try:
@@ -151,7 +162,15 @@ class TopologyBank:
         return True
 
     def names(self) -> list[str]:
-        return self.known
+        return sorted(self.named)
+
+
+def recent(cache: OrderedDict, key, capacity: int):
+    """`cache[key]`, marked most recently used; the least recently used beyond `capacity` go."""
+    cache.move_to_end(key)
+    while len(cache) > capacity:
+        cache.popitem(last=False)
+    return cache[key]
 
 
 def split_depth(name: str) -> tuple[str, Optional[int]]:

@@ -3,6 +3,8 @@ and the shipped topologies' internal consistency."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -88,6 +90,25 @@ def test_the_published_default_tree_and_the_bank():
     assert [union.paths[i] for i in index.tolist()] == list(default_bank().get("chain_4").paths)
     with pytest.raises(ValueError, match="may not hold '@' or '\\+'"):
         default_bank().add("a+b", [[0]])
+
+
+def test_requests_name_named_trees_and_derived_ones_are_kept_least_recently_used():
+    """Derived names come off the wire: a process keeps at most `max_derived` of them, so names
+    that differ per request cannot grow it; requests may only pick named trees."""
+    bank = TopologyBank({name: NAMED_TREES[name] for name in ("chain_4", "medusa_8", "medusa_16")}, max_derived=2)
+    first = bank.get("chain_4+medusa_8")
+    assert bank.get("chain_4+medusa_8") is first  # a lookup while kept
+    bank.get("medusa_16@2"), bank.get("chain_4+medusa_8"), bank.get("medusa_8@1")
+    assert list(bank.derived) == ["chain_4+medusa_8", "medusa_8@1"]  # medusa_16@2 was used least recently
+    for within in ("chain_4+medusa_8", "medusa_8+chain_4", "chain_4+medusa_16"):
+        bank.node_index("chain_4", within)
+    assert len(bank.indices) == 2 and len(bank.derived) == 2
+    rebuilt = bank.get("medusa_16@2")  # on demand, the same
+    assert set(rebuilt.paths) == {tuple(path) for path in NAMED_TREES["medusa_16"] if len(path) <= 2}
+    assert bank.require_named("medusa_8") == "medusa_8"
+    for derived in ("medusa_8@1", "chain_4+medusa_8"):
+        with pytest.raises(ValueError, match=f"unknown tree '{re.escape(derived)}'; known: chain_4, medusa_16"):
+            bank.require_named(derived)
 
 
 def test_levels_list_each_depths_nodes_with_their_parents_and_ranks():

@@ -46,8 +46,7 @@ class HeadsParams(DrafterParams):
     def _a_schedule_of_known_trees(self):
         self.schedule()  # the scheduler's own checks
         for name in self.tree_names():
-            if name not in default_bank():
-                raise ValueError(f"unknown tree {name!r}; known: {', '.join(default_bank().names())}")
+            default_bank().require_named(name)
         return self
 
     def schedule(self) -> SchedulerParams:

@@ -45,9 +45,7 @@ class ModelTreeParams(DrafterParams):
     @field_validator("tree")
     @classmethod
     def _known(cls, name: str) -> str:
-        if name not in default_bank():
-            raise ValueError(f"unknown tree {name!r}; known: {', '.join(default_bank().names())}")
-        return name
+        return default_bank().require_named(name)
 
 
 class ModelTreeDrafter(Drafter):
