@@ -70,12 +70,15 @@ class RemoteTarget:
         self.pending_keep = 0  # a commit not yet sent: it rides on the next Score
         self.pending_path: list[int] = []  # likewise after a tree
 
-    async def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
+    async def reset(
+        self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams, with_heads: bool = False
+    ) -> None:
         request = pb.TargetReset(
             session_id=self.session_id,
             prompt_ids=list(prompt_ids),
             sampling=sampling_to_proto(sampling),
             policy=component_to_proto(ComponentSpec(name=policy.name, params=policy.params.model_dump())),
+            with_heads=with_heads,
         )
         try:
             await self.stub.Reset(request, timeout=self.deadline_s * RESET_DEADLINES)

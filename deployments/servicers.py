@@ -143,12 +143,15 @@ class SessionServicer:
         if self.channel is not None:  # sends keep their order with the operations on the torch thread
             TORCH_THREAD.submit(self.channel.send, {"op": "release", "session_id": session_id})
 
-    def open_session(self, session_id: str, prompt_ids: list[int], sampling: SamplingParams, op: dict) -> Any:
-        """Admit a session (reserving KV memory for the most it can reach), then `run` the op
-        that opens it; a failed open frees its reservation."""
+    def open_session(
+        self, session_id: str, prompt_ids: list[int], sampling: SamplingParams, op: dict, extra_bytes_per_token=0.0
+    ) -> Any:
+        """Admit a session (reserving KV memory for the most it can reach, plus what it keeps per
+        position beside the model's cache, `extra_bytes_per_token`), then `run` the op that opens
+        it; a failed open frees its reservation."""
         max_len = self.max_len(prompt_ids, sampling)
         if self.admission is not None:
-            self.admission.admit(session_id, max_len * self.kv_bytes_per_token)
+            self.admission.admit(session_id, max_len * (self.kv_bytes_per_token + extra_bytes_per_token))
         try:
             return self.call({**op, "max_len": max_len})
         except BaseException:
@@ -343,14 +346,18 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         if policy.needs_profile:
             policy = policy.for_target(self.profile)
         prompt_ids, sampling = self.check_prompt(request.prompt_ids), sampling_from_proto(request.sampling)
+        if request.with_heads and self.heads is None:
+            raise SpecdecError("this target has no multi-token heads")
         op = {
             "op": "reset",
             "session_id": request.session_id,
             "prompt_ids": prompt_ids,
             "policy": {"name": policy.name, "params": json.loads(policy.params.model_dump_json())},
             "sampling": sampling.model_dump(),
+            "with_heads": request.with_heads,
         }
-        prefill = self.open_session(request.session_id, prompt_ids, sampling, op)
+        heads_bytes = self.heads.cache_bytes_per_token() if request.with_heads else 0.0
+        prefill = self.open_session(request.session_id, prompt_ids, sampling, op, heads_bytes)
         if prefill:
             self.batcher.submit(request.session_id, tokens=prefill, prefill=True).result()
         return pb.Empty()
@@ -363,12 +370,14 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         self.profile = measure_profile(self.target_model, frontend, CalibrationSettings(**settings), progress)
         return self.profile
 
-    def op_reset(self, session_id: str, prompt_ids: list[int], policy: dict, sampling: dict, max_len: int) -> list[int]:
+    def op_reset(
+        self, session_id: str, prompt_ids: list[int], policy: dict, sampling: dict, with_heads: bool, max_len: int
+    ) -> list[int]:
         """Open the session, its cache allocated for `max_len` positions; returns the prompt
         tokens to prefill (in steps)."""
         scorer = TargetScorer(self.target_model, self.heads)
         policy_object = make_policy(policy["name"], policy["params"])
-        prefill = scorer.start(prompt_ids, policy_object, SamplingParams(**sampling), max_len)
+        prefill = scorer.start(prompt_ids, policy_object, SamplingParams(**sampling), max_len, with_heads)
         self.table.put(session_id, scorer)
         return prefill
 
@@ -436,8 +445,8 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
 
     @checked
     def Heads(self, request, context):
-        if self.heads is None:
-            raise SpecdecError("this target has no multi-token heads")
+        if self.session(request.session_id).heads_session is None:
+            raise SpecdecError("this session was not reset with_heads")
         check_token_ids([request.root_token], self.vocab_size, "root_token")
         if request.tree not in default_bank():
             raise SpecdecError(f"unknown tree {request.tree!r}")

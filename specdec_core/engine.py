@@ -31,7 +31,7 @@ async def speculative_loop(
     verify_rng = sampling.generator("verify")
     metrics = SpecMetrics(counters=dict.fromkeys(policy.counters, 0))
     clock = time.perf_counter()
-    await target.reset(request.prompt_ids, policy, sampling)
+    await target.reset(request.prompt_ids, policy, sampling, with_heads=request.drafter.name == HeadsDrafter.name)
     await drafter.reset(request.prompt_ids, sampling)
     metrics.prefill_ms = (time.perf_counter() - clock) * 1e3
     last_token = request.prompt_ids[-1]

@@ -132,6 +132,10 @@ class MedusaHeads(nn.Module):
     def session(self, model: nn.Module) -> MedusaSession:
         return MedusaSession(self, model)
 
+    def cache_bytes_per_token(self) -> float:
+        """A session's memory per committed position: none (it keeps the last state only)."""
+        return 0.0
+
     @torch.inference_mode()
     def guess(self, hidden: torch.Tensor, lm_head: Callable, root_token: int, tree: Topology) -> HeadGuesses:
         """The node tokens of `tree` (no deeper than the heads) at one final hidden state `[H]`

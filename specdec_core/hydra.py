@@ -35,6 +35,7 @@ from transformers import AutoModel, PretrainedConfig
 
 from .batching import SequenceKV, run_ragged, use_ragged_attention
 from .heads import HeadGuesses
+from .memory import kv_bytes_per_token
 from .topologies import default_bank
 from .tree import Topology
 
@@ -83,6 +84,12 @@ class HydraHeads(nn.Module):
 
     def session(self, model: nn.Module) -> "HydraSession":
         return HydraSession(self, model)
+
+    def cache_bytes_per_token(self) -> float:
+        """A session's memory per committed position: Hydra++'s prefix layer's keys and values."""
+        if self.prefix is None:
+            return 0.0
+        return kv_bytes_per_token(self.prefix.config, 1, next(self.prefix.parameters()).element_size())
 
     @torch.inference_mode()
     def expand(

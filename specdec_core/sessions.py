@@ -18,8 +18,11 @@ Item = TypeVar("Item")
 
 
 class TargetSession(Protocol):
-    async def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
-        """Prefill the prompt (all but its last token, which the first `score` feeds)."""
+    async def reset(
+        self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams, with_heads: bool = False
+    ) -> None:
+        """Prefill the prompt (all but its last token, which the first `score` feeds);
+        `with_heads`: run the target's heads beside it, for `guess`."""
 
     async def score(self, tokens: Sequence[int]) -> TargetBlock:
         """Target logits for `[last committed, d_1..d_K]` (plus the policy's target features)."""
@@ -56,8 +59,8 @@ class Immediate:
     def __init__(self, session: Any):
         self.session = session
 
-    async def reset(self, *args: Any) -> None:
-        self.session.reset(*args)
+    async def reset(self, *args: Any, **kwargs: Any) -> None:
+        self.session.reset(*args, **kwargs)
 
     async def score(self, tokens: Sequence[int]) -> TargetBlock:
         return self.session.score(tokens)

@@ -45,10 +45,12 @@ class TargetScorer:
         policy: AcceptancePolicy,
         sampling: SamplingParams,
         max_len: int = DEFAULT_CAPACITY,
+        with_heads: bool = False,
     ) -> list[int]:
         """Begin a request whose cache is allocated for `max_len` positions (it grows past them);
         returns the tokens to prefill (all of the prompt but its last token, which the first
-        `score` feeds), as `Row(prefill=True)`s of one or more forwards."""
+        `score` feeds), as `Row(prefill=True)`s of one or more forwards. `with_heads`: the
+        request's drafter reads the target's heads (`guess`); only then do they run beside it."""
         if len(prompt_ids) == 0:
             raise ValueError("prompt must contain at least one token")
         self.policy = policy
@@ -58,12 +60,18 @@ class TargetScorer:
         self.committed_len = 0
         self.num_scored = 0
         self.scored_hidden = None
-        self.heads_session = self.heads.session(self.model) if self.heads is not None else None
+        self.heads_session = None
+        if with_heads:
+            if self.heads is None:
+                raise ValueError("this target has no multi-token heads")
+            self.heads_session = self.heads.session(self.model)
         return list(prompt_ids[:-1])
 
-    def reset(self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams) -> None:
+    def reset(
+        self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams, with_heads: bool = False
+    ) -> None:
         """Start a request and prefill its prompt, `PREFILL_CHUNK` tokens per forward."""
-        prefill = self.start(prompt_ids, policy, sampling)
+        prefill = self.start(prompt_ids, policy, sampling, with_heads=with_heads)
         for begin in range(0, len(prefill), PREFILL_CHUNK):
             forward_rows([Row(self, prefill[begin : begin + PREFILL_CHUNK], prefill=True)])
 
@@ -83,7 +91,7 @@ class TargetScorer:
         """This row's block from its final hidden states `[1, T, H]` (a tree's: logits only)."""
         # [1, T, H] into the LM head: a row-parallel LM head (DeepSpeed's) splits dim 2
         block = TargetBlock(logits=self.model.lm_head(hidden)[0].float())
-        if self.heads is not None:
+        if self.heads_session is not None:
             self.scored_hidden = hidden[0]
         if tree is not None:
             return block
@@ -118,7 +126,7 @@ class TargetScorer:
         """The heads' node tokens of tree `tree` after `root_token` (the last committed token,
         which the last committed position predicted); None before any position is committed."""
         if self.heads_session is None:
-            raise ValueError("this target has no multi-token heads")
+            raise ValueError("this session was not started with_heads")
         return self.heads_session.guess(root_token, tree)
 
 

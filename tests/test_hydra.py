@@ -125,3 +125,48 @@ def test_unsupported_hydra_checkpoints_are_refused_with_a_message(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hydra_head_arch": "mlp"}))
     with pytest.raises(ValueError, match="not a Hydra head weight"):
         load_heads(str(tmp_path), "tiny", target)
+
+
+def test_only_heads_sessions_run_the_heads_and_a_worker_reserves_their_prefix_cache(tmp_path):
+    """A target worker with Hydra++ heads runs them (and their prefix layer's cache) only for the
+    sessions reset `with_heads`, and admits those for the prefix cache too."""
+    grpc = pytest.importorskip("grpc")
+    from deployments.admission import Admission
+    from deployments.servicers import TargetServicer, start_server
+    from deployments.wire import component_to_proto, sampling_to_proto
+    from protos import specdec_pb2 as pb
+    from protos import specdec_pb2_grpc as pb_grpc
+    from specdec_core.request import ComponentSpec
+    from specdec_core.sampling import SamplingParams
+
+    target = tiny_llama()
+    published_hydra(target, "prefix-mlp", 1).save(tmp_path, "prefix-mlp")
+    heads = load_heads(str(tmp_path), "tiny", target)
+    config = target.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert heads.cache_bytes_per_token() == 2 * config.num_key_value_heads * head_dim * 4  # one fp32 layer
+    servicer = TargetServicer(target, 60.0, admission=Admission(None, 4, 1.0), heads=heads)
+    server, port = start_server(servicer, pb_grpc.add_TargetServicer_to_server)
+    stub = pb_grpc.TargetStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    prompt, sampling = [1, 2, 3], SamplingParams(max_tokens=8)
+    try:
+        for session_id, with_heads in (("plain", False), ("heads", True)):
+            reset = pb.TargetReset(
+                session_id=session_id,
+                prompt_ids=prompt,
+                sampling=sampling_to_proto(sampling),
+                policy=component_to_proto(ComponentSpec(name="greedy")),
+                with_heads=with_heads,
+            )
+            stub.Reset(reset)
+        reserved = servicer.admission.reserved
+        extra = reserved["heads"] - reserved["plain"]
+        assert extra == pytest.approx(servicer.max_len(prompt, sampling) * heads.cache_bytes_per_token())
+        assert servicer.session("plain").heads_session is None
+        assert servicer.session("heads").heads_session.cache is not None  # the prefix layer's
+        assert len(stub.Heads(pb.HeadsRequest(session_id="heads", root_token=3, tree="chain_2")).tokens.shape) == 1
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Heads(pb.HeadsRequest(session_id="plain", root_token=3, tree="chain_2"))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "with_heads" in raised.value.details()
+    finally:
+        server.stop(None)

@@ -141,22 +141,22 @@ def test_heads_trees_come_from_the_target_worker(request, heads, policy, tempera
 
 
 def test_a_target_worker_checks_heads_calls(heads_engine, tiny_engine):
-    """Heads on a target without heads, an unknown tree or a bad root, and a commit sent twice are refused."""
+    """A heads session on a target without heads, an unknown tree or a bad root, and a commit sent
+    twice are refused."""
     with_heads = TargetServicer(
         heads_engine.target_model, 60.0, heads_engine.frontend.profile(), heads=heads_engine.heads
     )
     workers = {"heads": Workers(heads_engine, target=with_heads), "none": Workers(tiny_engine)}
     prompt, greedy = repeating_prompt(7), component_to_proto(ComponentSpec(name="greedy"))
     reset = pb.TargetReset(
-        session_id="s", prompt_ids=prompt, sampling=sampling_to_proto(SamplingParams()), policy=greedy
+        session_id="s", prompt_ids=prompt, sampling=sampling_to_proto(SamplingParams()), policy=greedy, with_heads=True
     )
     try:
-        for group in workers.values():
-            group.stubs["target"].Reset(reset)
         assert workers["none"].stubs["target"].Profile(pb.Empty()).num_heads == 0
         with pytest.raises(grpc.RpcError, match="no multi-token heads"):
-            workers["none"].stubs["target"].Heads(pb.HeadsRequest(session_id="s", root_token=1, tree="chain_2"))
+            workers["none"].stubs["target"].Reset(reset)
         stub = workers["heads"].stubs["target"]
+        stub.Reset(reset)
         assert stub.Profile(pb.Empty()).num_heads == heads_engine.heads.num_heads
         first = stub.Heads(pb.HeadsRequest(session_id="s", root_token=prompt[-1], tree="mc_sim_7b_63"))
         cut = f"mc_sim_7b_63@{heads_engine.heads.num_heads}"  # the tree cut to the heads' depth
