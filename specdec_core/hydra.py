@@ -102,7 +102,7 @@ class HydraHeads(nn.Module):
         tokens[0] = root_token
         features = torch.cat([state[None], embed(tokens[:1])], -1) if self.grounded else state[None]
         row_of = torch.zeros(tree.num_nodes + 1, dtype=torch.long, device=device)  # node -> row of `features`
-        chain, top_probs = top1_path(tree), []
+        chain, top_probs = tree.top1_path, []
         for head, (nodes, parents, ranks) in enumerate(tree.levels):
             nodes, parents, ranks = nodes.to(device), parents.to(device), ranks.to(device)
             expanded = parents.unique()  # sorted: the nodes with children at this depth
@@ -159,14 +159,6 @@ class HydraHeads(nn.Module):
                 heads.blocks[head][layer].load_state_dict({k: v.float() for k, v in blocks[head][index].items()})
             heads.lm_heads[head].load_state_dict({k: v.float() for k, v in lm_heads[head].items()})
         return heads
-
-
-def top1_path(tree: Topology) -> list[int]:
-    """The nodes of the tree's top-1 path, (0,), (0, 0), .., root first."""
-    nodes = [0]
-    while (0,) * len(nodes) in tree.paths:
-        nodes.append(tree.paths.index((0,) * len(nodes)) + 1)
-    return nodes
 
 
 def prefix_layer(target_config: PretrainedConfig, state: dict[str, torch.Tensor]) -> nn.Module:

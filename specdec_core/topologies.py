@@ -4,7 +4,9 @@
 FasterDecoding/Medusa, medusa/model/medusa_choices.py, Apache-2.0). Its paths are listed in the
 order they were added, best first, and every path's parent comes before it, so each of its
 prefixes is a tree too: `medusa_8`, `medusa_16` and `medusa_32` are the first 8, 16 and 32. The
-chains are one-path trees, the shape a chain drafter proposes."""
+chains are one-path trees, the shape a chain drafter proposes. A spine (`spine_DxW`) is a chain
+of depth D with the W - 1 runners-up beside each of its nodes: every node hangs off the top-1
+path, so `mla_tree` fills it in one draft forward when its lookup guessed the path."""
 
 from __future__ import annotations
 
@@ -28,10 +30,16 @@ NAMED_TREES = {
     "mc_sim_7b_63": MC_SIM_7B_63,
     **{f"medusa_{size}": MC_SIM_7B_63[:size] for size in (8, 16, 32)},
     **{f"chain_{depth}": tuple((0,) * length for length in range(1, depth + 1)) for depth in (2, 4)},
+    **{
+        f"spine_{depth}x{width}": tuple((0,) * length + (rank,) for length in range(depth) for rank in range(width))
+        for depth, width in ((4, 2), (6, 2), (8, 2), (6, 3))
+    },
 }
 DEFAULT_TREE = "mc_sim_7b_63"
 # a draft model pays a forward per depth and the CPU target per node: a small tree by default
 DEFAULT_DRAFT_TREE = "medusa_16"
+# mla_tree fills a spine's nodes from its top-1 path's forwards (docs/trees.md: the spines measured)
+DEFAULT_MLA_TREE = "spine_6x2"
 
 
 @functools.cache

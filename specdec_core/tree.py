@@ -13,7 +13,8 @@ over `[root, nodes...]` and its verification need:
   (row depth - 1, column its last rank), flattened;
 - `retrieve_indices` [L, D+1]: the root-to-leaf node paths, one per leaf, padded with -1;
 - `levels`: per depth, its nodes, their parents and their last ranks, for drafters that expand a
-  tree depth by depth (a draft model, Hydra's heads): node n is its parent's rank-th child.
+  tree depth by depth (a draft model, Hydra's heads): node n is its parent's rank-th child;
+- `top1_path`: the nodes of paths (0,), (0, 0), .., root first (the chain of top-1 guesses).
 
 A `TopologyBank` builds several once, so switching trees between steps is a lookup."""
 
@@ -57,6 +58,7 @@ class Topology:
     retrieve_indices: torch.Tensor
     levels: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # per depth: (nodes, parents, ranks)
     top_k: int
+    top1_path: tuple[int, ...]
 
     @classmethod
     def build(cls, name: str, paths: Iterable[Sequence[int]]) -> "Topology":
@@ -85,7 +87,8 @@ class Topology:
             (nodes, parents[nodes], torch.tensor([ordered[node - 1][-1] for node in nodes.tolist()]))
             for nodes in (torch.nonzero(depths == depth).flatten() for depth in range(1, width))
         )
-        return cls(name, ordered, mask, depths, parents, candidate_index, retrieve, levels, top_k)
+        top1_path = (0, *(node_of[(0,) * depth] for depth in range(1, width) if (0,) * depth in node_of))
+        return cls(name, ordered, mask, depths, parents, candidate_index, retrieve, levels, top_k, top1_path)
 
     @property
     def num_nodes(self) -> int:

@@ -96,14 +96,18 @@ def test_remote_output_equals_in_process_engine(cluster, tiny_engine, policy, te
         assert not metrics["draft_fallback"]
 
 
-@pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("typical", 0.8)])
-def test_draft_model_trees_travel_the_wire(cluster, tiny_engine, policy, temperature):
+@pytest.mark.parametrize(
+    ("policy", "temperature", "drafter", "tree"),
+    [("greedy", 0.0, "model_tree", "mc_sim_7b_63"), ("typical", 0.8, "model_tree", "mc_sim_7b_63")]
+    + [("greedy", 0.0, "mla_tree", "spine_8x2")],
+)
+def test_draft_model_trees_travel_the_wire(cluster, tiny_engine, policy, temperature, drafter, tree):
     """Trees go out as node tokens + a tree name (NAME@DEPTH near the end) and their commits as
     paths: the served tokens and acceptance equal the in-process engine's."""
     req = GenerationRequest(
         prompt_ids=repeating_prompt(7),
         policy={"name": policy},
-        drafter={"name": "model_tree", "params": {"tree": "mc_sim_7b_63"}},
+        drafter={"name": drafter, "params": {"tree": tree}},
         num_draft_tokens=6,
         sampling={"max_tokens": 32, "temperature": temperature, "seed": 5},
     )

@@ -153,10 +153,10 @@ def test_tree_decoding_is_greedy_decoding_and_keeps_the_cache_consistent_across_
     scorer = TargetScorer(target)
     greedy = make_policy("greedy", {})
     scorer.reset(prompt, greedy, SamplingParams())
-    draft_cache, committed, accepted = SequenceKV(), list(prompt), 0
+    draft_cache, draft_cached, committed, accepted = SequenceKV(), [], list(prompt), 0
     for name in ("medusa_8", "chain_4", "mc_sim_7b_63", "medusa_16", "chain_2", "mc_sim_7b_63", "medusa_32"):
         tree = default_bank().get(name)
-        nodes = draft_tree(draft_model, draft_cache, committed, tree)
+        nodes = draft_tree(draft_model, draft_cache, draft_cached, committed, tree)
         draft = DraftBlock(tokens=torch.tensor(nodes), tree=tree)
         block = scorer.score_tree([committed[-1], *nodes], tree)
         verdict = greedy.verify_tree(draft, block, SamplingParams(), torch.Generator())
@@ -174,8 +174,44 @@ def test_tree_decoding_is_greedy_decoding_and_keeps_the_cache_consistent_across_
     assert torch.allclose(next_logits, fresh, atol=1e-5), (next_logits - fresh).abs().max()
 
 
-@pytest.mark.parametrize("tree", ["medusa_8", "mc_sim_7b_63", "chain_4"])
-def test_the_engine_decodes_draft_model_trees_as_target_only_greedy(tiny_engine, tree):
+@pytest.mark.parametrize("tree_name", ["spine_6x2", "mc_sim_7b_63"])
+def test_mla_trees_hold_the_draft_models_tokens_in_fewer_forwards(tree_name, monkeypatch):
+    """mla_tree drafts the top-1 path as mla drafts a chain: whatever the lookup guesses, the
+    tree's tokens are the draft's own top-k; a guess of the whole path fills a spine in one
+    forward, a guess right for k tokens saves k forwards."""
+    from conftest import repeating_prompt, tiny_llama
+
+    from specdec_core.batching import SequenceKV
+    from specdec_core.drafters import model_tree
+
+    draft_model, context, tree = tiny_llama(seed=1), repeating_prompt(3), default_bank().get(tree_name)
+    cache, cached = SequenceKV(), []
+    reference = model_tree.draft_tree(draft_model, cache, cached, context, tree)  # also caches the context
+    forwards = []
+
+    def counted(*args, **kwargs):
+        forwards.append(1)
+        return real_forward(*args, **kwargs)
+
+    real_forward = model_tree.forward_ragged
+    monkeypatch.setattr(model_tree, "forward_ragged", counted)
+    path = [reference[node - 1] for node in tree.top1_path[1:]]
+    wrong = [(token + 1) % draft_model.config.vocab_size for token in path]
+    for guess, matched in [(path, len(path)), (path[:2] + wrong[2:], 2), (wrong, 0), ([], 0), (None, None)]:
+        lookup = None if guess is None else lambda sequence, limit: guess[len(sequence) - len(context) :][:limit]
+        forwards.clear()
+        assert model_tree.draft_tree(draft_model, cache, cached, context, tree, lookup) == reference
+        assert cache.length == len(cached) and cached[: len(context) - 1] == context[:-1]
+        if tree_name.startswith("spine"):  # the path's forwards: one, then one per node after a wrong guess
+            expected = tree.max_depth if matched is None else 1 + max(tree.max_depth - 1 - matched, 0)
+            assert len(forwards) == expected, (guess, forwards)
+
+
+@pytest.mark.parametrize(
+    ("drafter", "tree"),
+    [("model_tree", t) for t in ("medusa_8", "mc_sim_7b_63", "chain_4")] + [("mla_tree", "spine_6x2")],
+)
+def test_the_engine_decodes_draft_model_trees_as_target_only_greedy(tiny_engine, drafter, tree):
     from conftest import repeating_prompt
 
     from specdec_core import GenerationRequest
@@ -187,12 +223,12 @@ def test_the_engine_decodes_draft_model_trees_as_target_only_greedy(tiny_engine,
         )
 
     reference = tiny_engine.complete(request({"name": "none"}))
-    trees = tiny_engine.complete(request({"name": "model_tree", "params": {"tree": tree}}))
+    trees = tiny_engine.complete(request({"name": drafter, "params": {"tree": tree}}))
     assert trees.token_ids == reference.token_ids
     assert trees.metrics["mean_acceptance_length"] > 1.5
     assert len(trees.metrics["spec_decode_num_accepted_tokens_per_pos"]) == default_bank().get(tree).max_depth
     # typical acceptance samples: seeded, a request's tokens repeat exactly
-    sampled = [tiny_engine.complete(request({"name": "model_tree"}, "typical", 0.8)).token_ids for _ in range(2)]
+    sampled = [tiny_engine.complete(request({"name": drafter}, "typical", 0.8)).token_ids for _ in range(2)]
     assert sampled[0] == sampled[1] and len(sampled[0]) == 30
 
 

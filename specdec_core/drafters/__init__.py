@@ -1,4 +1,5 @@
-"""Drafters by name: `none`, `pld`, `model`, `mla`, `model_tree`, `heads` (docs/policies.md)."""
+"""Drafters by name: `none`, `pld`, `model`, `mla`, `model_tree`, `mla_tree`, `heads`
+(docs/policies.md)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,21 @@ from ..errors import SpecdecError, validate_params
 from .base import Drafter, NoDrafter
 from .heads import HeadsDrafter
 from .model import ModelDrafter, MultiLevelDrafter
-from .model_tree import ModelTreeDrafter
+from .model_tree import ModelTreeDrafter, MultiLevelTreeDrafter
 from .pld import PromptLookupDrafter
 
 # HeadsDrafter is no Drafter: it asks the target session for its heads' guesses (async)
 DRAFTERS: dict[str, type] = {
     cls.name: cls
-    for cls in (NoDrafter, PromptLookupDrafter, ModelDrafter, MultiLevelDrafter, ModelTreeDrafter, HeadsDrafter)
+    for cls in (
+        NoDrafter,
+        PromptLookupDrafter,
+        ModelDrafter,
+        MultiLevelDrafter,
+        ModelTreeDrafter,
+        MultiLevelTreeDrafter,
+        HeadsDrafter,
+    )
 }
 
 
