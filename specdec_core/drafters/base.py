@@ -7,6 +7,7 @@ from typing import ClassVar, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
+from ..batching import SequenceKV
 from ..sampling import SamplingParams
 from ..types import DraftBlock
 
@@ -17,6 +18,14 @@ def common_prefix_length(first: Sequence[int], second: Sequence[int], limit: int
     while length < limit and first[length] == second[length]:
         length += 1
     return length
+
+
+def sync_cache(cache: SequenceKV, cached: list[int], sequence: Sequence[int]) -> None:
+    """Crop a draft cache (holding the tokens `cached`, kept in step) to its longest prefix
+    shared with `sequence`, leaving >= 1 token of it to feed."""
+    shared = common_prefix_length(cached, sequence, min(len(cached), len(sequence) - 1))
+    cache.crop(shared)
+    del cached[shared:]
 
 
 class DrafterParams(BaseModel):

@@ -33,7 +33,7 @@ from pydantic import Field
 from ..batching import SequenceKV, forward_ragged
 from ..sampling import argmax, sample, sampling_probs
 from ..types import DraftBlock
-from .base import Drafter, common_prefix_length
+from .base import Drafter, common_prefix_length, sync_cache
 from .block_length import AcceptanceEstimate, AdaptiveLengthParams, BlockChoice, best_block
 from .pld import AdaptiveLookupParams, PromptLookupDrafter, PromptLookupParams, lookup_continuation
 
@@ -98,12 +98,6 @@ class ModelDrafter(Drafter):
         length, value = best_block(rate, max_tokens, curve, cost_per_token, batch_rows)
         return BlockChoice(max(length, 1 if batch_rows == 1 else 0), value)
 
-    def sync_cache(self, sequence: Sequence[int]) -> None:
-        """Crop the cache to its longest prefix shared with `sequence` (leaving >= 1 to feed)."""
-        shared = common_prefix_length(self.cached_tokens, sequence, min(len(self.cached_tokens), len(sequence) - 1))
-        self.cache.crop(shared)
-        del self.cached_tokens[shared:]
-
     def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         return propose_together(self.model, [self.drafting(max_tokens, batch_rows)])[0]
 
@@ -117,7 +111,7 @@ class ModelDrafter(Drafter):
         path_value = 1.0
         while len(tokens) < max_tokens:
             sequence = self.context + tokens
-            self.sync_cache(sequence)
+            sync_cache(self.cache, self.cached_tokens, sequence)
             pending = sequence[len(self.cached_tokens) :]
             guess = self.lookup(sequence, max_tokens - len(tokens) - 1)
             logits = yield DraftForward(self.cache, pending + guess, len(guess) + 1)

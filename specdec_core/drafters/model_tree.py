@@ -21,7 +21,7 @@ from ..batching import SequenceKV, forward_ragged
 from ..topologies import DEFAULT_DRAFT_TREE, DEFAULT_MLA_TREE, default_bank
 from ..tree import Topology
 from ..types import DraftBlock
-from .base import Drafter, DrafterParams, common_prefix_length
+from .base import Drafter, DrafterParams, common_prefix_length, sync_cache
 from .pld import PromptLookupParams, lookup_continuation
 
 # how a sequence goes on, at most n tokens (prompt lookup's guess)
@@ -45,11 +45,6 @@ def draft_tree(
     node_top = torch.zeros(tree.num_nodes + 1, tree.top_k, dtype=torch.long)  # each node's draft top-k
     known = torch.zeros(tree.num_nodes + 1, dtype=torch.bool)
 
-    def sync(sequence: list[int]) -> None:  # keep the cache's prefix shared with `sequence`, >= 1 token to feed
-        shared = common_prefix_length(cached, sequence, min(len(cached), len(sequence) - 1))
-        cache.crop(shared)
-        del cached[shared:]
-
     def top_k(row: list[int], keep: int, above: Optional[Topology] = None) -> torch.Tensor:
         """The draft's top-k tokens `[keep, k]` at the last `keep` tokens of `row` (the tree `above`'s)."""
         hidden, _ = forward_ragged(model, [cache], [row], [above])
@@ -60,7 +55,7 @@ def draft_tree(
     path_tokens: list[int] = []  # the top-1 path after the root, as drafted so far
     while lookup is not None and not known[path_parents].all():
         sequence = context + path_tokens
-        sync(sequence)
+        sync_cache(cache, cached, sequence)
         pending, guess = sequence[len(cached) :], lookup(sequence, len(path) - 1 - len(path_tokens))
         top = top_k(pending + guess, len(guess) + 1)
         cached.extend(pending + guess)
@@ -73,7 +68,7 @@ def draft_tree(
     tokens[0] = context[-1]
     for depth, (nodes, parents, ranks) in enumerate(tree.levels, start=1):
         if not known[parents].all():  # one forward over the tree so far gives every node's top-k above
-            sync(context)
+            sync_cache(cache, cached, context)
             if len(cached) < len(context) - 1:
                 forward_ragged(model, [cache], [context[len(cached) : -1]])
                 cached[:] = context[:-1]
