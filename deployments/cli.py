@@ -105,7 +105,7 @@ def client(
     num_draft_tokens: Optional[int] = typer.Option(None, "-k", help="default: the service's"),
     max_tokens: int = typer.Option(128, "--max-tokens"),
     temperature: float = typer.Option(0.0, "--temperature"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="default: fresh randomness"),
     stream: bool = typer.Option(True, help="print the reply as it arrives"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY"),
 ):
@@ -184,6 +184,59 @@ def probe(
     for failure in report.failures:
         console.print(escape(failure), style="red", highlight=False)
     if report.failures:
+        raise typer.Exit(1)
+
+
+@app.command("clients-check")
+def clients_check(
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="the running service's HTTP address"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY"),
+    target: str = typer.Option("embedded:smollm2-135m-instruct", "--target", help="the service's target (reference)"),
+    parts: str = typer.Option("openai,lm-eval,guidellm", "--parts", help="comma list"),
+    limit: int = typer.Option(20, "--limit", min=1, help="lm-eval: questions per task"),
+    gen_kwargs: str = typer.Option(
+        '{"policy": "greedy", "drafter": "pld"}', "--gen-kwargs", help="lm-eval's gen_kwargs (JSON): extra body fields"
+    ),
+    lm_eval_concurrency: int = typer.Option(4, "--lm-eval-concurrency", min=1),
+    concurrency: str = typer.Option("1,4,16", "--concurrency", help="guidellm's concurrency levels"),
+    requests: str = typer.Option("8,32,64", "--requests", help="guidellm: requests per level (the last repeats)"),
+    prompt_tokens: int = typer.Option(128, "--prompt-tokens"),
+    output_tokens: int = typer.Option(64, "--output-tokens"),
+    out: Path = typer.Option(Path("clients_check"), "--out", help="results: clients_check.json, guidellm.json"),
+):
+    """Drive a running service with real client libraries (the openai SDK, lm-evaluation-harness,
+    guidellm), unmodified, and compare what they get with the target in process. Prints a table;
+    exits 1 if any check fails."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from specdec_core import ModelSpec, SpeculativeEngine
+    from specdec_core.loader import load_model, load_tokenizer
+
+    from .clients_check import ClientsCheck
+
+    spec = ModelSpec(source=target)
+    tokenizer = load_tokenizer(spec)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out / "tokenizer")
+    engine = SpeculativeEngine(load_model(spec), tokenizer)
+    check = ClientsCheck(url.rstrip("/"), out / "tokenizer", engine, api_key)
+    wanted, results = set(parts.split(",")), {}
+    if "openai" in wanted:
+        check.openai_sdk()
+    if "lm-eval" in wanted:
+        results["lm_eval"] = check.lm_eval(limit, json.loads(gen_kwargs), lm_eval_concurrency)
+    if "guidellm" in wanted:
+        levels, counts = [int(x) for x in concurrency.split(",")], [int(x) for x in requests.split(",")]
+        results["guidellm"] = check.guidellm(levels, counts, prompt_tokens, output_tokens, out)
+    table = Table("client", "check", "result", "", title=f"specdec clients-check against {url}")
+    for row in check.checks:
+        verdict = "[green]ok[/green]" if row.passed else "[red]FAIL[/red]"
+        table.add_row(row.part, escape(row.name), escape(row.result), verdict)
+    console.print(table)
+    results["checks"] = [vars(row) for row in check.checks]
+    (out / "clients_check.json").write_text(json.dumps(results, indent=1, default=str))
+    if check.failed:
         raise typer.Exit(1)
 
 

@@ -26,14 +26,8 @@ class SpecdecHttpClient:
     @staticmethod
     def route(request: GenerationRequest) -> tuple[str, dict]:
         """(path, body): chat requests go to /v1/chat/completions, the rest to /v1/completions."""
-        sampling = request.sampling
         body = {
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "stop": sampling.stop,
-            "seed": sampling.seed,
+            **request.sampling.model_dump(exclude={"logprobs", "prompt_logprobs"}),
             "policy": request.policy.model_dump() if request.policy else None,
             "drafter": request.drafter.model_dump() if request.drafter else None,
             "num_draft_tokens": request.num_draft_tokens,

@@ -20,7 +20,7 @@ import grpc
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec_core.errors import SpecdecError
-from specdec_core.request import ComponentSpec, GenerationRequest, StreamChunk
+from specdec_core.request import ComponentSpec, GenerationRequest, LogProb, StreamChunk, TokenLogProbs
 
 from .auth import bearer_matches, metadata_value
 from .config import AppConfig
@@ -61,18 +61,30 @@ def request_from_message(message: pb.GenerateRequest) -> GenerationRequest:
     )
 
 
+def log_prob_message(entry: LogProb) -> pb.LogProb:
+    return pb.LogProb(token_id=entry.token_id, token=entry.token, log_prob=entry.log_prob)
+
+
+def token_log_probs_message(entry: TokenLogProbs) -> pb.TokenLogProbs:
+    return pb.TokenLogProbs(chosen=log_prob_message(entry.chosen), top=[log_prob_message(top) for top in entry.top])
+
+
 def chunk_message(chunk: StreamChunk) -> pb.GenerateChunk:
     message = pb.GenerateChunk(
         token_ids=chunk.token_ids,
         text=chunk.text,
         finish_reason=chunk.finish_reason or "",
         metrics_json=json.dumps(chunk.metrics) if chunk.metrics is not None else "",
+        log_probs=[token_log_probs_message(entry) for entry in chunk.log_probs or ()],
+        prompt_tokens=chunk.prompt_tokens,
     )
-    for entry in chunk.log_probs or ():
-        message.log_probs.add(
-            chosen=pb.LogProb(token_id=entry.chosen.token_id, token=entry.chosen.token, log_prob=entry.chosen.log_prob),
-            top=[pb.LogProb(token_id=top.token_id, token=top.token, log_prob=top.log_prob) for top in entry.top],
-        )
+    if isinstance(chunk.stop_reason, int):
+        message.stop_token_id = chunk.stop_reason
+    elif isinstance(chunk.stop_reason, str):
+        message.stop_string = chunk.stop_reason
+    if chunk.prompt is not None:
+        message.prompt.text = chunk.prompt.text
+        message.prompt.tokens.extend(token_log_probs_message(entry) for entry in chunk.prompt.tokens)
     return message
 
 
@@ -100,12 +112,11 @@ class SpecdecGrpcService(pb_grpc.SpecdecServicer):
             await context.abort(STATUS[failure.kind], failure.message)
 
     async def GenerateUnary(self, message: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateChunk:
-        reply = pb.GenerateChunk()
+        reply, text = pb.GenerateChunk(), ""
         async for chunk in self.Generate(message, context):
-            reply.token_ids.extend(chunk.token_ids)
-            reply.text += chunk.text
-            reply.log_probs.extend(chunk.log_probs)
-            reply.finish_reason, reply.metrics_json = chunk.finish_reason, chunk.metrics_json
+            text += chunk.text
+            reply.MergeFrom(chunk)  # lists grow; the fields a chunk sets (the last one's finish) win
+        reply.text = text
         return reply
 
 

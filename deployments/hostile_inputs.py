@@ -54,7 +54,15 @@ def completion_cases() -> list[HttpCase]:
             ({"n": 2}, 400, "n"),
             ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
             ({"presence_penalty": 0.5}, 400, "presence_penalty"),
-            ({"echo": True}, 400, "echo"),
+            ({"echo": "yes"}, 400, "echo"),
+            ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+            ({"guided_json": {"type": "object"}}, 400, "guided_json"),
+            ({"min_tokens": 30}, 400, "min_tokens"),
+            ({"stop": [""]}, 400, "stop"),
+            ({"stop_token_ids": [BEYOND_ANY_VOCAB]}, 400, "stop_token_ids"),
+            ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
+            ({"prompt": ["a"] * 129}, 400, "prompt"),
+            ({"prompt": [[1], []]}, 400, "prompt"),
             ({"best_of": 3}, 400, "best_of"),
             ({"logprobs": 50}, 400, "logprobs"),
             ({"logprobs": True}, 400, "logprobs"),
@@ -96,6 +104,8 @@ def chat_cases() -> list[HttpCase]:
             ({"logprobs": "yes"}, 400, "logprobs"),
             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
             ({"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+            ({"echo": True}, 400, "echo"),
+            ({"repetition_penalty": 1.2}, 400, "repetition_penalty"),
         ]
     ]
 

@@ -10,6 +10,8 @@ the same error object, then `[DONE]`."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import uuid
 from typing import Any, AsyncIterator, Optional, Union
@@ -18,12 +20,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from specdec_core.request import StreamChunk
+from specdec_core.request import Completion, StreamChunk
 
 from .auth import bearer_matches
 from .config import AppConfig
 from .errors import describe
-from .openai_api import ChatCompletionRequest, CompletionRequest, ResponseBuilder, error_body
+from .openai_api import ChatCompletionRequest, CompletionRequest
+from .openai_responses import ResponseBuilder, error_body
 from .remote_engine import MetricsSink
 
 RETRY_AFTER_S = 5
@@ -103,12 +106,14 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
         parsed = await parse(http_request, model_cls, request_id)
         if isinstance(parsed, JSONResponse):
             return parsed
-        builder = ResponseBuilder(chat, config.model_name, request_id)
-        try:  # validation happens in `open`, once; a streamed request's first chunk carries the
-            # prefill: a failure there keeps its status
-            chunks = await engine.open(parsed.to_generation_request(), request_id)
+        builder = ResponseBuilder(parsed, chat, config.model_name, request_id)
+        try:  # every prompt is validated in `open` before any decodes; a streamed request's first
+            # chunk carries a prefill: a failure there keeps its status
+            requests = parsed.to_generation_requests()
+            ids = [request_id] if len(requests) == 1 else [f"{request_id}-{index}" for index in range(len(requests))]
+            chunks = merged([await engine.open(request, id_) for request, id_ in zip(requests, ids)])
             if not parsed.stream:
-                return JSONResponse(builder.full([chunk async for chunk in chunks]))
+                return JSONResponse(builder.full(await collect_completions(chunks, len(requests))))
             first = await anext(chunks, None)
         except Exception as error:  # noqa: BLE001 - mapped to 400 / 503 / 500 (logged) by `failure`
             return error_response(error, request_id)
@@ -139,26 +144,68 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
     return api
 
 
+async def merged(streams: list[AsyncIterator[StreamChunk]]) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """(index, chunk) from every stream as they come (each decodes on its own); the first
+    failure ends it, and closing it stops every stream (their sessions are released)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[StreamChunk]) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((index, chunk, None))
+        except Exception as error:  # noqa: BLE001 - raised to the consumer below
+            queue.put_nowait((index, None, error))
+        else:
+            queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                running -= 1
+            else:
+                yield index, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_completions(chunks: AsyncIterator[tuple[int, StreamChunk]], count: int) -> list[Completion]:
+    """The whole completion of each of `count` streams, in order."""
+    by_index: list[list[StreamChunk]] = [[] for _ in range(count)]
+    async with contextlib.aclosing(chunks):
+        async for index, chunk in chunks:
+            by_index[index].append(chunk)
+    return [Completion.from_chunks(chunks_of_one) for chunks_of_one in by_index]
+
+
 async def server_sent_events(
     builder: ResponseBuilder,
-    first: Optional[StreamChunk],
-    chunks: AsyncIterator[StreamChunk],
+    first: Optional[tuple[int, StreamChunk]],
+    chunks: AsyncIterator[tuple[int, StreamChunk]],
     http_request: Request,
     request_id: str,
     metrics: MetricsSink,
 ) -> AsyncIterator[str]:
-    chunk = first
+    item = first
     try:
-        while chunk is not None:
-            yield f"data: {json.dumps(builder.chunk(chunk))}\n\n"
+        while item is not None:
+            yield f"data: {json.dumps(builder.chunk(*item))}\n\n"
             if await http_request.is_disconnected():
                 return
-            chunk = await anext(chunks, None)
+            item = await anext(chunks, None)
+        if (usage_chunk := builder.usage_chunk()) is not None:
+            yield f"data: {json.dumps(usage_chunk)}\n\n"
         yield "data: [DONE]\n\n"
     except Exception as error:  # noqa: BLE001 - reported to the client as an error event (and logged)
         status, body, _ = failure(error, request_id)
         metrics.failed("http", str(status))  # after a 200: the middleware did not see it
         yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
-    finally:  # disconnect or cancellation: close the loop so both sessions are released
+    finally:  # disconnect or cancellation: close the streams so their sessions are released
         await chunks.aclose()

@@ -1,19 +1,69 @@
-"""OpenAI-compatible request/response shapes, mapped onto specdec's GenerationRequest.
+"""OpenAI-compatible request bodies, mapped onto specdec's GenerationRequest: OpenAI's fields and
+semantics, and vLLM's where the two differ, with the sampling extensions clients of vLLM send
+(`top_k`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
+`skip_special_tokens`). Extra body fields select the speculative setup per request: `policy`
+and `drafter` (a registry name, or `{name, params}`) and `num_draft_tokens`.
 
-Extra body fields select the speculative setup per request: `policy` ({name, params}),
-`num_draft_tokens`, `drafter` (a name or {name, params}). Responses carry OpenAI `usage` plus
-a `speculative` object; each choice also carries its `token_ids`."""
+A field is either implemented, or metadata that cannot change the output (accepted, ignored),
+or unsupported: accepted only at the value that means "not used", else a 400 naming it. Any
+other field is a 400 too: a request never gets a silently different answer. Response shapes are
+openai_responses.py's."""
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from specdec_core.request import Completion, ComponentSpec, GenerationRequest, Role, StreamChunk, TokenLogProbs
+from specdec_core.request import ComponentSpec, GenerationRequest, Role
 from specdec_core.sampling import MAX_TOP_LOGPROBS
+
+MAX_PROMPTS = 128  # prompts in one completions request (each is a session on the workers)
+
+METADATA = frozenset(
+    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
+)
+
+# each with the values that mean "not used"
+UNSUPPORTED: dict[str, tuple] = {
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_p": (None, 0),
+    "length_penalty": (None, 1),
+    "use_beam_search": (None, False),
+    "best_of": (None, 1),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "suffix": (None, ""),
+    "echo": (None, False),  # chat's (vLLM's repeats the last message); completions implements it
+    "modalities": (None, ["text"]),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "spaces_between_special_tokens": (None, True),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+}
+
+# fields passed to SamplingParams as they are
+SAMPLING_FIELDS = {
+    "temperature",
+    "top_p",
+    "min_tokens",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "seed",
+}
 
 
 class ChatMessage(BaseModel):
@@ -36,94 +86,133 @@ class ChatMessage(BaseModel):
         return "\n".join(part["text"] for part in self.content)
 
 
-# OpenAI fields specdec does not implement, with the value that means "not used": a request
-# that sets one to anything else gets a 400 naming it rather than a silently different answer.
-UNSUPPORTED = {
-    "logit_bias": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "tools": None,
-    "tool_choice": None,
-    "response_format": None,
-    "best_of": 1,
-    "echo": False,
-    "suffix": None,
-}
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool = False  # a last chunk with empty choices carries the usage
+    continuous_usage_stats: StrictBool = False  # with include_usage: every chunk carries its choice's (vLLM)
 
 
-class SpeculativeFields(BaseModel):
-    """OpenAI sampling fields plus specdec's per-request speculative setup."""
+class OpenAIRequest(BaseModel):
+    """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields (user, metadata, ...) are accepted
+    model_config = ConfigDict(extra="ignore")  # left after `_known_fields`: metadata and unused fields
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=-1, description="vLLM's: 0 or -1 is off")
+    min_tokens: int = Field(0, ge=0)
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: StrictBool = False
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    seed: Optional[int] = Field(None, description="None: fresh randomness; the same seed repeats a sample")
     stream: StrictBool = False
-    n: StrictInt = Field(1, ge=1, le=1, description="one choice per request")
-    policy: Optional[ComponentSpec] = None
+    stream_options: Optional[StreamOptions] = None
+    n: StrictInt = Field(1, ge=1, le=1, description="one choice per prompt")
+    policy: Optional[Union[str, ComponentSpec]] = None
     drafter: Optional[Union[str, ComponentSpec]] = None
     num_draft_tokens: Optional[int] = Field(None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
-    def _reject_unsupported(cls, payload: Any) -> Any:
-        if isinstance(payload, dict):
-            for name, unused in UNSUPPORTED.items():
-                if payload.get(name, unused) not in (unused, {}, []):
-                    raise PydanticCustomError("unsupported", f"{name} is not supported by specdec", {"param": name})
+    def _known_fields(cls, payload: Any) -> Any:
+        for name, value in payload.items() if isinstance(payload, dict) else ():
+            if name in cls.model_fields or name in METADATA:
+                continue
+            if name not in UNSUPPORTED:
+                raise PydanticCustomError("unknown", f"{name} is not a field specdec knows", {"param": name})
+            if value not in UNSUPPORTED[name]:
+                raise PydanticCustomError("unsupported", f"{name} is not supported by specdec", {"param": name})
         return payload
 
-    def log_probs_asked(self) -> Optional[int]:
-        """How many top log-probs per token the request asks for; None: no log-probs."""
-        return None
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError("stream", "stream_options needs stream: true", {"param": "stream_options"})
+        return self
 
-    def to_request(self, max_tokens: Optional[int], **prompt: Any) -> GenerationRequest:
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def generation_request(
+        self, max_tokens: Optional[int], logprobs: Optional[int], prompt_logprobs: Optional[int] = None, **prompt: Any
+    ) -> GenerationRequest:
         """What the speculative setup leaves out, the serving engine's defaults fill in."""
+        sampling = {
+            **self.model_dump(include=SAMPLING_FIELDS),
+            "top_k": max(self.top_k, 0),
+            "max_tokens": max_tokens,
+            "stop": [self.stop] if isinstance(self.stop, str) else (self.stop or []),
+            "stop_token_ids": self.stop_token_ids or [],
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+        }
         return GenerationRequest(
             **prompt,
-            sampling={
-                "temperature": self.temperature,
-                "top_p": self.top_p,
-                "top_k": self.top_k,
-                "max_tokens": max_tokens or 16,
-                "stop": [self.stop] if isinstance(self.stop, str) else (self.stop or []),
-                "seed": self.seed or 0,
-                "logprobs": self.log_probs_asked(),
-            },
-            policy=self.policy,
-            drafter=ComponentSpec(name=self.drafter) if isinstance(self.drafter, str) else self.drafter,
+            sampling=sampling,
+            policy=component(self.policy),
+            drafter=component(self.drafter),
             num_draft_tokens=self.num_draft_tokens,
         )
 
 
-class CompletionRequest(SpeculativeFields):
-    prompt: Union[str, list[int]] = Field(description="text, or token ids (as OpenAI allows)")
+def component(spec: Union[str, ComponentSpec, None]) -> Optional[ComponentSpec]:
+    """A policy or drafter given by name alone (as lm-eval's `gen_kwargs` can send it) or in full."""
+    return ComponentSpec(name=spec) if isinstance(spec, str) else spec
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+        description="a text, texts (one choice each), token ids, or lists of them"
+    )
+    max_tokens: Optional[int] = Field(16, ge=0, description="OpenAI's and vLLM's default (null too): 16")
+    echo: StrictBool = False
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="top log-probs per token")
 
     @field_validator("prompt")
     @classmethod
-    def _not_empty(cls, prompt):
-        if not prompt:
+    def _prompts_not_empty(cls, prompt):
+        if not prompt or any(isinstance(part, (str, list)) and not part for part in prompt):
             raise ValueError("prompt must not be empty")
+        if isinstance(prompt, list) and not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return prompt
 
-    def log_probs_asked(self) -> Optional[int]:
-        return self.logprobs
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError("max_tokens", "max_tokens 0 needs echo: true", {"param": "max_tokens"})
+        return self
 
-    def to_generation_request(self) -> GenerationRequest:
-        if isinstance(self.prompt, list):
-            return self.to_request(self.max_tokens, prompt_ids=self.prompt)
-        return self.to_request(self.max_tokens, prompt=self.prompt)
+    def prompts(self) -> list[dict[str, Any]]:
+        """One GenerationRequest prompt per choice."""
+        if isinstance(self.prompt, str):
+            return [{"prompt": self.prompt}]
+        if isinstance(self.prompt[0], int):
+            return [{"prompt_ids": self.prompt}]
+        return [{"prompt": part} if isinstance(part, str) else {"prompt_ids": part} for part in self.prompt]
+
+    def to_generation_requests(self) -> list[GenerationRequest]:
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        # echoed, a prompt's log-probs come from its prefill, and its text with them
+        prompt_logprobs = (self.logprobs or 0) if self.echo else None
+        return [
+            self.generation_request(max_tokens, self.logprobs, prompt_logprobs, **prompt) for prompt in self.prompts()
+        ]
 
 
-class ChatCompletionRequest(SpeculativeFields):
+class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=1, description="None: to the end of the turn or the context")
+    max_completion_tokens: Optional[int] = Field(None, ge=1, description="wins over max_tokens, as in vLLM")
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -133,94 +222,8 @@ class ChatCompletionRequest(SpeculativeFields):
             raise PydanticCustomError("logprobs", "top_logprobs needs logprobs: true", {"param": "top_logprobs"})
         return self
 
-    def log_probs_asked(self) -> Optional[int]:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def to_generation_request(self) -> GenerationRequest:
-        max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+    def to_generation_requests(self) -> list[GenerationRequest]:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
         messages = [{"role": message.role, "content": message.text()} for message in self.messages]
-        return self.to_request(max_tokens, messages=messages)
-
-
-def error_body(
-    message: str, error_type: str = "invalid_request_error", param: Optional[str] = None, code: Optional[str] = None
-) -> dict:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def usage(metrics: dict) -> dict:
-    return {
-        "prompt_tokens": metrics["prompt_tokens"],
-        "completion_tokens": metrics["completion_tokens"],
-        "total_tokens": metrics["prompt_tokens"] + metrics["completion_tokens"],
-    }
-
-
-def chat_log_prob(entry) -> dict:
-    return {"token": entry.token, "logprob": entry.log_prob, "bytes": list(entry.token.encode())}
-
-
-class ResponseBuilder:
-    """Builds OpenAI completion / chat.completion objects and their streaming chunks."""
-
-    def __init__(self, chat: bool, model: str, request_id: str):
-        self.chat = chat
-        self.model = model
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
-        self.created = int(time.time())
-        self.text_offset = 0  # of the next token, for legacy completions' log-probs
-
-    def _envelope(self, object_name: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
-
-    def _log_probs(self, log_probs: Optional[list[TokenLogProbs]]) -> Optional[dict]:
-        """OpenAI's `logprobs` object: chat's `content` list, or the legacy completions columns."""
-        if log_probs is None:
-            return None
-        if self.chat:
-            return {
-                "content": [
-                    {**chat_log_prob(entry.chosen), "top_logprobs": [chat_log_prob(top) for top in entry.top]}
-                    for entry in log_probs
-                ]
-            }
-        offsets = []
-        for entry in log_probs:
-            offsets.append(self.text_offset)
-            self.text_offset += len(entry.chosen.token)
-        return {
-            "tokens": [entry.chosen.token for entry in log_probs],
-            "token_logprobs": [entry.chosen.log_prob for entry in log_probs],
-            "top_logprobs": [{top.token: top.log_prob for top in entry.top} for entry in log_probs],
-            "text_offset": offsets,
-        }
-
-    def _choice(self, text: str, token_ids: list[int], finish_reason, log_probs, streamed: bool) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "token_ids": token_ids}
-        if self.chat and streamed:
-            choice["delta"] = {"content": text}
-        elif self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self._log_probs(log_probs)
-        return choice
-
-    def full(self, chunks: list[StreamChunk]) -> dict:
-        completion = Completion.from_chunks(chunks)
-        choice = self._choice(
-            completion.text, completion.token_ids, completion.finish_reason, completion.log_probs, streamed=False
-        )
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        body["usage"] = usage(completion.metrics)
-        body["speculative"] = completion.metrics
-        return body
-
-    def chunk(self, chunk: StreamChunk) -> dict:
-        choice = self._choice(chunk.text, chunk.token_ids, chunk.finish_reason, chunk.log_probs, streamed=True)
-        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
-        if chunk.metrics is not None:
-            body["usage"] = usage(chunk.metrics)
-            body["speculative"] = chunk.metrics
-        return body
+        return [self.generation_request(max_tokens, logprobs, messages=messages)]

@@ -30,10 +30,10 @@ from specdec_core.request import ComponentSpec
 from specdec_core.sampling import SamplingParams
 from specdec_core.topologies import default_bank
 from specdec_core.tree import Topology
-from specdec_core.types import DraftBlock, TargetBlock
+from specdec_core.types import DraftBlock, PromptScores, TargetBlock
 
 from .errors import WorkerOverloaded, WorkerUnavailable
-from .wire import component_to_proto, sampling_to_proto, tensor_from_proto
+from .wire import component_to_proto, prompt_scores_from_proto, sampling_to_proto, tensor_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class RemoteTarget:
 
     async def reset(
         self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams, with_heads: bool = False
-    ) -> None:
+    ) -> Optional[PromptScores]:
         request = pb.TargetReset(
             session_id=self.session_id,
             prompt_ids=list(prompt_ids),
@@ -81,9 +81,10 @@ class RemoteTarget:
             with_heads=with_heads,
         )
         try:
-            await self.stub.Reset(request, timeout=self.deadline_s * RESET_DEADLINES)
+            reply = await self.stub.Reset(request, timeout=self.deadline_s * RESET_DEADLINES)
         except grpc.RpcError as error:
             raise classify(error, "target") from None
+        return prompt_scores_from_proto(reply.prompt) if reply.HasField("prompt") else None
 
     async def score(self, tokens: Sequence[int], tree: Optional[Topology] = None) -> TargetBlock:
         request = pb.ScoreRequest(

@@ -129,7 +129,7 @@ class RemoteEngine:
                 self.stubs["draft"], session_id, request.drafter, request.policy.needs_draft_logits(), self.deadline_s
             )
         timings, last_chunk_at = RequestTimings(), arrival
-        loop = speculative_loop(request, drafter, target, self.frontend.output(request.sampling))
+        loop = speculative_loop(request, drafter, target, self.frontend.output(request))
         try:
             async with contextlib.aclosing(loop) as chunks:
                 async for chunk in chunks:

@@ -36,7 +36,7 @@ from .auth import RequireSecret
 from .sessions import SessionTable
 from .steps import PendingRow, StepBatcher, WorkerStopping, schedule
 from .tensor_parallel import ControlChannel, GroupBroken
-from .wire import component_from_proto, sampling_from_proto, tensor_to_proto
+from .wire import component_from_proto, prompt_scores_to_proto, sampling_from_proto, tensor_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +160,10 @@ class SessionServicer:
             raise
 
     def max_len(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
-        """The positions a session can fill: its prompt, its tokens, one block of drafts."""
-        return min(len(prompt_ids) + sampling.max_tokens + MAX_DRAFT_TOKENS + 1, self.max_positions)
+        """The positions a session can fill: its prompt, its tokens, one block of drafts (a
+        request of open length: the context)."""
+        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else self.max_positions
+        return min(len(prompt_ids) + max_tokens + MAX_DRAFT_TOKENS + 1, self.max_positions)
 
     def call(self, op: dict) -> Any:
         """`run` an operation on the torch thread and wait for its result (a handler's way)."""
@@ -360,7 +362,8 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         prefill = self.open_session(request.session_id, prompt_ids, sampling, op, heads_bytes)
         if prefill:
             self.batcher.submit(request.session_id, tokens=prefill, prefill=True).result()
-        return pb.Empty()
+        scores = self.session(request.session_id).prompt_scores()
+        return pb.TargetResetReply(prompt=prompt_scores_to_proto(scores) if scores is not None else None)
 
     def op_measure_profile(self, spec: dict, settings: dict) -> TargetProfile:
         """Measure the target's profile (every rank of a group runs the same forwards)."""

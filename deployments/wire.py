@@ -10,6 +10,7 @@ import torch
 from protos import specdec_pb2 as pb
 from specdec_core.request import ComponentSpec
 from specdec_core.sampling import SamplingParams
+from specdec_core.types import PromptScores
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32, "bool": np.bool_}
 
@@ -34,16 +35,35 @@ def sampling_to_proto(sampling: SamplingParams) -> pb.Sampling:
 
 
 def sampling_from_proto(message: pb.Sampling) -> SamplingParams:
-    """Validated like any request (pydantic's ValidationError on a bad field)."""
+    """Validated like any request (pydantic's ValidationError on a bad field); unset optional
+    fields take SamplingParams' defaults."""
+    optional = ("max_tokens", "seed", "logprobs", "skip_special_tokens", "prompt_logprobs")
     return SamplingParams(
         temperature=message.temperature,
         top_p=message.top_p,
         top_k=message.top_k,
-        max_tokens=message.max_tokens,
+        min_tokens=message.min_tokens,
         stop=list(message.stop),
-        seed=message.seed,
+        stop_token_ids=list(message.stop_token_ids),
+        include_stop_str_in_output=message.include_stop_str_in_output,
         ignore_eos=message.ignore_eos,
-        logprobs=message.logprobs if message.HasField("logprobs") else None,
+        **{name: getattr(message, name) for name in optional if message.HasField(name)},
+    )
+
+
+def prompt_scores_to_proto(scores: PromptScores) -> pb.PromptScores:
+    return pb.PromptScores(
+        token_log_probs=tensor_to_proto(scores.token_log_probs),
+        top_ids=tensor_to_proto(scores.top_ids),
+        top_log_probs=tensor_to_proto(scores.top_log_probs),
+    )
+
+
+def prompt_scores_from_proto(message: pb.PromptScores) -> PromptScores:
+    return PromptScores(
+        tensor_from_proto(message.token_log_probs),
+        tensor_from_proto(message.top_ids),
+        tensor_from_proto(message.top_log_probs),
     )
 
 

@@ -36,6 +36,12 @@ class SequenceKV:
         self.capacity = capacity
         self.length = 0
 
+    @classmethod
+    def for_request(cls, num_prompt: int, sampling) -> "SequenceKV":
+        """A request's cache, allocated for its prompt and every token it may emit (for a
+        request of open length, as much as `DEFAULT_CAPACITY` more)."""
+        return cls(num_prompt + (sampling.max_tokens if sampling.max_tokens is not None else DEFAULT_CAPACITY) + 1)
+
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store `[kv_heads, T, head_dim]` at positions length..length+T; return the layer's keys
         and values up to there (views). `advance` moves `length` once every layer wrote."""

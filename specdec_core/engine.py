@@ -11,11 +11,12 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional
 import torch
 
 from .drafters import HeadsDrafter, make_drafter, validate_drafter
-from .frontend import Frontend, OutputTracker, PreparedRequest
+from .frontend import Frontend, PreparedRequest
 from .heads import AUTO, Heads, load_heads
 from .loader import ModelSpec, load_model, load_tokenizer
 from .logprobs import emitted_log_probs
 from .metrics import SpecMetrics
+from .output import OutputTracker
 from .profile import CalibrationSettings, TargetProfile, calibration_progress, load_profile, measure_profile
 from .request import Completion, GenerationRequest, RequestDefaults, StreamChunk
 from .sessions import DraftSession, Immediate, TargetSession, run_immediately
@@ -31,14 +32,19 @@ async def speculative_loop(
     verify_rng = sampling.generator("verify")
     metrics = SpecMetrics(counters=dict.fromkeys(policy.counters, 0))
     clock = time.perf_counter()
-    await target.reset(request.prompt_ids, policy, sampling, with_heads=request.drafter.name == HeadsDrafter.name)
-    await drafter.reset(request.prompt_ids, sampling)
+    with_heads = request.drafter.name == HeadsDrafter.name
+    prompt_scores = await target.reset(request.prompt_ids, policy, sampling, with_heads=with_heads)
+    if output.remaining:
+        await drafter.reset(request.prompt_ids, sampling)
     metrics.prefill_ms = (time.perf_counter() - clock) * 1e3
+    if prompt_scores is not None:
+        yield output.prompt_chunk(request.prompt_ids, prompt_scores)
     last_token = request.prompt_ids[-1]
     # the block length follows the target's load only where it cannot change the output: a
     # sampled or lossy request's tokens depend on its blocks, and must not on its batch companions
     follows_load = policy.lossless and sampling.greedy
     batch_rows = 1
+    chunk = output.chunk([], "")  # the last one when nothing is generated (max_tokens 0)
     while output.finish_reason is None:
         clock = time.perf_counter()
         draft = await drafter.propose(min(request.num_draft_tokens, output.remaining - 1), batch_rows)
@@ -50,7 +56,9 @@ async def speculative_loop(
         batch_rows = block.batch_rows if follows_load else 1
         clock = time.perf_counter()
         verify = policy.verify if draft.tree is None else policy.verify_tree
-        verdict = verify(draft.to(block.logits.device), block, sampling, verify_rng)
+        verdict = verify(
+            draft.to(block.logits.device), output.suppress_early_stops(block, draft.tree), sampling, verify_rng
+        )
         metrics.verify_ms.append((time.perf_counter() - clock) * 1e3)
         new_tokens = [*verdict.kept_tokens(draft), verdict.next_token]
         if verdict.path is None:
@@ -65,15 +73,15 @@ async def speculative_loop(
         if sampling.logprobs is not None:
             log_probs = emitted_log_probs(block, new_tokens, verdict.num_accepted, sampling.logprobs)
         chunk = output.append(new_tokens, log_probs)
-        if output.finish_reason is not None:
-            chunk.metrics = {
-                "policy": {"name": policy.name, "params": json.loads(policy.params.model_dump_json())},
-                **metrics.summary(),
-                "prompt_tokens": len(request.prompt_ids),
-                "completion_tokens": len(output.token_ids),
-            }
-        if chunk.token_ids or chunk.text or chunk.finish_reason:
+        if output.finish_reason is None and (chunk.token_ids or chunk.text):
             yield chunk
+    chunk.metrics = {
+        "policy": {"name": policy.name, "params": json.loads(policy.params.model_dump_json())},
+        **metrics.summary(),
+        "prompt_tokens": len(request.prompt_ids),
+        "completion_tokens": len(output.token_ids),
+    }
+    yield chunk
 
 
 class SpeculativeEngine:
@@ -126,7 +134,7 @@ class SpeculativeEngine:
             drafter = HeadsDrafter(target, validate_drafter(prepared.drafter.name, prepared.drafter.params))
         else:
             drafter = Immediate(make_drafter(prepared.drafter.name, prepared.drafter.params, self.draft_model))
-        output = self.frontend.output(prepared.sampling)
+        output = self.frontend.output(prepared)
         return run_immediately(speculative_loop(prepared, drafter, target, output))
 
     def complete(self, request: GenerationRequest) -> Completion:

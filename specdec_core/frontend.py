@@ -1,19 +1,20 @@
 """Everything about a request that needs no weights: tokenization, the chat template, validation
-against the target's vocabulary and context length, the defaults of its speculative setup, and
-turning emitted tokens into text under EOS, max_tokens and stop strings. The in-process engine
-and the served one (deployments/remote_engine.py) share it."""
+against the target's vocabulary and context length, and the defaults of its speculative setup
+and its length; its output's stop rules and text are output.py's. The in-process engine and the
+served one (deployments/remote_engine.py) share it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from .drafters import DRAFTERS, HeadsDrafter, validate_drafter
 from .errors import SpecdecError, check_token_ids
+from .output import OutputTracker
 from .policies import POLICIES, AcceptancePolicy, make_policy
 from .profile import TargetProfile
-from .request import ComponentSpec, GenerationRequest, LogProb, RequestDefaults, StreamChunk, TokenLogProbs
-from .sampling import SamplingParams
+from .request import ComponentSpec, GenerationRequest, RequestDefaults
+from .sampling import MAX_TOKENS, SamplingParams
 
 
 @dataclass
@@ -25,66 +26,6 @@ class PreparedRequest:
     policy: AcceptancePolicy
     drafter: ComponentSpec
     num_draft_tokens: int
-
-
-@dataclass
-class OutputTracker:
-    """Applies EOS, max_tokens and stop strings, and turns token ids into text deltas."""
-
-    tokenizer: Any
-    sampling: SamplingParams
-    eos_ids: set[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    emitted_chars: int = 0
-    finish_reason: Optional[str] = None
-
-    @property
-    def remaining(self) -> int:
-        return self.sampling.max_tokens - len(self.token_ids)
-
-    def append(self, new_tokens: Sequence[int], log_probs: Optional[list] = None) -> StreamChunk:
-        """`log_probs`: logprobs.emitted_log_probs of `new_tokens`, when the request asks."""
-        start = len(self.token_ids)
-        for token in new_tokens:
-            if token in self.eos_ids and not self.sampling.ignore_eos:
-                self.finish_reason = "stop"
-                break
-            self.token_ids.append(token)
-            if self.remaining == 0:
-                self.finish_reason = "length"
-                break
-        if self.tokenizer is not None:
-            self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-            self._apply_stop_strings()
-        chunk = StreamChunk(self.token_ids[start:], self._text_delta(), self.finish_reason)
-        if log_probs is not None:
-            chunk.log_probs = [
-                TokenLogProbs(self._log_prob(token, log_prob), [self._log_prob(*entry) for entry in top])
-                for token, log_prob, top in log_probs[: len(chunk.token_ids)]
-            ]
-        return chunk
-
-    def _log_prob(self, token_id: int, log_prob: float) -> LogProb:
-        token = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
-        return LogProb(token_id, token, log_prob)
-
-    def _apply_stop_strings(self) -> None:
-        hits = [index for index in (self.text.find(stop) for stop in self.sampling.stop) if index >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.finish_reason = "stop"
-
-    def _text_delta(self) -> str:
-        safe_end = len(self.text)
-        if self.finish_reason is None:
-            # hold back an incomplete UTF-8 sequence and a possible stop-string prefix
-            safe_end = len(self.text.rstrip("\ufffd"))
-            if self.sampling.stop:
-                safe_end = max(self.emitted_chars, safe_end - max(map(len, self.sampling.stop)) + 1)
-        delta = self.text[self.emitted_chars : safe_end]
-        self.emitted_chars = max(self.emitted_chars, safe_end)
-        return delta
 
 
 class Frontend:
@@ -137,10 +78,11 @@ class Frontend:
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Validate a request and fill in its defaults; raises SpecdecError with a clear message."""
         sampling = request.sampling
-        if self.max_tokens_limit is not None and sampling.max_tokens > self.max_tokens_limit:
+        if self.max_tokens_limit is not None and (sampling.max_tokens or 0) > self.max_tokens_limit:
             raise SpecdecError(f"max_tokens must be <= {self.max_tokens_limit}", "max_tokens")
         if sampling.top_k > self.vocab_size:
             raise SpecdecError(f"top_k must be <= the vocabulary size ({self.vocab_size})", "top_k")
+        check_token_ids(sampling.stop_token_ids, self.vocab_size, "stop_token_ids")
         policy_spec = request.policy or self.defaults.policy_for(sampling)
         policy = make_policy(policy_spec.name, policy_spec.params)
         if policy.needs_profile:
@@ -163,14 +105,32 @@ class Frontend:
         prompt_field = "messages" if request.messages is not None else "prompt"
         if not prompt_ids:
             raise SpecdecError("prompt encodes to zero tokens", prompt_field)
-        budget = self.max_positions - sampling.max_tokens - num_draft_tokens
-        if len(prompt_ids) > budget:
+        return PreparedRequest(
+            prompt_ids,
+            self.resolve_length(sampling, len(prompt_ids), num_draft_tokens, prompt_field),
+            policy,
+            drafter,
+            num_draft_tokens,
+        )
+
+    def resolve_length(self, sampling: SamplingParams, num_prompt: int, num_draft_tokens: int, prompt_field: str):
+        """`sampling` with its max_tokens set: a request without one runs to a stop or the end of
+        the context (vLLM's rule; OpenAI's chat API's), within the deployment's limit. A prompt
+        leaves room for max_tokens and one block of drafts in the context."""
+        room = self.max_positions - num_prompt - num_draft_tokens
+        max_tokens = sampling.max_tokens
+        if max_tokens is None:
+            max_tokens = min(room, self.max_tokens_limit or MAX_TOKENS, MAX_TOKENS)
+            if max_tokens < max(1, sampling.min_tokens):
+                raise SpecdecError(f"prompt has {num_prompt} tokens: no room left in the context", prompt_field)
+            sampling = sampling.model_copy(update={"max_tokens": max_tokens})
+        if max_tokens > room:
             raise SpecdecError(
-                f"prompt has {len(prompt_ids)} tokens; with max_tokens={sampling.max_tokens} "
-                f"the limit is {max(budget, 0)}",
+                f"prompt has {num_prompt} tokens; with max_tokens={max_tokens} the limit is "
+                f"{max(self.max_positions - max_tokens - num_draft_tokens, 0)}",
                 prompt_field,
             )
-        return PreparedRequest(prompt_ids, sampling, policy, drafter, num_draft_tokens)
+        return sampling
 
-    def output(self, sampling: SamplingParams) -> OutputTracker:
-        return OutputTracker(self.tokenizer, sampling, self.eos_ids)
+    def output(self, request: PreparedRequest) -> OutputTracker:
+        return OutputTracker(self.tokenizer, request.sampling, self.eos_ids, len(request.prompt_ids))

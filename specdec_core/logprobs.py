@@ -7,12 +7,21 @@ from typing import Sequence
 
 import torch
 
-from .types import TargetBlock
+from .types import PromptScores, TargetBlock
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """`log_softmax(logits[i])[tokens[i]]` for each row, `[N]`."""
     return logits.float().log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def score_prompt_tokens(logits: torch.Tensor, next_tokens: torch.Tensor, num_top: int) -> PromptScores:
+    """The log-probs of `next_tokens [T]` under the prefill rows `logits [T, V]` that predict
+    them, and the top `num_top` at each."""
+    rows = logits.float().log_softmax(-1)  # [T, V]
+    top_log_probs, top_ids = rows.topk(num_top, dim=-1)  # [T, n]
+    chosen = rows.gather(-1, next_tokens[:, None]).squeeze(-1)  # [T]
+    return PromptScores(chosen.cpu(), top_ids.cpu(), top_log_probs.cpu())
 
 
 def emitted_log_probs(

@@ -4,7 +4,7 @@ streamed chunks and completion. No tensors and no weights here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -74,15 +74,24 @@ class GenerationRequest(BaseModel):
 class LogProb:
     token_id: int
     token: str  # the token decoded alone
-    log_prob: float
+    log_prob: Optional[float]  # None only for a prompt's first token, which nothing predicts
 
 
 @dataclass
 class TokenLogProbs:
-    """An emitted token's log-prob under the target, and the target's top alternatives."""
+    """A token's log-prob under the target, and the target's top alternatives there."""
 
     chosen: LogProb
     top: list[LogProb]
+
+
+@dataclass
+class PromptLogProbs:
+    """The prompt under the target, from its prefill (`sampling.prompt_logprobs`): its text and,
+    per token, its log-prob given the tokens before it and the top alternatives there."""
+
+    text: str  # the prompt's token ids decoded, special tokens kept
+    tokens: list[TokenLogProbs]  # one per prompt token; the first has log_prob None and no top
 
 
 @dataclass
@@ -92,6 +101,9 @@ class StreamChunk:
     finish_reason: Optional[str] = None  # "stop" | "length" on the last chunk
     metrics: Optional[dict] = None  # on the last chunk
     log_probs: Optional[list[TokenLogProbs]] = None  # one per token id, when the request asks
+    stop_reason: Union[int, str, None] = None  # on the last chunk: the stop token id or string, None for EOS
+    prompt: Optional[PromptLogProbs] = None  # on a first chunk of its own, when the request asks
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -102,6 +114,8 @@ class Completion:
     finish_reason: str
     metrics: dict
     log_probs: Optional[list[TokenLogProbs]] = None
+    stop_reason: Union[int, str, None] = None
+    prompt: Optional[PromptLogProbs] = None
 
     @classmethod
     def from_chunks(cls, chunks: list[StreamChunk]) -> "Completion":
@@ -112,5 +126,7 @@ class Completion:
             text="".join(chunk.text for chunk in chunks),
             finish_reason=chunks[-1].finish_reason,
             metrics=chunks[-1].metrics,
-            log_probs=[entry for chunk in chunks for entry in chunk.log_probs] if asked else None,
+            log_probs=[entry for chunk in chunks for entry in chunk.log_probs or ()] if asked else None,
+            stop_reason=chunks[-1].stop_reason,
+            prompt=chunks[0].prompt,
         )

@@ -5,27 +5,57 @@ from __future__ import annotations
 from typing import Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 INT32_MAX = (1 << 31) - 1
 MAX_TOP_LOGPROBS = 20
+MAX_TOKENS = 32768  # the most tokens a request may ask for (a deployment may allow fewer)
 
 
 class SamplingParams(BaseModel):
-    """Per-request decoding settings (OpenAI semantics; temperature 0 means greedy)."""
+    """Per-request decoding settings, with OpenAI's semantics and vLLM's extensions (`top_k`,
+    `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
+    `skip_special_tokens`, `prompt_logprobs`); temperature 0 means greedy."""
 
     model_config = ConfigDict(extra="forbid")
 
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=INT32_MAX, description="0 disables top-k filtering")
-    max_tokens: int = Field(128, ge=1, le=32768)
+    max_tokens: Optional[int] = Field(
+        None, ge=0, le=MAX_TOKENS, description="None: until a stop or the end of the context (Frontend.prepare)"
+    )
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="no stop token or stop string ends output before")
     stop: list[str] = Field(default_factory=list)
-    seed: int = Field(0, ge=-(1 << 63), lt=1 << 63, description="a signed 64-bit integer")
+    stop_token_ids: list[int] = Field(default_factory=list, description="tokens that end the output, as EOS does")
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 63, description="None: fresh randomness each request")
     ignore_eos: bool = False
     logprobs: Optional[int] = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="return the target log-prob of each token and this many top ones"
     )
+    prompt_logprobs: Optional[int] = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="likewise for each prompt token after the first (the prefill's)"
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: list[str]) -> list[str]:
+        if any(not string for string in stop):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @model_validator(mode="after")
+    def _consistent_lengths(self):
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise PydanticCustomError(
+                "max_tokens", "max_tokens 0 only scores the prompt: it needs prompt_logprobs", {"param": "max_tokens"}
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise PydanticCustomError("min_tokens", "min_tokens must be <= max_tokens", {"param": "min_tokens"})
+        return self
 
     @property
     def greedy(self) -> bool:
@@ -33,8 +63,13 @@ class SamplingParams(BaseModel):
 
     def generator(self, role: Literal["verify", "draft", "target"]) -> torch.Generator:
         """The request's RNG for one role. Verifier, drafter and the target's policy features
-        draw from separate streams seeded from `seed`, so a request is reproducible wherever its
-        pieces run. It lives on the host, on every device: draws are made there and moved."""
+        draw from separate streams seeded from `seed`, so a seeded request is reproducible
+        wherever its pieces run; without a seed each draws fresh randomness (OpenAI's and vLLM's
+        rule). It lives on the host, on every device: draws are made there and moved."""
+        if self.seed is None:
+            generator = torch.Generator()
+            generator.seed()
+            return generator
         return torch.Generator().manual_seed(self.seed + SEED_OFFSETS[role])
 
 

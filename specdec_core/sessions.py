@@ -12,7 +12,7 @@ from .heads import HeadGuesses
 from .policies import AcceptancePolicy
 from .sampling import SamplingParams
 from .tree import Topology
-from .types import DraftBlock, TargetBlock
+from .types import DraftBlock, PromptScores, TargetBlock
 
 Item = TypeVar("Item")
 
@@ -20,9 +20,10 @@ Item = TypeVar("Item")
 class TargetSession(Protocol):
     async def reset(
         self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams, with_heads: bool = False
-    ) -> None:
+    ) -> Optional[PromptScores]:
         """Prefill the prompt (all but its last token, which the first `score` feeds);
-        `with_heads`: run the target's heads beside it, for `guess`."""
+        `with_heads`: run the target's heads beside it, for `guess`. Returns the prompt's
+        scores when `sampling.prompt_logprobs` asks for them."""
 
     async def score(self, tokens: Sequence[int]) -> TargetBlock:
         """Target logits for `[last committed, d_1..d_K]` (plus the policy's target features)."""
@@ -59,8 +60,8 @@ class Immediate:
     def __init__(self, session: Any):
         self.session = session
 
-    async def reset(self, *args: Any, **kwargs: Any) -> None:
-        self.session.reset(*args, **kwargs)
+    async def reset(self, *args: Any, **kwargs: Any) -> Any:
+        return self.session.reset(*args, **kwargs)
 
     async def score(self, tokens: Sequence[int]) -> TargetBlock:
         return self.session.score(tokens)

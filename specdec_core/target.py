@@ -15,11 +15,11 @@ import torch
 
 from .batching import DEFAULT_CAPACITY, SequenceKV, forward_ragged
 from .heads import HeadGuesses, Heads, HeadsSession
-from .logprobs import token_log_probs
+from .logprobs import score_prompt_tokens, token_log_probs
 from .policies import AcceptancePolicy
 from .sampling import SamplingParams
 from .tree import Topology
-from .types import TargetBlock
+from .types import PromptScores, TargetBlock
 
 
 class TargetScorer:
@@ -38,6 +38,7 @@ class TargetScorer:
         self.scored_tree: Optional[Topology] = None  # the tree the last score was, if one
         self.scored_hidden: Optional[torch.Tensor] = None  # [T, H] of the last score, with heads
         self.heads_session: Optional[HeadsSession] = None
+        self.prompt_parts: Optional[list[PromptScores]] = None  # per prefill chunk, when the request asks
 
     def start(
         self,
@@ -55,6 +56,8 @@ class TargetScorer:
             raise ValueError("prompt must contain at least one token")
         self.policy = policy
         self.sampling = sampling
+        self.prompt_ids = list(prompt_ids)
+        self.prompt_parts = [] if sampling.prompt_logprobs is not None else None
         self.features_rng = sampling.generator("target")
         self.cache = SequenceKV(max_len)
         self.committed_len = 0
@@ -69,11 +72,28 @@ class TargetScorer:
 
     def reset(
         self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams, with_heads: bool = False
-    ) -> None:
-        """Start a request and prefill its prompt, `PREFILL_CHUNK` tokens per forward."""
+    ) -> Optional[PromptScores]:
+        """Start a request and prefill its prompt, `PREFILL_CHUNK` tokens per forward; the
+        prompt's scores when `sampling.prompt_logprobs` asks for them."""
         prefill = self.start(prompt_ids, policy, sampling, with_heads=with_heads)
         for begin in range(0, len(prefill), PREFILL_CHUNK):
             forward_rows([Row(self, prefill[begin : begin + PREFILL_CHUNK], prefill=True)])
+        return self.prompt_scores()
+
+    def prompt_scores(self) -> Optional[PromptScores]:
+        """After the prefill: the prompt's scores, when the request asks for them."""
+        if self.prompt_parts is None:
+            return None
+        return PromptScores.concat(self.prompt_parts, self.sampling.prompt_logprobs)
+
+    def score_prefill(self, hidden: torch.Tensor) -> None:
+        """A prompt chunk's final hidden states `[1, T, H]` (the positions after the committed
+        ones): when the request asks, the log-probs of the prompt tokens they predict."""
+        if self.prompt_parts is not None:
+            start = self.committed_len + 1
+            next_tokens = torch.tensor(self.prompt_ids[start : start + hidden.shape[1]], device=hidden.device)
+            logits = self.model.lm_head(hidden)[0]  # [T, V]
+            self.prompt_parts.append(score_prompt_tokens(logits, next_tokens, self.sampling.prompt_logprobs))
 
     def score(self, tokens: Sequence[int]) -> TargetBlock:
         """Logits `[len(tokens), V]` (fp32) for the tokens appended after the committed prefix,
@@ -159,6 +179,7 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
     blocks = []
     for row, begin, end in zip(rows, offsets, offsets[1:]):
         if row.prefill:
+            row.scorer.score_prefill(hidden[:, begin:end])
             row.scorer.committed_len += len(row.tokens)
             if row.scorer.heads_session is not None:
                 row.scorer.heads_session.advance(hidden[0, begin:end])

@@ -78,6 +78,26 @@ class TargetBlock:
 
 
 @dataclass
+class PromptScores:
+    """The target's log-probs of a prompt's tokens after the first, from its prefill: each
+    token's and the top `n` alternatives at its position."""
+
+    token_log_probs: torch.Tensor  # [P-1] float32
+    top_ids: torch.Tensor  # [P-1, n] int64
+    top_log_probs: torch.Tensor  # [P-1, n] float32
+
+    @staticmethod
+    def concat(parts: list["PromptScores"], num_top: int) -> "PromptScores":
+        if not parts:  # a one-token prompt has no prefill
+            return PromptScores(torch.zeros(0), torch.zeros(0, num_top, dtype=torch.long), torch.zeros(0, num_top))
+        return PromptScores(
+            torch.cat([part.token_log_probs for part in parts]),
+            torch.cat([part.top_ids for part in parts]),
+            torch.cat([part.top_log_probs for part in parts]),
+        )
+
+
+@dataclass
 class Verdict:
     """Outcome of one verification: the first `num_accepted` draft tokens are kept, then
     `next_token` (a correction at the first rejection or the bonus after all K). `trace` holds

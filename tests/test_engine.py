@@ -225,8 +225,8 @@ def test_eos_and_max_tokens_finish_the_request():
     eos = free_run[10]
     engine.frontend.eos_ids = {eos}
     stopped = engine.complete(request(prompt, drafter="pld", max_tokens=30))
-    assert stopped.finish_reason == "stop"
-    assert stopped.token_ids == free_run[: free_run.index(eos)]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason is None
+    assert stopped.token_ids == free_run[: free_run.index(eos) + 1]  # the stop token stays (vLLM)
     ignoring = engine.complete(request(prompt, drafter="pld", max_tokens=30, ignore_eos=True))
     assert ignoring.token_ids == free_run and ignoring.finish_reason == "length"
 
@@ -240,7 +240,7 @@ def test_bad_requests_raise_clear_errors(tiny_engine):
         (dict(prompt_ids=prompt, num_draft_tokens=0), "greater than or equal to 1"),
         (dict(prompt_ids=prompt, sampling={"temperature": -0.5}), "greater than or equal to 0"),
         (dict(prompt_ids=prompt, sampling={"top_p": 0.0}), "greater than 0"),
-        (dict(prompt_ids=prompt, sampling={"max_tokens": 0}), "greater than or equal to 1"),
+        (dict(prompt_ids=prompt, sampling={"max_tokens": 0}), "needs prompt_logprobs"),
         (dict(prompt_ids=prompt, sampling={"seed": 2**70}), "less than 9223372036854775808"),
         (dict(prompt_ids=prompt, sampling={"logprobs": 21}), "less than or equal to 20"),
     ]
@@ -420,7 +420,7 @@ def test_only_exact_greedy_requests_follow_the_targets_load(tiny_engine):
         drafter.seen = []
         prepared = tiny_engine.frontend.prepare(request)
         target = Loaded(tiny_engine.target_model)
-        output = tiny_engine.frontend.output(prepared.sampling)
+        output = tiny_engine.frontend.output(prepared)
         list(run_immediately(speculative_loop(prepared, Immediate(drafter), Immediate(target), output)))
         seen[policy, temperature] = set(drafter.seen[1:])
     assert seen == {("greedy", 0.0): {7}, ("rejection", 0.0): {7}, ("fly", 0.0): {1}, ("rejection", 0.8): {1}}
@@ -442,7 +442,7 @@ def test_the_loop_runs_without_an_event_loop_only_over_sessions_that_never_wait(
 
     request = GenerationRequest(prompt_ids=repeating_prompt(3), drafter={"name": "none"}, sampling={"max_tokens": 4})
     prepared = tiny_engine.frontend.prepare(request)
-    output = tiny_engine.frontend.output(prepared.sampling)
+    output = tiny_engine.frontend.output(prepared)
     target = Waits(TargetScorer(tiny_engine.target_model))
     with pytest.raises(RuntimeError, match="waited"):
         list(run_immediately(speculative_loop(prepared, Immediate(NoDrafter()), target, output)))

@@ -143,7 +143,7 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="default: fresh randomness"),
     stop: list[str] = typer.Option([], "--stop"),
     target: str = TargetOpt,
     target_dtype: str = TargetDtypeOpt,

@@ -1,0 +1,56 @@
+"""clients_check.py against the HTTP API over in-process workers (a tiny random target behind
+SmolLM2's tokenizer): the openai SDK, lm-evaluation-harness through both its OpenAI model types
+(generate_until and the log-likelihood path) and guidellm at two concurrencies, unmodified, each
+compared with the target in process. `specdec clients-check` runs the same checks, longer, against
+the embedded service."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import perturbed_copy, tiny_llama
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("guidellm")
+
+from served import HttpServer, Workers  # noqa: E402
+
+from deployments.clients_check import ClientsCheck  # noqa: E402
+from specdec_core import ModelSpec, SpeculativeEngine  # noqa: E402
+from specdec_core.loader import load_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.slow  # SmolLM2's tokenizer
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory):
+    tokenizer = load_tokenizer(ModelSpec())
+    tokenizer_dir = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(tokenizer_dir)
+    target = tiny_llama(seed=6, vocab_size=len(tokenizer))
+    engine = SpeculativeEngine(target, tokenizer, perturbed_copy(target, 0.002))
+    workers = Workers(engine)
+    server = HttpServer(workers)
+    yield ClientsCheck(server.url, tokenizer_dir, engine)
+    server.stop()
+    workers.stop()
+
+
+def test_the_openai_sdk_gets_what_the_target_gives(check):
+    check.openai_sdk()
+    assert [row.name for row in check.checks if row.part == "openai" and not row.passed] == []
+
+
+def test_lm_eval_runs_both_model_types_and_its_log_likelihoods_are_the_targets(check):
+    results = check.lm_eval(
+        limit=3, gen_kwargs={"policy": "greedy", "drafter": "model", "max_gen_toks": 24}, concurrency=2
+    )
+    failed = [(row.name, row.result) for row in check.checks if row.part == "lm-eval" and not row.passed]
+    assert failed == [] and len([row for row in check.checks if row.part == "lm-eval"]) == 3
+    assert len(results["local-completions mc"]["samples"]) == 3
+
+
+def test_guidellm_gets_every_token_it_asks_for(check, tmp_path):
+    rows = check.guidellm([1, 3], [3, 6], prompt_tokens=32, output_tokens=12, out=tmp_path)
+    assert [row["concurrency"] for row in rows] == [1, 3]
+    assert all(row["ok"] == count and row["mean_output_tokens"] == 12 for row, count in zip(rows, [3, 6]))
+    assert [row.name for row in check.checks if row.part == "guidellm" and not row.passed] == []
