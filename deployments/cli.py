@@ -202,6 +202,7 @@ def clients_check(
     requests: str = typer.Option("8,32,64", "--requests", help="guidellm: requests per level (the last repeats)"),
     prompt_tokens: int = typer.Option(128, "--prompt-tokens"),
     output_tokens: int = typer.Option(64, "--output-tokens"),
+    guidellm_body: str = typer.Option("{}", "--guidellm-body", help="extra body fields of guidellm's requests (JSON)"),
     out: Path = typer.Option(Path("clients_check"), "--out", help="results: clients_check.json, guidellm.json"),
 ):
     """Drive a running service with real client libraries (the openai SDK, lm-evaluation-harness,
@@ -228,7 +229,9 @@ def clients_check(
         results["lm_eval"] = check.lm_eval(limit, json.loads(gen_kwargs), lm_eval_concurrency)
     if "guidellm" in wanted:
         levels, counts = [int(x) for x in concurrency.split(",")], [int(x) for x in requests.split(",")]
-        results["guidellm"] = check.guidellm(levels, counts, prompt_tokens, output_tokens, out)
+        results["guidellm"] = check.guidellm(
+            levels, counts, prompt_tokens, output_tokens, out, json.loads(guidellm_body)
+        )
     table = Table("client", "check", "result", "", title=f"specdec clients-check against {url}")
     for row in check.checks:
         verdict = "[green]ok[/green]" if row.passed else "[red]FAIL[/red]"

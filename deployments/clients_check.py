@@ -44,6 +44,7 @@ class ClientsCheck:
     engine: Any  # an in-process SpeculativeEngine over the same target: the reference
     api_key: Optional[str] = None
     checks: list[Check] = field(default_factory=list)
+    references: dict[tuple[str, int], str] = field(default_factory=dict)  # (messages JSON, max_tokens): text
 
     def __post_init__(self):
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -57,10 +58,15 @@ class ClientsCheck:
         self.checks.append(Check(part, name, result, passed))
 
     def reference_text(self, messages: list[dict], max_tokens: int) -> str:
+        """Target-only greedy in process (each asked once)."""
         from specdec_core import GenerationRequest
 
-        request = GenerationRequest(messages=messages, drafter={"name": "none"}, sampling={"max_tokens": max_tokens})
-        return self.engine.complete(request).text
+        key = (json.dumps(messages), max_tokens)
+        if key not in self.references:
+            sampling = {"max_tokens": max_tokens}
+            request = GenerationRequest(messages=messages, drafter={"name": "none"}, sampling=sampling)
+            self.references[key] = self.engine.complete(request).text
+        return self.references[key]
 
     # ------------------------------------------------------------------ the openai SDK
 
@@ -216,11 +222,18 @@ class ClientsCheck:
     # ------------------------------------------------------------------ guidellm
 
     def guidellm(
-        self, concurrencies: list[int], requests: list[int], prompt_tokens: int, output_tokens: int, out: Path
+        self,
+        concurrencies: list[int],
+        requests: list[int],
+        prompt_tokens: int,
+        output_tokens: int,
+        out: Path,
+        extra_body: Optional[dict] = None,
     ) -> list[dict]:
         """guidellm's `run` at each concurrency (`requests` per level), its chat requests as it sends
-        them (ignore_eos, streamed with usage); one row per level."""
-        backend = {"kind": "openai_http", "target": self.url, "model": self.model}
+        them (ignore_eos, streamed with usage) plus `extra_body` (its backend's `extras`); one row
+        per level."""
+        backend = {"kind": "openai_http", "target": self.url, "model": self.model, "extras": {"body": extra_body or {}}}
         if self.api_key:
             backend["api_key"] = self.api_key
         command = [

@@ -76,15 +76,13 @@ def chunk_message(chunk: StreamChunk) -> pb.GenerateChunk:
         finish_reason=chunk.finish_reason or "",
         metrics_json=json.dumps(chunk.metrics) if chunk.metrics is not None else "",
         log_probs=[token_log_probs_message(entry) for entry in chunk.log_probs or ()],
+        prompt_log_probs=[token_log_probs_message(entry) for entry in chunk.prompt_log_probs or ()],
         prompt_tokens=chunk.prompt_tokens,
     )
     if isinstance(chunk.stop_reason, int):
         message.stop_token_id = chunk.stop_reason
     elif isinstance(chunk.stop_reason, str):
         message.stop_string = chunk.stop_reason
-    if chunk.prompt is not None:
-        message.prompt.text = chunk.prompt.text
-        message.prompt.tokens.extend(token_log_probs_message(entry) for entry in chunk.prompt.tokens)
     return message
 
 

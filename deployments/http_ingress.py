@@ -106,12 +106,15 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
         parsed = await parse(http_request, model_cls, request_id)
         if isinstance(parsed, JSONResponse):
             return parsed
-        builder = ResponseBuilder(parsed, chat, config.model_name, request_id)
         try:  # every prompt is validated in `open` before any decodes; a streamed request's first
             # chunk carries a prefill: a failure there keeps its status
             requests = parsed.to_generation_requests()
             ids = [request_id] if len(requests) == 1 else [f"{request_id}-{index}" for index in range(len(requests))]
-            chunks = merged([await engine.open(request, id_) for request, id_ in zip(requests, ids)])
+            streams = [await engine.open(request, session_id) for request, session_id in zip(requests, ids)]
+            builder = ResponseBuilder(
+                parsed, parsed.echoes(engine.frontend.decode), chat, config.model_name, request_id
+            )
+            chunks = merged(streams, config.max_ongoing_requests)
             if not parsed.stream:
                 return JSONResponse(builder.full(await collect_completions(chunks, len(requests))))
             first = await anext(chunks, None)
@@ -144,19 +147,23 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
     return api
 
 
-async def merged(streams: list[AsyncIterator[StreamChunk]]) -> AsyncIterator[tuple[int, StreamChunk]]:
-    """(index, chunk) from every stream as they come (each decodes on its own); the first
-    failure ends it, and closing it stops every stream (their sessions are released)."""
-    queue: asyncio.Queue = asyncio.Queue()
+async def merged(streams: list[AsyncIterator[StreamChunk]], limit: int) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """(index, chunk) from every stream as they come. At most `limit` streams decode at once (a
+    prompt batch holds no more worker sessions than that many requests), each at most a chunk
+    ahead of the reader (a slow client slows its own decoding); the first failure ends it, and
+    closing it stops every stream (their sessions are released)."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+    decoding = asyncio.Semaphore(limit)
 
     async def pump(index: int, stream: AsyncIterator[StreamChunk]) -> None:
-        try:
-            async for chunk in stream:
-                queue.put_nowait((index, chunk, None))
-        except Exception as error:  # noqa: BLE001 - raised to the consumer below
-            queue.put_nowait((index, None, error))
-        else:
-            queue.put_nowait((index, None, None))
+        async with decoding:  # a stream opens its sessions at its first step
+            try:
+                async for chunk in stream:
+                    await queue.put((index, chunk, None))
+            except Exception as error:  # noqa: BLE001 - raised to the consumer below
+                await queue.put((index, None, error))
+            else:
+                await queue.put((index, None, None))
 
     tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
     try:

@@ -11,7 +11,7 @@ openai_responses.py's."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -119,7 +119,16 @@ class OpenAIRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_fields(cls, payload: Any) -> Any:
-        for name, value in payload.items() if isinstance(payload, dict) else ():
+        """A null means the field's default (as vLLM's Optional fields, which gateways send)."""
+        if not isinstance(payload, dict):
+            return payload
+        fields = cls.model_fields
+        payload = {
+            name: value
+            for name, value in payload.items()
+            if value is not None or name not in fields or fields[name].is_required() or fields[name].default is None
+        }
+        for name, value in payload.items():
             if name in cls.model_fields or name in METADATA:
                 continue
             if name not in UNSUPPORTED:
@@ -141,6 +150,10 @@ class OpenAIRequest(BaseModel):
     @property
     def continuous_usage(self) -> bool:
         return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def echoes(self, decode: Callable[[list[int]], str]) -> list[Optional[str]]:
+        """What each choice's text starts with (None: nothing)."""
+        return [None]
 
     def generation_request(
         self, max_tokens: Optional[int], logprobs: Optional[int], prompt_logprobs: Optional[int] = None, **prompt: Any
@@ -173,7 +186,7 @@ class CompletionRequest(OpenAIRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
         description="a text, texts (one choice each), token ids, or lists of them"
     )
-    max_tokens: Optional[int] = Field(16, ge=0, description="OpenAI's and vLLM's default (null too): 16")
+    max_tokens: int = Field(16, ge=0, description="OpenAI's and vLLM's default (null too)")
     echo: StrictBool = False
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="top log-probs per token")
 
@@ -201,12 +214,18 @@ class CompletionRequest(OpenAIRequest):
         return [{"prompt": part} if isinstance(part, str) else {"prompt_ids": part} for part in self.prompt]
 
     def to_generation_requests(self) -> list[GenerationRequest]:
-        max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        # echoed, a prompt's log-probs come from its prefill, and its text with them
-        prompt_logprobs = (self.logprobs or 0) if self.echo else None
+        prompt_logprobs = self.logprobs if self.echo else None  # an echoed prompt's, from its prefill
         return [
-            self.generation_request(max_tokens, self.logprobs, prompt_logprobs, **prompt) for prompt in self.prompts()
+            self.generation_request(self.max_tokens, self.logprobs, prompt_logprobs, **prompt)
+            for prompt in self.prompts()
         ]
+
+    def echoes(self, decode: Callable[[list[int]], str]) -> list[Optional[str]]:
+        """What each choice's text starts with: its prompt when echoing (a text as it came, token
+        ids decoded, as vLLM echoes them)."""
+        if not self.echo:
+            return [None] * len(self.prompts())
+        return [prompt["prompt"] if "prompt" in prompt else decode(prompt["prompt_ids"]) for prompt in self.prompts()]
 
 
 class ChatCompletionRequest(OpenAIRequest):

@@ -1,8 +1,9 @@
 """OpenAI-compatible response bodies and stream chunks, built from specdec's StreamChunks: one
 choice per prompt (`index`), `usage` summed over them, the legacy completions log-prob columns
-(with the echoed prompt's first, as vLLM: the first prompt token has none) or chat's `content`
-list. Beside OpenAI's fields each choice carries its `token_ids` and vLLM's `stop_reason`, and a
-choice's last chunk (or the whole response) its `speculative` metrics."""
+(an echoed prompt's first, as vLLM: the first prompt token has none) or chat's `content` list.
+Beside OpenAI's fields each choice carries its `token_ids` and vLLM's `stop_reason`; the
+`speculative` metrics ride on the response (one prompt), on each choice (several), or on a
+choice's last chunk (streamed)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,10 @@ class ChoiceState:
 class ResponseBuilder:
     """Builds completion / chat.completion objects and their streaming chunks for one request."""
 
-    def __init__(self, request: OpenAIRequest, chat: bool, model: str, request_id: str):
+    def __init__(self, request: OpenAIRequest, echoes: list[Optional[str]], chat: bool, model: str, request_id: str):
+        """`echoes`: what each choice's text starts with (OpenAIRequest.echoes)."""
         self.request = request
+        self.echoes = echoes
         self.chat = chat
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
@@ -93,8 +96,10 @@ class ResponseBuilder:
 
     def _choice(self, index: int, chunk: StreamChunk, state: ChoiceState, streamed: bool) -> dict:
         text, log_probs = chunk.text, chunk.log_probs
-        if chunk.prompt is not None:  # only an echoing request asks for its prompt
-            text, log_probs = chunk.prompt.text + text, chunk.prompt.tokens + (log_probs or [])
+        if not state.started and self.echoes[index] is not None:
+            text = self.echoes[index] + text
+        if chunk.prompt_log_probs is not None:  # only an echoing request asks for them
+            log_probs = chunk.prompt_log_probs + (log_probs or [])
         choice: dict[str, Any] = {"index": index}
         if self.chat and streamed:
             choice["delta"] = {"content": text} if state.started else {"role": "assistant", "content": text}
@@ -119,16 +124,16 @@ class ResponseBuilder:
                 completion.finish_reason,
                 log_probs=completion.log_probs,
                 stop_reason=completion.stop_reason,
-                prompt=completion.prompt,
+                prompt_log_probs=completion.prompt_log_probs,
             )
             choices.append(self._choice(index, chunk, ChoiceState(), streamed=False))
+            if len(completions) > 1:
+                choices[-1]["speculative"] = completion.metrics
         body = self._envelope(choices, streamed=False)
         prompt_tokens = sum(completion.prompt_tokens for completion in completions)
         body["usage"] = usage(prompt_tokens, sum(len(completion.token_ids) for completion in completions))
         if len(completions) == 1:
             body["speculative"] = completions[0].metrics
-        else:
-            body["speculative"] = [completion.metrics for completion in completions]
         return body
 
     def chunk(self, index: int, chunk: StreamChunk) -> dict:

@@ -153,7 +153,7 @@ class SessionServicer:
         if self.admission is not None:
             self.admission.admit(session_id, max_len * (self.kv_bytes_per_token + extra_bytes_per_token))
         try:
-            return self.call({**op, "max_len": max_len})
+            return self.call(op)
         except BaseException:
             if self.admission is not None:
                 self.admission.release(session_id)
@@ -255,9 +255,8 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
         return pb.Empty()
 
     def op_reset(
-        self, session_id: str, prompt_ids: list[int], drafter: dict, sampling: dict, with_logits: bool, max_len: int
-    ):
-        """Open the session (`max_len`: what admission reserved; the draft model's cache grows)."""
+        self, session_id: str, prompt_ids: list[int], drafter: dict, sampling: dict, with_logits: bool
+    ) -> None:
         drafter_session = make_drafter(drafter["name"], drafter["params"], self.draft_model)
         drafter_session.reset(prompt_ids, SamplingParams(**sampling))
         self.table.put(session_id, (drafter_session, with_logits))
@@ -374,13 +373,12 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         return self.profile
 
     def op_reset(
-        self, session_id: str, prompt_ids: list[int], policy: dict, sampling: dict, with_heads: bool, max_len: int
+        self, session_id: str, prompt_ids: list[int], policy: dict, sampling: dict, with_heads: bool
     ) -> list[int]:
-        """Open the session, its cache allocated for `max_len` positions; returns the prompt
-        tokens to prefill (in steps)."""
+        """Open the session; returns the prompt tokens to prefill (in steps)."""
         scorer = TargetScorer(self.target_model, self.heads)
         policy_object = make_policy(policy["name"], policy["params"])
-        prefill = scorer.start(prompt_ids, policy_object, SamplingParams(**sampling), max_len, with_heads)
+        prefill = scorer.start(prompt_ids, policy_object, SamplingParams(**sampling), with_heads)
         self.table.put(session_id, scorer)
         return prefill
 
@@ -433,7 +431,8 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
     def reply(self, scorer: TargetScorer, block) -> pb.ScoreReply:
         """The compact answer to a Score call (on the torch thread: it computes top-k rows)."""
         reply = pb.ScoreReply(vocab_size=block.vocab_size, step_rows=block.batch_rows)
-        top_k = wire_top_k(scorer.policy, scorer.sampling)
+        # a top-k row with its stop tokens masked would be flat where they led: ship it whole
+        top_k = None if scorer.within_min_tokens() else wire_top_k(scorer.policy, scorer.sampling)
         if top_k is None:
             reply.logits.CopyFrom(tensor_to_proto(block.logits))
         else:

@@ -37,10 +37,11 @@ class SequenceKV:
         self.length = 0
 
     @classmethod
-    def for_request(cls, num_prompt: int, sampling) -> "SequenceKV":
-        """A request's cache, allocated for its prompt and every token it may emit (for a
-        request of open length, as much as `DEFAULT_CAPACITY` more)."""
-        return cls(num_prompt + (sampling.max_tokens if sampling.max_tokens is not None else DEFAULT_CAPACITY) + 1)
+    def for_request(cls, num_prompt: int, max_tokens: Optional[int]) -> "SequenceKV":
+        """A request's cache, allocated at first for its prompt and the tokens it may emit, at most
+        DEFAULT_CAPACITY of them (None: that many): past them it doubles as it goes, so a long or
+        open-ended request holds the memory it uses, not its whole reach."""
+        return cls(num_prompt + 1 + min(DEFAULT_CAPACITY if max_tokens is None else max_tokens, DEFAULT_CAPACITY))
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store `[kv_heads, T, head_dim]` at positions length..length+T; return the layer's keys

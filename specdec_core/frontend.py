@@ -75,6 +75,10 @@ class Frontend:
             return self.tokenizer(text, add_special_tokens=False).input_ids
         return self.tokenizer(request.prompt).input_ids
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text, special tokens kept (an echoed prompt's); "" without a tokenizer."""
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Validate a request and fill in its defaults; raises SpecdecError with a clear message."""
         sampling = request.sampling

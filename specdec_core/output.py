@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .request import LogProb, PromptLogProbs, StreamChunk, TokenLogProbs
+from .request import LogProb, StreamChunk, TokenLogProbs
 from .sampling import SamplingParams
 from .tree import Topology
 from .types import PromptScores, TargetBlock
@@ -99,9 +99,8 @@ class OutputTracker:
                 prompt_ids[1:], scores.token_log_probs.tolist(), scores.top_ids.tolist(), scores.top_log_probs.tolist()
             )
         ]
-        text = self.tokenizer.decode(list(prompt_ids)) if self.tokenizer is not None else ""
         chunk = self.chunk([], "")
-        chunk.prompt = PromptLogProbs(text, [first, *rest])
+        chunk.prompt_log_probs = [first, *rest]
         return chunk
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -86,15 +86,6 @@ class TokenLogProbs:
 
 
 @dataclass
-class PromptLogProbs:
-    """The prompt under the target, from its prefill (`sampling.prompt_logprobs`): its text and,
-    per token, its log-prob given the tokens before it and the top alternatives there."""
-
-    text: str  # the prompt's token ids decoded, special tokens kept
-    tokens: list[TokenLogProbs]  # one per prompt token; the first has log_prob None and no top
-
-
-@dataclass
 class StreamChunk:
     token_ids: list[int]
     text: str
@@ -102,8 +93,10 @@ class StreamChunk:
     metrics: Optional[dict] = None  # on the last chunk
     log_probs: Optional[list[TokenLogProbs]] = None  # one per token id, when the request asks
     stop_reason: Union[int, str, None] = None  # on the last chunk: the stop token id or string, None for EOS
-    prompt: Optional[PromptLogProbs] = None  # on a first chunk of its own, when the request asks
-    prompt_tokens: int = 0
+    # the prompt's tokens under the target (the first has log_prob None and no top), on a first
+    # chunk of their own, when `sampling.prompt_logprobs` asks
+    prompt_log_probs: Optional[list[TokenLogProbs]] = None
+    prompt_tokens: int = 0  # the request's, on every chunk (usage as it goes)
 
 
 @dataclass
@@ -115,7 +108,7 @@ class Completion:
     metrics: dict
     log_probs: Optional[list[TokenLogProbs]] = None
     stop_reason: Union[int, str, None] = None
-    prompt: Optional[PromptLogProbs] = None
+    prompt_log_probs: Optional[list[TokenLogProbs]] = None
 
     @classmethod
     def from_chunks(cls, chunks: list[StreamChunk]) -> "Completion":
@@ -128,5 +121,5 @@ class Completion:
             metrics=chunks[-1].metrics,
             log_probs=[entry for chunk in chunks for entry in chunk.log_probs or ()] if asked else None,
             stop_reason=chunks[-1].stop_reason,
-            prompt=chunks[0].prompt,
+            prompt_log_probs=chunks[0].prompt_log_probs,
         )

@@ -24,7 +24,10 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=INT32_MAX, description="0 disables top-k filtering")
     max_tokens: Optional[int] = Field(
-        None, ge=0, le=MAX_TOKENS, description="None: until a stop or the end of the context (Frontend.prepare)"
+        None,
+        ge=0,
+        le=MAX_TOKENS,
+        description="None: to a stop or the context's end (Frontend.prepare); 0: prefill only",
     )
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="no stop token or stop string ends output before")
     stop: list[str] = Field(default_factory=list)
@@ -48,11 +51,7 @@ class SamplingParams(BaseModel):
         return stop
 
     @model_validator(mode="after")
-    def _consistent_lengths(self):
-        if self.max_tokens == 0 and self.prompt_logprobs is None:
-            raise PydanticCustomError(
-                "max_tokens", "max_tokens 0 only scores the prompt: it needs prompt_logprobs", {"param": "max_tokens"}
-            )
+    def _min_within_max(self):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise PydanticCustomError("min_tokens", "min_tokens must be <= max_tokens", {"param": "min_tokens"})
         return self

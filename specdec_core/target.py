@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .batching import DEFAULT_CAPACITY, SequenceKV, forward_ragged
+from .batching import SequenceKV, forward_ragged
 from .heads import HeadGuesses, Heads, HeadsSession
 from .logprobs import score_prompt_tokens, token_log_probs
 from .policies import AcceptancePolicy
@@ -45,13 +45,12 @@ class TargetScorer:
         prompt_ids: Sequence[int],
         policy: AcceptancePolicy,
         sampling: SamplingParams,
-        max_len: int = DEFAULT_CAPACITY,
         with_heads: bool = False,
     ) -> list[int]:
-        """Begin a request whose cache is allocated for `max_len` positions (it grows past them);
-        returns the tokens to prefill (all of the prompt but its last token, which the first
-        `score` feeds), as `Row(prefill=True)`s of one or more forwards. `with_heads`: the
-        request's drafter reads the target's heads (`guess`); only then do they run beside it."""
+        """Begin a request (its cache: `SequenceKV.for_request`); returns the tokens to prefill
+        (all of the prompt but its last token, which the first `score` feeds), as
+        `Row(prefill=True)`s of one or more forwards. `with_heads`: the request's drafter reads
+        the target's heads (`guess`); only then do they run beside it."""
         if len(prompt_ids) == 0:
             raise ValueError("prompt must contain at least one token")
         self.policy = policy
@@ -59,7 +58,7 @@ class TargetScorer:
         self.prompt_ids = list(prompt_ids)
         self.prompt_parts = [] if sampling.prompt_logprobs is not None else None
         self.features_rng = sampling.generator("target")
-        self.cache = SequenceKV(max_len)
+        self.cache = SequenceKV.for_request(len(prompt_ids), sampling.max_tokens)
         self.committed_len = 0
         self.num_scored = 0
         self.scored_hidden = None
@@ -85,6 +84,11 @@ class TargetScorer:
         if self.prompt_parts is None:
             return None
         return PromptScores.concat(self.prompt_parts, self.sampling.prompt_logprobs)
+
+    def within_min_tokens(self) -> bool:
+        """Whether the rows last scored decide any of the request's first `min_tokens` tokens,
+        where the loop masks the stop tokens (output.py) and so needs the rows whole."""
+        return self.committed_len - (len(self.prompt_ids) - 1) < self.sampling.min_tokens
 
     def score_prefill(self, hidden: torch.Tensor) -> None:
         """A prompt chunk's final hidden states `[1, T, H]` (the positions after the committed

@@ -240,7 +240,9 @@ def test_bad_requests_raise_clear_errors(tiny_engine):
         (dict(prompt_ids=prompt, num_draft_tokens=0), "greater than or equal to 1"),
         (dict(prompt_ids=prompt, sampling={"temperature": -0.5}), "greater than or equal to 0"),
         (dict(prompt_ids=prompt, sampling={"top_p": 0.0}), "greater than 0"),
-        (dict(prompt_ids=prompt, sampling={"max_tokens": 0}), "needs prompt_logprobs"),
+        (dict(prompt_ids=prompt, sampling={"max_tokens": -1}), "greater than or equal to 0"),
+        (dict(prompt_ids=prompt, sampling={"max_tokens": 4, "min_tokens": 5}), "min_tokens must be <= max_tokens"),
+        (dict(prompt_ids=prompt, sampling={"stop": [""]}), "stop strings must not be empty"),
         (dict(prompt_ids=prompt, sampling={"seed": 2**70}), "less than 9223372036854775808"),
         (dict(prompt_ids=prompt, sampling={"logprobs": 21}), "less than or equal to 20"),
     ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from conftest import perturbed_copy, repeating_prompt, target_rows, tiny_llama
@@ -62,13 +63,19 @@ def test_unseeded_samples_differ_and_a_seed_repeats_its_sample(client):
 
 def test_a_chat_without_max_tokens_runs_to_the_end_and_completions_default_to_16(engine):
     limited = Workers(engine)
-    limited.engine.frontend.max_tokens_limit = 40  # the deployment's cap stands in for the context's end
+    frontend = limited.engine.frontend
     try:
         http = http_client(limited)
-        chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        messages = [{"role": "user", "content": "hi"}]
+        frontend.max_positions = 64  # the context's end comes first ...
+        chat = http.post("/v1/chat/completions", json={"messages": messages}).json()
+        room = 64 - chat["usage"]["prompt_tokens"] - 8  # ... after the prompt and a block of drafts
+        assert chat["usage"]["completion_tokens"] == room and chat["choices"][0]["finish_reason"] == "length"
+        frontend.max_positions, frontend.max_tokens_limit = 1024, 40  # ... or the deployment's cap
+        chat = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": None}).json()
         assert chat["usage"]["completion_tokens"] == 40 and chat["choices"][0]["finish_reason"] == "length"
-        legacy = http.post("/v1/completions", json={"prompt": "hi"}).json()
-        assert legacy["usage"]["completion_tokens"] == 16
+        for legacy in ({"prompt": "hi"}, {"prompt": "hi", "max_tokens": None}):  # null: the default too
+            assert http.post("/v1/completions", json=legacy).json()["usage"]["completion_tokens"] == 16
         too_long = http.post(
             "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 41}
         )
@@ -117,6 +124,28 @@ def test_echo_scores_the_prompt_with_the_targets_log_probs(client, engine):
     scored = client.completions.create(model="tiny", prompt="Hello there", max_tokens=0, echo=True, logprobs=0)
     assert scored.choices[0].text == "Hello there" and scored.usage.completion_tokens == 0
     assert len(scored.choices[0].logprobs.token_logprobs) == scored.usage.prompt_tokens == 2
+    echoed = client.completions.create(model="tiny", prompt=" Hello", max_tokens=3, temperature=0, echo=True)
+    plain = client.completions.create(model="tiny", prompt=" Hello", max_tokens=3, temperature=0)
+    assert echoed.choices[0].text == " Hello" + plain.choices[0].text and echoed.choices[0].logprobs is None
+    streamed = client.completions.create(
+        model="tiny", prompt=" Hello", max_tokens=3, temperature=0, echo=True, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed) == echoed.choices[0].text
+
+
+def test_a_prompt_batch_frees_every_session_when_one_prompt_is_refused_or_the_client_leaves(workers, server):
+    import httpx
+
+    http = http_client(workers)
+    refused = http.post("/v1/completions", json={"prompt": ["fine", "x " * 1100], "max_tokens": 4})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
+    body = {"model": "tiny", "prompt": ["a b", "c d", "e f"], "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as reply:
+        next(line for line in reply.iter_lines() if line.startswith("data: {"))
+    deadline = time.monotonic() + 30
+    while workers.engine.session_counts() != {"draft": 0, "target": 0} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert workers.engine.session_counts() == {"draft": 0, "target": 0}
 
 
 def test_stop_tokens_min_tokens_and_what_text_shows_follow_vllm(workers, engine):
@@ -134,6 +163,10 @@ def test_stop_tokens_min_tokens_and_what_text_shows_follow_vllm(workers, engine)
     assert shown["text"] == decode(stopped["token_ids"])
     late = http.post("/v1/completions", json={**body, "min_tokens": 12}).json()["choices"][0]
     assert stop_id not in late["token_ids"][:12] and len(late["token_ids"]) > 12
+    # greedy rows travel as their top 1: the stop token is masked in whole rows (output.py)
+    sampling = {"max_tokens": 24, "stop_token_ids": [stop_id], "min_tokens": 12}
+    in_process = GenerationRequest(prompt_ids=prompt, sampling=sampling)
+    assert late["token_ids"] == engine.complete(in_process).token_ids
     stop_string = next(text for i in range(6, 20) if (text := decode(run[i : i + 2])).strip() and "\ufffd" not in text)
     cut = http.post("/v1/completions", json={**body, "stop_token_ids": [], "stop": [stop_string]}).json()["choices"][0]
     assert cut["stop_reason"] == stop_string and stop_string not in cut["text"] and cut["finish_reason"] == "stop"
@@ -213,6 +246,7 @@ def test_async_client_and_extra_body_choose_the_speculative_setup(server, engine
     [
         {"response_format": {"type": "text"}, "user": "u1", "metadata": {"a": "b"}, "store": False},
         {"tool_choice": "none", "n": 1, "presence_penalty": 0, "seed": None, "top_k": -1},
+        {"temperature": None, "top_p": None, "n": None, "stream": None, "stop": None, "logprobs": None},
     ],
 )
 def test_neutral_values_and_metadata_are_accepted(client, fields):

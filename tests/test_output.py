@@ -47,6 +47,22 @@ def test_stop_tokens_end_the_output_after_min_tokens_only():
     assert ignoring.token_ids == [25, 4] and ignoring.stop_reason == 4 and ignoring.text == "z"
 
 
+def test_the_rows_before_min_tokens_lose_their_stop_tokens_chains_and_trees():
+    from specdec_core.topologies import default_bank
+    from specdec_core.types import TargetBlock
+
+    output = tracker(min_tokens=3, stop_token_ids=[7])
+    output.append([1])  # one token out: rows deciding tokens 2 and 3 (index 1, 2) are early
+    chain = output.suppress_early_stops(TargetBlock(logits=torch.zeros(4, 26)), None).logits
+    assert chain[:2, [7, 25]].isinf().all() and not chain[2:].isinf().any() and not chain[:, :7].isinf().any()
+    tree = default_bank().get("medusa_16")
+    rows = output.suppress_early_stops(TargetBlock(logits=torch.zeros(tree.num_nodes + 1, 26)), tree).logits
+    assert rows[:, 7].isinf().tolist() == (tree.depths < 2).tolist()
+    late = tracker(stop_token_ids=[7])
+    block = TargetBlock(logits=torch.zeros(4, 26))
+    assert late.suppress_early_stops(block, None) is block
+
+
 @pytest.mark.parametrize("drafter", ["model", "model_tree"])
 def test_min_tokens_keeps_stop_tokens_out_of_the_first_tokens(tiny_engine, drafter):
     prompt = repeating_prompt(4)
@@ -67,7 +83,7 @@ def test_prompt_log_probs_over_several_prefill_chunks_are_the_targets(tiny_engin
     request = GenerationRequest(prompt_ids=prompt, sampling={"max_tokens": 0, "prompt_logprobs": 3})
     completion = tiny_engine.complete(request)
     assert completion.token_ids == [] and completion.finish_reason == "length"
-    tokens = completion.prompt.tokens
+    tokens = completion.prompt_log_probs
     assert len(tokens) == len(prompt) and tokens[0].chosen.log_prob is None and tokens[0].top == []
     rows = target_rows(tiny_engine.target_model, prompt[:1], prompt[1:])
     chosen = torch.tensor([entry.chosen.log_prob for entry in tokens[1:]])

@@ -258,7 +258,7 @@ def test_draft_steps_wait_only_for_sessions_of_model_drafters(tiny_engine):
     draft = DraftServicer(tiny_engine.draft_model, tiny_engine.target_model.config)
     sampling = SamplingParams().model_dump()
     for session, drafter in (("a", "pld"), ("b", "pld"), ("c", "mla"), ("d", "model")):
-        draft.op_reset(session, repeating_prompt(1), {"name": drafter, "params": {}}, sampling, False, 64)
+        draft.op_reset(session, repeating_prompt(1), {"name": drafter, "params": {}}, sampling, False)
     assert draft.table.counts()[0] == 4 and draft.sessions_in_steps() == 2
 
 

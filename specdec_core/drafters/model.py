@@ -77,7 +77,7 @@ class ModelDrafter(Drafter):
 
     def reset(self, prompt_ids, sampling) -> None:
         super().reset(prompt_ids, sampling)
-        self.cache = SequenceKV.for_request(len(prompt_ids), sampling)
+        self.cache = SequenceKV.for_request(len(prompt_ids), sampling.max_tokens)
         self.cached_tokens = []
         # optimistic prior (mean 0.9, weight 2): a Beta(1, 1) start would price drafting as a
         # loss and crawl up from 1-token blocks

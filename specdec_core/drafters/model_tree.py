@@ -113,7 +113,7 @@ class ModelTreeDrafter(Drafter):
 
     def reset(self, prompt_ids, sampling) -> None:
         super().reset(prompt_ids, sampling)
-        self.cache = SequenceKV.for_request(len(prompt_ids), sampling)
+        self.cache = SequenceKV.for_request(len(prompt_ids), sampling.max_tokens)
         self.cached: list[int] = []
 
     def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
