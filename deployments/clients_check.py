@@ -138,9 +138,10 @@ class ClientsCheck:
         import lm_eval
         from lm_eval.tasks import TaskManager
 
-        os.environ.setdefault("OPENAI_API_KEY", self.api_key or "unused")
         tasks = TaskManager(include_path=str(TASKS_DIR))
         common = {"model": self.model, "max_retries": 1, "timeout": 600}
+        if self.api_key:
+            common["header"] = {"Authorization": f"Bearer {self.api_key}"}
         completions = {
             **common,
             "base_url": f"{self.url}/v1/completions",

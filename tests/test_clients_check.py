@@ -54,3 +54,24 @@ def test_guidellm_gets_every_token_it_asks_for(check, tmp_path):
     assert [row["concurrency"] for row in rows] == [1, 3]
     assert all(row["ok"] == count and row["mean_output_tokens"] == 12 for row, count in zip(rows, [3, 6]))
     assert [row.name for row in check.checks if row.part == "guidellm" and not row.passed] == []
+
+
+def test_guidellm_passes_the_speculative_fields_through_its_backend_extras(check, tmp_path):
+    """A drafter the service does not know fails every request: the field reached it."""
+    refused = ClientsCheck(check.url, check.tokenizer_dir, check.engine)
+    rows = refused.guidellm([1], [2], prompt_tokens=16, output_tokens=4, out=tmp_path, extra_body={"drafter": "nope"})
+    assert rows[0]["errored"] == 2 and rows[0]["ok"] == 0 and refused.failed
+
+
+def test_every_client_sends_the_api_key(check, tmp_path):
+    workers = Workers(check.engine)
+    server = HttpServer(workers, api_key="sk-test")
+    try:
+        keyed = ClientsCheck(server.url, check.tokenizer_dir, check.engine, api_key="sk-test")
+        keyed.openai_sdk()
+        keyed.lm_eval(limit=1, gen_kwargs={"max_gen_toks": 4}, concurrency=1)
+        keyed.guidellm([1], [2], prompt_tokens=16, output_tokens=4, out=tmp_path)
+        assert [row.name for row in keyed.checks if not row.passed] == [] and len(keyed.checks) == 8
+    finally:
+        server.stop()
+        workers.stop()
