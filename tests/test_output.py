@@ -63,6 +63,19 @@ def test_the_rows_before_min_tokens_lose_their_stop_tokens_chains_and_trees():
     assert late.suppress_early_stops(block, None) is block
 
 
+@pytest.mark.slow  # SmolLM2's tokenizer
+def test_special_tokens_show_only_when_asked():
+    from specdec_core import ModelSpec
+    from specdec_core.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelSpec())
+    ids = tokenizer("<|im_start|>Hi", add_special_tokens=False).input_ids
+    assert len(ids) == 2
+    for skip, text in ((True, "Hi"), (False, "<|im_start|>Hi")):
+        output = OutputTracker(tokenizer, SamplingParams(max_tokens=4, skip_special_tokens=skip), eos_ids=set())
+        assert output.append(ids).text == text
+
+
 @pytest.mark.parametrize("drafter", ["model", "model_tree"])
 def test_min_tokens_keeps_stop_tokens_out_of_the_first_tokens(tiny_engine, drafter):
     prompt = repeating_prompt(4)

@@ -671,6 +671,33 @@ def test_hostile_grpc_inputs_are_invalid_argument_without_internals(grpc_ingress
     assert len(good["token_ids"]) == 4
 
 
+def test_grpc_scores_a_prompt_and_says_what_stopped_the_output(tokenizer_engine, grpc_ingress):
+    """The same sampling fields as HTTP: prompt_logprobs with max_tokens 0 (the prefill's scores,
+    the first token without one), stop_token_ids (the stop token id in the unary reply)."""
+    from deployments.client import SpecdecGrpcClient
+
+    engine, _ = tokenizer_engine
+    stub = SpecdecGrpcClient(grpc_ingress, api_key="sk-test")
+    scored = stub.stub.GenerateUnary(
+        pb.GenerateRequest(prompt="Hello there, friend", sampling={"max_tokens": 0, "prompt_logprobs": 2, "top_p": 1}),
+        metadata=stub.metadata,
+        timeout=30,
+    )
+    prompt = engine.frontend.encode(GenerationRequest(prompt="Hello there, friend"))
+    rows = target_rows(engine.target_model, prompt[:1], prompt[1:])
+    assert list(scored.token_ids) == [] and scored.prompt_tokens == len(prompt) == len(scored.prompt_log_probs)
+    assert not scored.prompt_log_probs[0].chosen.HasField("log_prob")
+    for row, token, entry in zip(rows, prompt[1:], scored.prompt_log_probs[1:]):
+        assert abs(entry.chosen.log_prob - row[token].item()) < 1e-4 and len(entry.top) == 2
+    free = stub.generate(GenerationRequest(prompt="Hi", sampling={"max_tokens": 12, "ignore_eos": True}))
+    stop = free["token_ids"][4]
+    sampling = {"max_tokens": 12, "stop_token_ids": [stop], "top_p": 1}
+    stopped = stub.stub.GenerateUnary(
+        pb.GenerateRequest(prompt="Hi", sampling=sampling), metadata=stub.metadata, timeout=30
+    )
+    assert stopped.stop_token_id == stop and stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop
+
+
 def test_api_key_is_required_on_http_and_grpc(tokenizer_engine, grpc_ingress):
     from deployments.client import SpecdecGrpcClient
 
