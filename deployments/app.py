@@ -7,7 +7,9 @@ import secrets
 from typing import Optional
 
 from .config import AppConfig
+from .placement import bundles
 from .server import SpecdecServer
+from .worker import WorkerGroup, deployment_name, worker_config
 
 API_KEY_ENV = "SPECDEC_API_KEY"
 
@@ -25,15 +27,31 @@ def apply_serve_env_defaults() -> None:
 
 
 def build_app(args: Optional[dict] = None):
-    """The app for `args` (an AppConfig dict). The API key may come from $SPECDEC_API_KEY; the
-    workers' secret is drawn here, once, so every replica and every restart of a worker shares it."""
+    """The app for `args` (an AppConfig dict): the draft and target workers' deployments, each
+    replica a worker group in a placement group of its ranks' bundles, bound into the server's.
+    The API key may come from $SPECDEC_API_KEY; the workers' secret is drawn here, once, so every
+    replica and every restart of a worker shares it."""
     config = AppConfig(**(args or {}))
     if config.api_key is None and os.environ.get(API_KEY_ENV):
         config.api_key = os.environ[API_KEY_ENV]
     if config.worker_secret is None:
         config.worker_secret = secrets.token_hex(16)
+    arguments = config.model_dump()
+    target = worker_deployment("target", config).bind("target", arguments)
+    draft = worker_deployment("draft", config).bind("draft", arguments, target)
     return SpecdecServer.options(
         num_replicas=config.replicas,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
-    ).bind(config.model_dump())
+    ).bind(arguments, draft, target)
+
+
+def worker_deployment(role: str, config: AppConfig):
+    """A worker's deployment: its replicas, and the bundles of each replica's ranks (a draft on the
+    target's node reserves its own, where that node is: worker.py)."""
+    worker = worker_config(role, config)
+    placement = {"placement_group_bundles": bundles(worker), "placement_group_strategy": worker.placement_strategy}
+    own_placement = role == "draft" and config.draft_on_target_node
+    return WorkerGroup.options(
+        name=deployment_name(role), num_replicas=worker.replicas, **({} if own_placement else placement)
+    )

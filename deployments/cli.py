@@ -147,6 +147,7 @@ def probe(
     grpc_address: str = typer.Option("127.0.0.1:9000", "--grpc", help="its gRPC ingress ('' skips the gRPC cases)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY"),
     ray_address: str = typer.Option("auto", "--ray-address", help="the service's Ray cluster (kills, memory)"),
+    app_name: str = typer.Option("specdec", "--app", help="the service's Serve application"),
     kills: bool = typer.Option(True, help="kill each worker mid-stream and read process memory (needs Ray)"),
     streams: int = typer.Option(64, "--streams", min=1, help="concurrent streams"),
     disconnects: int = typer.Option(16, "--disconnects", min=1, help="streams dropped after their first event"),
@@ -168,7 +169,7 @@ def probe(
         suite = Probe(endpoint, grpc_address or None, api_key, timeout_s)
     except ValueError as error:
         fail(str(error))
-    cluster = LocalCluster(ray_address) if kills else None
+    cluster = LocalCluster(ray_address, app_name) if kills else None
     report = asyncio.run(
         suite.run(
             streams, disconnects, soak, soak_concurrency, cluster, lambda phase: console.print(f"[dim]probe: {phase}")

@@ -22,6 +22,7 @@ class WorkerConfig(BaseModel):
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources per rank: pins the worker to node types that have them"
     )
+    replicas: int = Field(1, ge=1, description="replicas of the worker (each with its ranks); a request stays on one")
     tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (specdec_core/parallel.py)")
     tp_backend: Literal["transformers", "deepspeed"] = "transformers"
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
@@ -75,7 +76,7 @@ class AppConfig(BaseModel):
         False, description="run the draft's ranks on the node of the target's rank 0 (else wherever they fit)"
     )
     placement_timeout_s: float = Field(
-        120.0, gt=0, description="a worker the cluster cannot place within this fails with what it asked for"
+        120.0, gt=0, description="a draft on the target's node not placed, or a group's rendezvous, fails after this"
     )
     host: str = Field("127.0.0.1", description="every listener binds this address: HTTP, gRPC, both workers")
     api_key: Optional[str] = Field(
@@ -88,8 +89,11 @@ class AppConfig(BaseModel):
     grpc_port: int = Field(9000, ge=0, le=65535)
     rpc_deadline_s: float = Field(30.0, gt=0)
     session_idle_timeout_s: float = Field(120.0, gt=0)
-    worker_poll_interval_s: float = Field(
-        1.0, gt=0, description="how often the server looks up each worker's address (a restarted worker moves)"
+    worker_lookup_timeout_s: float = Field(
+        0.5,
+        gt=0,
+        description="a request asks its workers' deployments for a replica this long at most (a draft "
+        "not found: target-only; a target: 503)",
     )
     torch_threads: Optional[int] = Field(None, ge=1, description="per worker; default: its CPUs")
     calibration: Optional[CalibrationSettings] = Field(

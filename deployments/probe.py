@@ -24,7 +24,7 @@ from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 
 from .hostile_inputs import GRPC_CASES, http_cases
-from .worker import LOOPBACK, ROLES, Role, worker_actor
+from .worker import LOOPBACK, ROLES, Role, worker_handle
 
 DRAFT_LOSS_BOUND_S = 1.0  # a request during a draft outage may take target-only + this
 SOAK_VARIANTS = [  # (path, stream, fields): the soak cycles through them
@@ -83,43 +83,47 @@ class Report:
 
 
 class LocalCluster:
-    """The probe's hold on the service's Ray cluster: kills workers, waits for their restart,
-    and reads the RSS of this machine's Ray processes (its workers named by role)."""
+    """The probe's hold on the service's Ray cluster: kills a worker's rank 0 (Serve's health check
+    then restarts the worker's replica), waits for the restarted replica, and reads the RSS of
+    this machine's Ray processes (its workers' ranks named by role)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, app_name: str):
         import ray
 
         if not ray.is_initialized():
             ray.init(address=address, namespace="specdec", log_to_driver=False)
-        self.model = ""
+        self.app_name = app_name
+        self.killed: dict[str, str] = {}  # role: the address its killed replica served
 
     async def kill(self, role: Role) -> float:
-        """Kill the worker (Ray restarts it); returns when, on the probe's clock."""
+        """Kill the worker's rank 0; returns when, on the probe's clock."""
         import ray
 
-        await asyncio.to_thread(ray.kill, worker_actor(role, self.model), no_restart=False)
+        handle = worker_handle(role, self.app_name)
+        self.killed[role] = await handle.get_address.remote()
+        ranks = await handle.rank_handles.remote()
+        await asyncio.to_thread(ray.kill, ranks[0], no_restart=True)
         return time.perf_counter()
 
     async def back(self, role: Role) -> float:
-        """When the restarted worker answered again, on the probe's clock."""
-        import ray
-
+        """When a new replica of the worker answered, on the probe's clock."""
+        handle = worker_handle(role, self.app_name)
         while True:
             try:
-                await asyncio.to_thread(ray.get, worker_actor(role, self.model).get_address.remote(), timeout=1.0)
-                return time.perf_counter()
-            except Exception:  # noqa: BLE001 - still restarting (dead, pending or timed out): ask again
-                await asyncio.sleep(0.25)
+                if await asyncio.wait_for(handle.get_address.remote(), 1.0) != self.killed[role]:
+                    return time.perf_counter()
+            except Exception:  # noqa: BLE001 - no replica ready yet (or the call timed out): ask again
+                pass
+            await asyncio.sleep(0.25)
 
     def memory(self) -> dict[str, float]:
         """RSS in MiB per Ray actor process on this machine, keyed by role or process title."""
         import psutil
-        import ray
 
         roles = {}
         for role in ROLES:
             try:
-                pids = ray.get(worker_actor(role, self.model).pids.remote(), timeout=30)
+                pids = worker_handle(role, self.app_name).pids.remote().result(timeout_s=30)
             except Exception:  # noqa: BLE001 - a worker that is down is left out of the table
                 continue
             roles.update({pid: f"{role} worker" + (f" rank {rank}" if rank else "") for rank, pid in enumerate(pids)})
@@ -372,7 +376,7 @@ class Probe:
         )
 
     async def soak(self, count: int, concurrency: int, memory: Callable[[], dict[str, float]]) -> None:
-        before = memory()
+        before = await asyncio.to_thread(memory)
         queue: asyncio.Queue[int] = asyncio.Queue()
         for index in range(count):
             queue.put_nowait(index)
@@ -390,7 +394,7 @@ class Probe:
         await asyncio.gather(*(client() for _ in range(concurrency)))
         elapsed_s = time.perf_counter() - start
         counts, _ = await self.wait_for_no_sessions()
-        after = memory()
+        after = await asyncio.to_thread(memory)
         problems = [outcome.failure() for outcome in outcomes if outcome.failure()]
         left = {role: counts.get(role) for role in ROLES}
         problems += [f"sessions left open: {left}"] if any(left.values()) else []
@@ -422,7 +426,6 @@ class Probe:
             (f"{disconnects} client disconnects", self.disconnects(disconnects)),
         ]
         if cluster is not None:
-            cluster.model = self.model
             phases += [
                 ("draft worker kill", self.draft_kill(cluster)),
                 ("target worker kill", self.target_kill(cluster)),

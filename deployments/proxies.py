@@ -154,8 +154,14 @@ class RemoteDrafter:
     Drafter `none` opens no session there: target-only decoding makes no draft calls at all."""
 
     def __init__(
-        self, stub: pb_grpc.DrafterStub, session_id: str, spec: ComponentSpec, with_logits: bool, deadline_s: float
+        self,
+        stub: Optional[pb_grpc.DrafterStub],
+        session_id: str,
+        spec: ComponentSpec,
+        with_logits: bool,
+        deadline_s: float,
     ):
+        """`stub`: the draft worker replica's (set before `reset` where the drafter is remote)."""
         self.stub = stub
         self.session_id = session_id
         self.spec = spec
@@ -170,11 +176,15 @@ class RemoteDrafter:
         cause = classify(error, "draft")
         if not isinstance(cause, WorkerUnavailable):
             raise cause from None
-        self.failed = str(cause)
-        logger.warning("request %s continues target-only: %s", self.session_id, self.failed)
+        self.fall_back(str(cause))
+
+    def fall_back(self, why: str) -> None:
+        """The draft worker is gone or late: the request goes on target-only."""
+        self.failed = why
+        logger.warning("request %s continues target-only: %s", self.session_id, why)
 
     async def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
-        if not self.remote:
+        if self.failed or not self.remote:
             return
         request = pb.DraftReset(
             session_id=self.session_id,

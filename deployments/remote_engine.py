@@ -1,7 +1,8 @@
 """The served engine: validates a request (specdec_core's Frontend), opens a session on the
 draft worker and on the target worker, and runs specdec_core's speculative loop against them
 over gRPC. It holds no model weights (only the tokenizer and the target's config) and knows
-nothing of Ray: the server points it at workers with `connect` and gives it a `MetricsSink`.
+nothing of Ray: the server gives it `locate`, which names a worker replica for each request,
+and a `MetricsSink`.
 
 Every request's loop runs on one event loop of its own (the coordinator, event_loop.py) over
 grpc.aio stubs: a request in flight is a suspended coroutine, so streams never wait for a free
@@ -14,8 +15,9 @@ import contextlib
 import copy
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Optional, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, Protocol
 
 import grpc
 
@@ -28,6 +30,7 @@ from specdec_core.profile import TargetProfile
 from specdec_core.request import GenerationRequest, StreamChunk
 
 from .auth import SendSecret
+from .errors import WorkerUnavailable
 from .event_loop import EventLoopThread
 from .proxies import RemoteDrafter, RemoteTarget, classify
 from .servicers import MESSAGE_LIMITS
@@ -60,74 +63,102 @@ class NoMetrics:
         pass
 
 
+Locate = Callable[[str], Awaitable[str]]  # a role ("draft", "target") -> a worker's address for one request
+MAX_WORKER_CHANNELS = 64  # replicas' channels kept open; the least recently used go first
+
+
+def fixed_addresses(addresses: dict[str, str]) -> Locate:
+    """Workers that stay where they are (tests, in-process servers)."""
+
+    async def locate(role: str) -> str:
+        return addresses[role]
+
+    return locate
+
+
 class RemoteEngine:
     def __init__(
         self,
         frontend: Frontend,
-        addresses: dict[str, str],
+        locate: Locate,
         deadline_s: float = 30.0,
         metrics: Optional[MetricsSink] = None,
         secret: Optional[str] = None,
     ):
+        """`locate(role)`: a worker replica's gRPC address for one request (WorkerUnavailable when
+        there is none); a request keeps the replicas it was given for all its calls."""
         self.frontend = copy.copy(frontend)  # its profile and heads are the target worker's, asked of it
-        self.frontend.profile = lambda: self.profiles.get(self.stubs["target"])
-        self.frontend.num_heads = lambda: self.heads_counts.get(self.stubs["target"], 0)
+        self.frontend.profile = lambda: self.profiles[self.consulted][0]
+        self.frontend.num_heads = lambda: self.profiles[self.consulted][1]
+        self.locate = locate
         self.deadline_s = deadline_s
         self.metrics = metrics or NoMetrics()  # told of each finished request; the ingresses tell it of failures
         self.secret = secret  # the workers' shared secret, sent with every call
         self.coordinator = EventLoopThread("specdec-coordinator")
-        self.stubs: dict[str, object] = {}
-        self.channels: list[grpc.aio.Channel] = []  # every one opened, closed with the engine
-        self.profiles: dict[object, Optional[TargetProfile]] = {}  # per target stub: its worker's own
-        self.heads_counts: dict[object, int] = {}  # likewise its heads
-        for role, address in addresses.items():
-            self.connect(role, address)
+        self.stubs: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (role, address), least recently used first
+        self.channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+        self.profiles: dict[Any, tuple[Optional[TargetProfile], int]] = {}  # per target stub: its profile, heads
+        self.consulted: Any = None  # the target stub whose profile `prepare` reads
 
-    def connect(self, role: str, address: str) -> None:
-        """Send the next requests of `role` ("draft" or "target") to the worker at `address`;
-        requests in flight keep the channel they started on. Not from the coordinator's loop."""
-        self.coordinator.run(self._connect(role, address))
-
-    async def _connect(self, role: str, address: str) -> None:  # an aio channel belongs to the loop it is made on
+    async def stub(self, role: str) -> Any:
+        """On the coordinator (an aio channel belongs to the loop it is made on): a stub for a
+        replica of `role`'s worker."""
+        key = (role, await self.locate(role))
+        if key in self.stubs:
+            self.stubs.move_to_end(key)
+            return self.stubs[key]
         interceptors = [SendSecret(self.secret)] if self.secret else None
-        channel = grpc.aio.insecure_channel(address, options=MESSAGE_LIMITS, interceptors=interceptors)
-        self.channels.append(channel)
-        self.stubs[role] = STUBS[role](channel)
+        self.channels[key] = grpc.aio.insecure_channel(key[1], options=MESSAGE_LIMITS, interceptors=interceptors)
+        self.stubs[key] = STUBS[role](self.channels[key])
+        while len(self.stubs) > MAX_WORKER_CHANNELS:  # a restarted replica's old address is never given again
+            old, stub = self.stubs.popitem(last=False)
+            self.profiles.pop(stub, None)
+            await self.channels.pop(old).close()
+        return self.stubs[key]
 
-    async def prepare(self, request: GenerationRequest) -> PreparedRequest:
-        """On the coordinator: `request` validated (SpecdecError) with its defaults, the target's
-        profile asked of its worker first, once per connection."""
-        while (stub := self.stubs["target"]) not in self.profiles:
+    async def prepare(self, request: GenerationRequest) -> tuple[PreparedRequest, Any]:
+        """On the coordinator: `request` validated (SpecdecError) with its defaults, and the target
+        replica that will decode it, whose profile (asked once per replica) fills them in."""
+        stub = await self.stub("target")
+        if stub not in self.profiles:
             try:
                 reply = await stub.Profile(pb.Empty(), timeout=self.deadline_s)
             except grpc.RpcError as error:
                 raise classify(error, "target") from None
             profile = TargetProfile.model_validate_json(reply.profile_json) if reply.profile_json else None
-            self.profiles, self.heads_counts = {stub: profile}, {stub: reply.num_heads}
-        return self.frontend.prepare(request)
+            self.profiles[stub] = (profile, reply.num_heads)
+        self.consulted = stub  # read by frontend.prepare, with no await between
+        return self.frontend.prepare(request), stub
 
     async def open(self, request: GenerationRequest, request_id: Optional[str] = None) -> AsyncIterator[StreamChunk]:
         """From any event loop: validates `request` now, then decodes it on the coordinator as
         the chunks are read; `request_id` names its worker sessions."""
         arrival = time.perf_counter()
-        prepared = await self.coordinator.arun(self.prepare(request))
-        return self.coordinator.aiterate(self.decode(prepared, request_id or uuid.uuid4().hex, arrival))
+        prepared, target = await self.coordinator.arun(self.prepare(request))
+        return self.coordinator.aiterate(self.decode(prepared, target, request_id or uuid.uuid4().hex, arrival))
 
     def stream(self, request: GenerationRequest, request_id: Optional[str] = None) -> Iterator[StreamChunk]:
         """`open` for a caller on a plain thread."""
         arrival = time.perf_counter()
-        prepared = self.coordinator.run(self.prepare(request))
-        return self.coordinator.iterate(self.decode(prepared, request_id or uuid.uuid4().hex, arrival))
+        prepared, target = self.coordinator.run(self.prepare(request))
+        return self.coordinator.iterate(self.decode(prepared, target, request_id or uuid.uuid4().hex, arrival))
 
-    async def decode(self, request: PreparedRequest, session_id: str, arrival: float) -> AsyncIterator[StreamChunk]:
-        target = RemoteTarget(self.stubs["target"], session_id, self.deadline_s)
+    async def decode(
+        self, request: PreparedRequest, target_stub: Any, session_id: str, arrival: float
+    ) -> AsyncIterator[StreamChunk]:
+        target = RemoteTarget(target_stub, session_id, self.deadline_s)
         remote_drafter = None  # the heads drafter uses no draft worker: the heads run on the target's
         if request.drafter.name == HeadsDrafter.name:
             drafter = HeadsDrafter(target, validate_drafter(request.drafter.name, request.drafter.params))
         else:
             drafter = remote_drafter = RemoteDrafter(
-                self.stubs["draft"], session_id, request.drafter, request.policy.needs_draft_logits(), self.deadline_s
+                None, session_id, request.drafter, request.policy.needs_draft_logits(), self.deadline_s
             )
+            if remote_drafter.remote:
+                try:
+                    remote_drafter.stub = await self.stub("draft")
+                except WorkerUnavailable as error:  # the request goes on target-only
+                    remote_drafter.fall_back(str(error))
         timings, last_chunk_at = RequestTimings(), arrival
         loop = speculative_loop(request, drafter, target, self.frontend.output(request))
         try:
@@ -165,11 +196,13 @@ class RemoteEngine:
         return self.coordinator.run(self._count_sessions())
 
     async def _count_sessions(self) -> dict[str, Optional[int]]:
+        """Of one replica of each worker (the one `locate` gives)."""
         counts: dict[str, Optional[int]] = {}
-        for role, stub in self.stubs.items():
+        for role in STUBS:
             try:
+                stub = await self.stub(role)
                 counts[role] = (await stub.Stats(pb.Empty(), timeout=self.deadline_s)).sessions
-            except grpc.RpcError:
+            except (grpc.RpcError, WorkerUnavailable):
                 counts[role] = None
         return counts
 
@@ -179,5 +212,5 @@ class RemoteEngine:
         self.coordinator.stop()
 
     async def _close_channels(self) -> None:
-        for channel in self.channels:
+        for channel in self.channels.values():
             await channel.close()

@@ -1,15 +1,19 @@
-"""The Serve deployment: one replica holds a RemoteEngine (tokenizer and loop, no weights),
-keeps it pointed at the draft and target workers (watcher.py), serves the OpenAI HTTP API
-(http_ingress.py, through Serve's HTTP proxy) and the gRPC API (grpc_ingress.py, its own
-server), and counts metrics (metrics.py).
+"""The server deployment: one replica holds a RemoteEngine (tokenizer and loop, no weights),
+serves the OpenAI HTTP API (http_ingress.py, through Serve's HTTP proxy) and the gRPC API
+(grpc_ingress.py, its own server), and counts metrics (metrics.py). It reaches the draft and
+target workers (worker.py) through their deployments' handles: each request asks each
+deployment for a replica's gRPC address (Serve picks the replica) and keeps that replica for
+all its calls, so its sessions stay where they were opened; the data path is gRPC.
 
-  HTTP (OpenAI API) / gRPC (Specdec.Generate) --> SpecdecServer --gRPC--> draft worker actor
-                                                                \\--gRPC--> target worker actor
+  HTTP (OpenAI API) / gRPC (Specdec.Generate) --> SpecdecServer --gRPC--> DraftWorker replica
+                                                                \\--gRPC--> TargetWorker replica
 """
 
 from __future__ import annotations
 
-import ray
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
 from ray import serve
 
 from specdec_core.frontend import Frontend
@@ -17,43 +21,48 @@ from specdec_core.kernels.cpu import configure_cpu
 from specdec_core.topologies import load_tree_bank
 
 from .config import AppConfig
+from .errors import WorkerUnavailable
 from .grpc_ingress import GrpcIngress
 from .http_ingress import build_http_app
 from .metrics import ServeMetrics
 from .remote_engine import RemoteEngine
-from .watcher import WorkerWatcher
-from .worker import ROLES, start_worker, worker_address
-
-# a lookup of a worker's address while it restarts gives up after this long (the next round retries)
-LOOKUP_TIMEOUT_S = 2.0
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class SpecdecServer:
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, draft, target):
+        """`draft`, `target`: the workers' deployment handles."""
         configure_cpu(1)  # verify is small; the cores belong to the workers
         self.config = AppConfig(**config)
         for bank in self.config.tree_banks:
             load_tree_bank(bank)
+        self.handles = {"draft": draft, "target": target}
+        # a lookup waits on Serve's handle: off the coordinator loop, one thread per request at most
+        self.lookups = ThreadPoolExecutor(max_workers=self.config.max_ongoing_requests + 4)
         frontend = Frontend.from_spec(self.config.target, self.config.defaults, self.config.max_tokens_limit)
-        workers = {role: start_worker(role, self.config) for role in ROLES}
-        addresses = {role: ray.get(worker.get_address.remote()) for role, worker in workers.items()}
         self.engine = RemoteEngine(
-            frontend, addresses, self.config.rpc_deadline_s, ServeMetrics(), self.config.worker_secret
-        )
-        self.watcher = WorkerWatcher(
-            lambda role: worker_address(role, self.config, LOOKUP_TIMEOUT_S),
-            self.engine.connect,
-            addresses,
-            self.config.worker_poll_interval_s,
+            frontend, self.locate, self.config.rpc_deadline_s, ServeMetrics(), self.config.worker_secret
         )
         self.grpc_ingress = GrpcIngress(self.engine, self.config)
 
+    async def locate(self, role: str) -> str:
+        """A replica of the worker `role` for one request: its gRPC address (WorkerUnavailable when
+        the deployment has none ready within worker_lookup_timeout_s)."""
+        response = self.handles[role].get_address.remote()
+        timeout_s = self.config.worker_lookup_timeout_s
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.lookups, lambda: response.result(timeout_s=timeout_s)
+            )
+        except Exception as error:  # noqa: BLE001 - none ready (restarting) or the call failed: say which
+            response.cancel()
+            raise WorkerUnavailable(f"no {role} worker replica ready ({type(error).__name__})") from None
+
     def __del__(self):  # Serve calls it when the replica stops: free the gRPC port at once
         self.grpc_ingress.stop()
-        self.watcher.stop()
         self.engine.close()
+        self.lookups.shutdown(wait=False)
 
     def __serve_build_asgi_app__(self):
         return build_http_app(self.engine, self.config)

@@ -242,7 +242,7 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
     def Reset(self, request, context):
         spec = component_from_proto(request.drafter)
         validate_drafter(spec.name, spec.params)
-        prompt_ids, sampling = self.check_prompt(request.prompt_ids), sampling_from_proto(request.sampling)
+        prompt_ids, sampling = self.check_prompt(request.prompt_ids), sampling_from_proto(request.sampling).seeded()
         op = {
             "op": "reset",
             "session_id": request.session_id,
@@ -346,7 +346,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         policy = make_policy(spec.name, spec.params)
         if policy.needs_profile:
             policy = policy.for_target(self.profile)
-        prompt_ids, sampling = self.check_prompt(request.prompt_ids), sampling_from_proto(request.sampling)
+        prompt_ids, sampling = self.check_prompt(request.prompt_ids), sampling_from_proto(request.sampling).seeded()
         if request.with_heads and self.heads is None:
             raise SpecdecError("this target has no multi-token heads")
         op = {

@@ -1,39 +1,42 @@
-"""The draft and target workers. Each is a named, detached Ray actor (`WorkerGroup`) that places
-its ranks (placement.py: one bundle each) and starts them: `WorkerRank` actors that each load the
-model, or their shard of it over a tensor-parallel group (specdec_core/parallel.py). Rank 0
-serves the worker's gRPC service (servicers.py) on a port of its own; the others follow it
-(tensor_parallel.py). With tp_size 1 the group is one rank holding the whole model.
-
-The group watches its ranks: when one dies, it kills the others (their requests fail at once,
-none hangs on a collective) and builds the group again. Ray restarts a killed `WorkerGroup`,
-whose ranks die with it. `worker_address` finds rank 0's service wherever it is now, and raises
-while the group is being built."""
+"""The draft and target workers. Each is a Serve deployment of the app (app.py) whose replicas
+are `WorkerGroup`s: a group starts its ranks, `WorkerRank` actors that each load the model, or
+their shard of it over a tensor-parallel group (specdec_core/parallel.py), in the replica's
+placement group (one bundle per rank). Rank 0 serves the worker's gRPC service (servicers.py)
+on a port of its own; the others follow it (tensor_parallel.py). With tp_size 1 the group is one
+rank holding the whole model."""
 
 from __future__ import annotations
 
-import logging
+import asyncio
 import os
-import threading
-import time
-from typing import Literal, Optional, get_args
+from typing import Any, Literal, Optional, get_args
 
 import ray
+from ray import serve
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .config import AppConfig, WorkerConfig
-from .placement import remove_placement_group, reserve
+from .placement import reserve
 
-logger = logging.getLogger(__name__)
-
-WORKER_NAMESPACE = "specdec"
 Role = Literal["draft", "target"]
 ROLES: tuple[Role, ...] = get_args(Role)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-WATCH_INTERVAL_S = 0.5
+RANK_PING_TIMEOUT_S = 10.0
 
 
 def worker_config(role: Role, config: AppConfig) -> WorkerConfig:
     return config.draft_worker if role == "draft" else config.target_worker
+
+
+def deployment_name(role: Role) -> str:
+    return f"{role.capitalize()}Worker"
+
+
+def worker_handle(role: Role, app_name: str):
+    """The worker's deployment handle in app `app_name` (its replicas' `get_address`, `pids`,
+    `rank_handles`), from outside the app: the probe, tests."""
+    return serve.get_deployment_handle(deployment_name(role), app_name=app_name)
 
 
 @ray.remote
@@ -140,101 +143,61 @@ class WorkerRank:
         return ray.get_runtime_context().get_node_id()
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
+@serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=2, health_check_timeout_s=30)
 class WorkerGroup:
-    """A worker's ranks: places and starts them, answers where rank 0 serves, and builds the
-    group again when a rank dies."""
+    """A worker's ranks, as a replica of its Serve deployment (app.py): `WorkerRank` actors in the
+    replica's placement group (`placement_group_bundles`: one bundle per rank), rank 0's gRPC
+    address for the server, and Serve's health check, which fails when a rank is gone; Serve then
+    restarts the replica, and the ranks, owned by it, die with it (their requests fail at once)
+    and start again with the new one. With `draft_on_target_node` the draft's group asks the
+    target's replica for its node and reserves its own placement group there."""
 
-    def __init__(self, role: Role, config: dict):
-        self.role, self.config_dict, self.config = role, config, AppConfig(**config)
-        self.ranks: list = []
-        self.placement = None
-        self.address: Optional[str] = None
-        self.lock = threading.Lock()
-        self.build()
-        threading.Thread(target=self.watch, name="rank-watcher", daemon=True).start()
-
-    def build(self) -> None:
-        worker = worker_config(self.role, self.config)
-        if self.role == "draft" and self.config.draft_on_target_node:
-            node_ip = ray.get(worker_actor("target", self.config.model_name).node_ip.remote())
+    async def __init__(self, role: Role, config: dict, target: Optional[Any] = None):
+        self.role, self.config = role, AppConfig(**config)
+        worker = worker_config(role, self.config)
+        placement = ray.util.get_current_placement_group()
+        self.own_placement = None
+        if role == "draft" and self.config.draft_on_target_node:
+            node_ip = await target.node_ip.remote()
             worker = worker.model_copy(update={"resources": {**worker.resources, f"node:{node_ip}": 0.001}})
-        name = f"{self.config.model_name}-{self.role}"
-        self.placement = reserve(name, worker, self.config.placement_timeout_s)
+            name = f"{self.config.model_name}-draft"
+            placement = self.own_placement = await asyncio.to_thread(
+                reserve, name, worker, self.config.placement_timeout_s
+            )
         self.ranks = [
             WorkerRank.options(
                 num_cpus=worker.num_cpus,
                 num_gpus=worker.num_gpus,
                 resources=dict(worker.resources),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
-            ).remote(self.role, self.config_dict, rank)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank),
+            ).remote(role, config, rank)
             for rank in range(worker.tp_size)
         ]
-        store_address = ray.get(self.ranks[0].open_store.remote()) if worker.tp_size > 1 else None
-        addresses = ray.get([rank.start.remote(store_address) for rank in self.ranks])
+        store_address = await self.ranks[0].open_store.remote() if worker.tp_size > 1 else None
+        addresses = await asyncio.gather(*(rank.start.remote(store_address) for rank in self.ranks))
         self.address = addresses[0]
 
-    def watch(self) -> None:
-        while True:
-            time.sleep(WATCH_INTERVAL_S)
-            try:
-                ray.get([rank.ping.remote() for rank in self.ranks])
-            except ray.exceptions.RayActorError as error:
-                logger.error("%s worker lost a rank (%s); building the group again", self.role, error)
-                self.rebuild()
-
-    def rebuild(self) -> None:
-        with self.lock:
-            self.address = None
-            for rank in self.ranks:  # the survivors fail their requests now instead of hanging
-                ray.kill(rank, no_restart=True)
-            remove_placement_group(self.placement)
-            while True:
-                try:
-                    self.build()
-                    return
-                except Exception as error:  # noqa: BLE001 - e.g. the cluster cannot place it yet; retry
-                    logger.error("building the %s worker failed: %s; retrying", self.role, error)
-                    time.sleep(1.0)
+    async def check_health(self) -> None:
+        """Serve's health check: every rank answers (a lost one fails it, and Serve restarts us)."""
+        await asyncio.wait_for(asyncio.gather(*(rank.ping.remote() for rank in self.ranks)), RANK_PING_TIMEOUT_S)
 
     def get_address(self) -> str:
-        """Rank 0's gRPC address; raises while the group is being built."""
-        if self.address is None:
-            raise RuntimeError(f"the {self.role} worker is being rebuilt")
+        """Rank 0's gRPC service, host:port."""
         return self.address
 
-    def pids(self) -> list[int]:
+    async def pids(self) -> list[int]:
         """The ranks' process ids, rank 0 first."""
-        return ray.get([rank.ping.remote() for rank in self.ranks])
+        return list(await asyncio.gather(*(rank.ping.remote() for rank in self.ranks)))
 
-    def node_ip(self) -> str:
+    async def node_ip(self) -> str:
         """The node of rank 0."""
-        return ray.get(self.ranks[0].node_ip.remote())
+        return await self.ranks[0].node_ip.remote()
 
     def rank_handles(self) -> list:
         return list(self.ranks)
 
-
-def worker_name(role: Role, model_name: str) -> str:
-    return f"{model_name}-{role}-worker"
-
-
-def worker_actor(role: Role, model_name: str) -> ray.actor.ActorHandle:
-    """The running worker (raises ValueError when there is none)."""
-    return ray.get_actor(worker_name(role, model_name), namespace=WORKER_NAMESPACE)
-
-
-def start_worker(role: Role, config: AppConfig) -> ray.actor.ActorHandle:
-    """The named worker, started unless it runs already (server replicas share it)."""
-    return WorkerGroup.options(
-        name=worker_name(role, config.model_name),
-        namespace=WORKER_NAMESPACE,
-        get_if_exists=True,
-        lifetime="detached",
-        max_restarts=-1,
-    ).remote(role, config.model_dump())
-
-
-def worker_address(role: Role, config: AppConfig, timeout_s: float) -> str:
-    """host:port of the worker's gRPC service now (raises while it is down or restarting)."""
-    return ray.get(worker_actor(role, config.model_name).get_address.remote(), timeout=timeout_s)
+    def __del__(self):  # Serve stops the replica: its ranks go with it, and its own placement
+        for rank in getattr(self, "ranks", ()):
+            ray.kill(rank, no_restart=True)
+        if getattr(self, "own_placement", None) is not None:
+            remove_placement_group(self.own_placement)

@@ -111,7 +111,7 @@ class Frontend:
             raise SpecdecError("prompt encodes to zero tokens", prompt_field)
         return PreparedRequest(
             prompt_ids,
-            self.resolve_length(sampling, len(prompt_ids), num_draft_tokens, prompt_field),
+            self.resolve_length(sampling.seeded(), len(prompt_ids), num_draft_tokens, prompt_field),
             policy,
             drafter,
             num_draft_tokens,

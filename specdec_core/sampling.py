@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Literal, Optional
 
 import torch
@@ -60,11 +61,17 @@ class SamplingParams(BaseModel):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def seeded(self) -> "SamplingParams":
+        """These settings with a seed: a fresh one where none was given (OpenAI's and vLLM's rule),
+        drawn once per request, so that every part of it (verifier, drafter, the target's features,
+        every tensor-parallel rank) draws from streams of the same seed."""
+        return self if self.seed is not None else self.model_copy(update={"seed": secrets.randbits(63)})
+
     def generator(self, role: Literal["verify", "draft", "target"]) -> torch.Generator:
         """The request's RNG for one role. Verifier, drafter and the target's policy features
-        draw from separate streams seeded from `seed`, so a seeded request is reproducible
-        wherever its pieces run; without a seed each draws fresh randomness (OpenAI's and vLLM's
-        rule). It lives on the host, on every device: draws are made there and moved."""
+        draw from separate streams seeded from `seed`, so a request is reproducible wherever its
+        pieces run (`seeded` gives a request its seed; a lone object without one draws fresh
+        randomness). It lives on the host, on every device: draws are made there and moved."""
         if self.seed is None:
             generator = torch.Generator()
             generator.seed()

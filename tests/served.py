@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from deployments.config import AppConfig
 from deployments.http_ingress import build_http_app
-from deployments.remote_engine import STUBS, RemoteEngine
+from deployments.remote_engine import STUBS, RemoteEngine, fixed_addresses
 from deployments.servicers import DraftServicer, TargetServicer, start_server
 from protos import specdec_pb2_grpc as pb_grpc
 
@@ -28,13 +28,13 @@ class Workers:
             "draft": draft or DraftServicer(engine.draft_model, engine.target_model.config, idle_timeout_s),
             "target": target or TargetServicer(engine.target_model, idle_timeout_s, engine.frontend.profile()),
         }
-        self.servers, addresses = {}, {}
+        self.servers, self.addresses = {}, {}
         for role, servicer in servicers.items():
             self.servers[role], port = start_server(servicer, ADD[role])
-            addresses[role] = f"127.0.0.1:{port}"
-        self.engine = RemoteEngine(engine.frontend, addresses, deadline_s)
+            self.addresses[role] = f"127.0.0.1:{port}"
+        self.engine = RemoteEngine(engine.frontend, fixed_addresses(self.addresses), deadline_s)
         # blocking stubs of our own, for calling the workers directly (the engine's are grpc.aio)
-        self.stubs = {role: STUBS[role](grpc.insecure_channel(address)) for role, address in addresses.items()}
+        self.stubs = {role: STUBS[role](grpc.insecure_channel(address)) for role, address in self.addresses.items()}
 
     def stop(self) -> None:
         self.engine.close()

@@ -673,3 +673,16 @@ def test_random_weights_of_a_config_load_the_same_twice_and_decode_from_token_id
         for drafter in ("model", "none")
     )
     assert engine.complete(speculative).token_ids == engine.complete(target_only).token_ids
+
+
+def test_an_unseeded_request_gets_one_fresh_seed_for_all_its_parts(tiny_engine):
+    """Drawn once in prepare: the verifier, the drafter, the target's features and every
+    tensor-parallel rank (which receive the prepared sampling) draw from streams of one seed."""
+    prepare = tiny_engine.frontend.prepare
+    unseeded = GenerationRequest(prompt_ids=repeating_prompt(1), sampling={"temperature": 1.0, "max_tokens": 4})
+    seeds = {prepare(unseeded).sampling.seed for _ in range(3)}
+    assert None not in seeds and len(seeds) == 3
+    seeded = GenerationRequest(
+        prompt_ids=repeating_prompt(1), sampling={"temperature": 1.0, "seed": 9, "max_tokens": 4}
+    )
+    assert prepare(seeded).sampling.seed == 9

@@ -22,10 +22,11 @@ import grpc  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from deployments.config import AppConfig  # noqa: E402
+from deployments.errors import WorkerUnavailable  # noqa: E402
 from deployments.hostile_inputs import GRPC_CASES, HttpCase, http_cases  # noqa: E402
 from deployments.http_ingress import build_http_app  # noqa: E402
+from deployments.remote_engine import RemoteEngine  # noqa: E402
 from deployments.servicers import DraftServicer, TargetServicer, checked, start_server  # noqa: E402
-from deployments.watcher import WorkerWatcher  # noqa: E402
 from deployments.wire import component_to_proto, sampling_to_proto  # noqa: E402
 from protos import specdec_pb2 as pb  # noqa: E402
 from protos import specdec_pb2_grpc as pb_grpc  # noqa: E402
@@ -352,28 +353,35 @@ def test_a_draft_call_cancelled_by_its_stopping_worker_falls_back(tiny_engine):
         workers.stop()
 
 
-def test_the_watcher_reconnects_a_worker_that_came_back_elsewhere(tiny_engine):
-    """The draft worker dies and a new one starts on another port: requests fall back until the
-    watcher's next round repoints the engine, then speculate again. No request waits on it."""
+def test_each_request_asks_where_its_workers_are(tiny_engine):
+    """The server's `locate` names a replica per request: a draft worker that came back on another
+    port serves the next request; no draft replica is target-only, no target replica a 503."""
     workers = Workers(tiny_engine, deadline_s=5)
-    engine = workers.engine
-    addresses = {"draft": "127.0.0.1:1", "target": "unused"}  # what the lookup answers now
-    watcher = WorkerWatcher(
-        addresses.__getitem__, engine.connect, {"draft": "old", "target": "unused"}, interval_s=3600
-    )
+    where = {**workers.addresses, "draft": "127.0.0.1:1"}  # the draft's old replica is gone
+
+    async def locate(role: str) -> str:
+        if where[role] is None:
+            raise WorkerUnavailable(f"no {role} worker replica ready")
+        return where[role]
+
+    engine = RemoteEngine(tiny_engine.frontend, locate, deadline_s=5)
     try:
-        workers.servers["draft"].stop(None)
         assert remote_complete(engine, request("greedy", "model"))[1]["draft_fallback"] is True
         replacement, port = start_server(
             DraftServicer(tiny_engine.draft_model, tiny_engine.target_model.config), ADD["draft"]
         )
-        addresses["draft"] = f"127.0.0.1:{port}"
-        watcher.check()
+        where["draft"] = f"127.0.0.1:{port}"
         _, metrics = remote_complete(engine, request("greedy", "model"))
         assert metrics["draft_fallback"] is False and metrics["spec_decode_num_drafts"] > 0
+        where["draft"] = None
+        tokens, metrics = remote_complete(engine, request("greedy", "model"))
+        assert metrics["draft_fallback"] is True and tokens == tiny_engine.complete(request("greedy", "none")).token_ids
+        where["target"] = None
+        with pytest.raises(WorkerUnavailable):
+            remote_complete(engine, request("greedy", "model"))
         replacement.stop(None)
     finally:
-        watcher.stop()
+        engine.close()
         workers.stop()
 
 

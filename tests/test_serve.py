@@ -19,17 +19,21 @@ pytestmark = pytest.mark.slow  # the checkpoints use SmolLM2's tokenizer
 from conftest import perturbed_copy, tiny_llama  # noqa: E402
 
 from deployments.config import AppConfig  # noqa: E402
-from deployments.errors import WorkerUnavailable  # noqa: E402
-from deployments.remote_engine import RemoteEngine  # noqa: E402
-from deployments.worker import ROLES, start_worker, worker_actor, worker_address  # noqa: E402
+from deployments.worker import ROLES, worker_handle  # noqa: E402
 from specdec_core import GenerationRequest, ModelSpec, SpeculativeEngine  # noqa: E402
-from specdec_core.frontend import Frontend  # noqa: E402
 from specdec_core.loader import load_model, load_tokenizer  # noqa: E402
 from specdec_core.policies import POLICIES  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 18431, 19431
 URL = f"http://127.0.0.1:{HTTP_PORT}"
 MODEL = "tiny-test"
+APP = "specdec"
+
+
+def kill_rank(role: str, rank: int = 0, app: str = APP) -> None:
+    """Kill one rank of a worker's replica: Serve's health check fails and restarts the replica."""
+    ranks = worker_handle(role, app).rank_handles.remote().result()
+    ray.kill(ranks[rank], no_restart=True)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +106,7 @@ def service(checkpoints):
         "http_port": HTTP_PORT,
         "grpc_port": GRPC_PORT,
     }
-    serve.run(build_app(config), name="specdec", route_prefix="/")
+    serve.run(build_app(config), name=APP, route_prefix="/")
     yield config
     serve.shutdown()
     ray.shutdown()
@@ -277,9 +281,9 @@ def timed_completion(body: dict) -> tuple[float, dict]:
 
 def test_draft_worker_killed_mid_stream_falls_back_without_stalls_then_speculation_resumes(service, local_engine):
     """The stream in flight finishes target-only (same greedy tokens, counted as a fallback).
-    Until Ray has restarted the worker and the server's watcher has found it, no request takes
-    longer than the same request target-only plus a second (the issue's bound: a reconnect on
-    the request path stalled for seconds)."""
+    Until Serve has restarted the worker's replica, no request takes longer than the same request
+    target-only plus a second (a lookup of a replica that is not there waits
+    worker_lookup_timeout_s at most)."""
     probe = dict(body_for("greedy", 0.0), max_tokens=24)
     target_only_s = max(timed_completion(dict(probe, drafter="none"))[0] for _ in range(3))
     body = dict(body_for("greedy", 0.0), max_tokens=60, stream=True)
@@ -290,7 +294,7 @@ def test_draft_worker_killed_mid_stream_falls_back_without_stalls_then_speculati
                 continue
             events.append(json.loads(line[len("data: ") :]))
             if len(events) == 1:
-                ray.kill(worker_actor("draft", MODEL), no_restart=False)
+                kill_rank("draft")
     assert all("choices" in event for event in events), events[-1]  # no error event
     tokens = [token for event in events for token in event["choices"][0]["token_ids"]]
     assert events[-1]["speculative"]["draft_fallback"] is True
@@ -308,8 +312,8 @@ def test_draft_worker_killed_mid_stream_falls_back_without_stalls_then_speculati
 
 
 def test_target_worker_killed_mid_stream_ends_it_with_an_error_then_the_service_recovers(service):
-    """The stream in flight ends with an error event and [DONE]; while the target restarts,
-    requests get 503 with Retry-After and /health says what is down; then 200 again."""
+    """The stream in flight ends with an error event and [DONE]; while Serve restarts the target's
+    replica, requests get 503 with Retry-After and /health says what is down; then 200 again."""
     body = dict(body_for("greedy", 0.0), max_tokens=200, stream=True, drafter="pld")
     events = []
     with httpx.stream("POST", URL + "/v1/completions", json={"model": MODEL, **body}, timeout=120) as response:
@@ -318,7 +322,7 @@ def test_target_worker_killed_mid_stream_ends_it_with_an_error_then_the_service_
             if line.startswith("data: "):
                 events.append(line[len("data: ") :])
                 if len(events) == 1:
-                    ray.kill(worker_actor("target", MODEL), no_restart=False)
+                    kill_rank("target")
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == "worker_unavailable" and "request id" in error["message"]
@@ -337,9 +341,7 @@ def test_every_listener_binds_the_configured_host(service):
     """HTTP, gRPC and both workers listen on loopback only (the config's host)."""
     from test_remote import listening_addresses
 
-    worker_ports = [
-        int(ray.get(worker_actor(role, MODEL).get_address.remote()).rsplit(":")[1]) for role in ("draft", "target")
-    ]
+    worker_ports = [int(worker_handle(role, APP).get_address.remote().result().rsplit(":")[1]) for role in ROLES]
     for port in (HTTP_PORT, GRPC_PORT, *worker_ports):
         assert set(listening_addresses(port)) == {"127.0.0.1"}, port
 
@@ -435,101 +437,102 @@ def test_probe_command_passes_against_the_service(service):
 
 # ---------------------------------------------------------------- a tensor-parallel target group
 
-TP_MODEL = "tiny-tp"
+TP_APP, TP_ROUTE = "tiny-tp", "/tp"
 
 
-def tp_config(checkpoints, **fields) -> AppConfig:
+def tp_config(checkpoints, **fields) -> dict:
     target_dir, draft_dir = checkpoints
     return AppConfig(
-        model_name=TP_MODEL,
+        model_name=MODEL,
         target={"source": target_dir},
         draft={"source": draft_dir},
         target_worker={"tp_size": 2, "num_cpus": 0.5, "resources": {"target_node": 0.5}},
         draft_worker={"tp_size": 2, "num_cpus": 0.5, "resources": {"draft_node": 0.5}},
         torch_threads=1,
-        worker_secret="tp-secret",
         calibration={"questions_per_category": 1, "max_new_tokens": 4},
         rpc_deadline_s=10.0,
+        grpc_port=0,
         **fields,
-    )
+    ).model_dump()
 
 
 @pytest.fixture(scope="module")
-def tp_group(service, checkpoints):
-    """The target over 2 ranks (gloo) on the simulated target node and the draft over 2 ranks on
-    the other, started as the server starts its workers, and an engine pointed at them."""
-    config = tp_config(checkpoints)
-    workers = {role: start_worker(role, config) for role in ROLES}
-    addresses = {role: ray.get(worker.get_address.remote()) for role, worker in workers.items()}
-    engine = RemoteEngine(Frontend.from_spec(config.target), addresses, config.rpc_deadline_s, secret="tp-secret")
-    yield config, engine, workers
-    engine.close()
-    for worker in workers.values():
-        ray.kill(worker, no_restart=True)
+def tp_app(service, checkpoints):
+    """A second app beside the service: the target over 2 ranks (gloo) on the simulated target node
+    and the draft over 2 ranks on the other, each a replica's placement group."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(tp_config(checkpoints)), name=TP_APP, route_prefix=TP_ROUTE)
+    yield URL + TP_ROUTE
+    serve.delete(TP_APP)
 
 
-def tp_request(policy: str, temperature: float = 0.0, **fields) -> GenerationRequest:
-    sampling = {"max_tokens": 24, "temperature": temperature, "seed": 7, **fields}
-    return GenerationRequest(
-        prompt="The capital of France is Paris. The capital of France is",
-        sampling=sampling,
-        policy={"name": policy},
-        drafter={"name": "model"},
-        num_draft_tokens=5,
-    )
+def tp_body(policy: str, temperature: float = 0.0, **fields) -> dict:
+    return {**body_for(policy, temperature), "num_draft_tokens": 5, "seed": 7, **fields}
 
 
 @pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("dropmatch", 0.0), ("rejection", 0.9)])
-def test_target_and_draft_over_two_ranks_each_serve_what_one_process_does(tp_group, local_engine, policy, temperature):
-    _, engine, _ = tp_group
-    request = tp_request(policy, temperature)
-    chunks = list(engine.stream(request))
-    assert [token for chunk in chunks for token in chunk.token_ids] == local_engine.complete(request).token_ids
-    assert chunks[-1].metrics["spec_decode_num_drafts"] > 0
+def test_target_and_draft_over_two_ranks_each_serve_what_one_process_does(tp_app, local_engine, policy, temperature):
+    body = tp_body(policy, temperature)
+    payload = httpx.post(tp_app + "/v1/completions", json=body, timeout=120).json()
+    assert payload["choices"][0]["token_ids"] == local_tokens(local_engine, body)
+    assert payload["speculative"]["spec_decode_num_drafts"] > 0
 
 
-def test_the_layout_puts_target_ranks_and_draft_on_their_node_types(tp_group):
-    _, _, workers = tp_group
+def test_the_layout_puts_target_ranks_and_draft_on_their_node_types(tp_app):
     nodes = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
     for role, node_type in (("target", "target_node"), ("draft", "draft_node")):
-        ranks = ray.get(workers[role].rank_handles.remote())
+        ranks = worker_handle(role, TP_APP).rank_handles.remote().result()
         assert len(ranks) == 2
         for rank in ranks:
             assert node_type in nodes[ray.get(rank.node_id.remote())]
 
 
-def test_a_killed_rank_fails_its_request_then_the_group_is_rebuilt(tp_group, local_engine):
-    config, engine, workers = tp_group
-    long_request = tp_request("greedy", max_tokens=900, ignore_eos=True)
-    stream = engine.stream(long_request)
-    next(stream)
-    old_address = engine_address = worker_address("target", config, 10)
-    killed_at = time.perf_counter()
-    ray.kill(ray.get(workers["target"].rank_handles.remote())[1], no_restart=True)
-    with pytest.raises(WorkerUnavailable):
-        for _ in stream:
-            pass
+def test_a_killed_rank_fails_its_request_then_serve_restarts_the_group(tp_app, local_engine):
+    """A killed rank 1: rank 0's request fails at once (its collective breaks, or Serve's restart
+    takes the group down): an error event and [DONE]; then 503s until the new replica serves."""
+    body = {**tp_body("greedy"), "max_tokens": 900, "ignore_eos": True, "stream": True}
+    events, killed_at = [], None
+    with httpx.stream("POST", tp_app + "/v1/completions", json={"model": MODEL, **body}, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+                if len(events) == 1:
+                    killed_at = time.perf_counter()
+                    kill_rank("target", 1, TP_APP)
     failed_s = time.perf_counter() - killed_at
-    while engine_address == old_address:
-        try:
-            engine_address = worker_address("target", config, 10)
-        except Exception:  # noqa: BLE001 - still being rebuilt
-            time.sleep(0.5)
-    engine.connect("target", engine_address)
-    request = tp_request("greedy")
-    assert [token for chunk in engine.stream(request) for token in chunk.token_ids] == local_engine.complete(
-        request
-    ).token_ids
-    print(f"request failed {failed_s:.2f} s after the kill; served again {time.perf_counter() - killed_at:.1f} s after")
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "worker_unavailable"
+    statuses = []
+    while len(statuses) < 120:
+        reply = httpx.post(tp_app + "/v1/completions", json=tp_body("greedy"), timeout=120)
+        statuses.append(reply.status_code)
+        if reply.status_code == 200:
+            break
+        assert reply.status_code == 503 and reply.headers["Retry-After"], reply.text
+        time.sleep(1)
+    assert reply.json()["choices"][0]["token_ids"] == local_tokens(local_engine, tp_body("greedy"))
+    served_s = time.perf_counter() - killed_at
+    print(f"request failed {failed_s:.2f} s after the kill; served again {served_s:.1f} s after ({statuses})")
 
 
-def test_a_placement_the_cluster_cannot_satisfy_fails_fast_and_says_why(service, checkpoints):
-    config = tp_config(checkpoints, placement_timeout_s=2.0).model_copy(update={"model_name": "tiny-nowhere"})
-    config.target_worker.resources = {"gpu_node": 1}
-    start = time.perf_counter()
-    with pytest.raises(ray.exceptions.RayActorError) as failure:
-        ray.get(start_worker("target", config).get_address.remote(), timeout=120)
-    message = str(failure.value)
-    assert time.perf_counter() - start < 60
-    assert "cannot place tiny-nowhere-target" in message and "gpu_node" in message  # what was asked
-    assert "target_node" in message and "draft_node" in message  # what the cluster has
+def test_a_placement_the_cluster_cannot_satisfy_says_why(service, checkpoints):
+    """Serve keeps a worker it cannot place pending (an autoscaler may yet add the node) and its
+    status says what each replica's ranks ask for."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    config = tp_config(checkpoints)
+    config["target_worker"]["resources"] = {"gpu_node": 1}
+    serve._run(build_app(config), name="tiny-nowhere", route_prefix="/nowhere", _blocking=False)
+    try:
+        deadline, message = time.time() + 120, ""
+        while "gpu_node" not in message and time.time() < deadline:
+            time.sleep(2)
+            deployments = serve.status().applications["tiny-nowhere"].deployments
+            message = deployments["TargetWorker"].message or ""
+        assert "gpu_node" in message and "Resources required for each replica" in message, message
+    finally:
+        serve.delete("tiny-nowhere")
