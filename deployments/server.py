@@ -1,9 +1,9 @@
 """The server deployment: one replica holds a RemoteEngine (tokenizer and loop, no weights),
 serves the OpenAI HTTP API (http_ingress.py, through Serve's HTTP proxy) and the gRPC API
 (grpc_ingress.py, its own server), and counts metrics (metrics.py). It reaches the draft and
-target workers (worker.py) through their deployments' handles: each request asks each
-deployment for a replica's gRPC address (Serve picks the replica) and keeps that replica for
-all its calls, so its sessions stay where they were opened; the data path is gRPC.
+target workers (worker.py) through their deployments' handles: each request takes a replica's
+gRPC address that the handle gave (replicas.py) and keeps that replica for all its calls, so its
+sessions stay where they were opened; the data path is gRPC.
 
   HTTP (OpenAI API) / gRPC (Specdec.Generate) --> SpecdecServer --gRPC--> DraftWorker replica
                                                                 \\--gRPC--> TargetWorker replica
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from typing import Awaitable, Callable
 
 from ray import serve
 
@@ -21,11 +22,11 @@ from specdec_core.kernels.cpu import configure_cpu
 from specdec_core.topologies import load_tree_bank
 
 from .config import AppConfig
-from .errors import WorkerUnavailable
 from .grpc_ingress import GrpcIngress
 from .http_ingress import build_http_app
 from .metrics import ServeMetrics
 from .remote_engine import RemoteEngine
+from .replicas import ReplicaDirectory
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -37,9 +38,11 @@ class SpecdecServer:
         self.config = AppConfig(**config)
         for bank in self.config.tree_banks:
             load_tree_bank(bank)
-        self.handles = {"draft": draft, "target": target}
-        # a lookup waits on Serve's handle: off the coordinator loop, one thread per request at most
-        self.lookups = ThreadPoolExecutor(max_workers=self.config.max_ongoing_requests + 4)
+        # a lookup waits on Serve's handle off the coordinator loop; a directory asks once at a time
+        self.lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-lookup")
+        self.replicas = {
+            role: ReplicaDirectory(role, self.lookup(handle)) for role, handle in (("draft", draft), ("target", target))
+        }
         frontend = Frontend.from_spec(self.config.target, self.config.defaults, self.config.max_tokens_limit)
         self.engine = RemoteEngine(
             frontend, self.locate, self.config.rpc_deadline_s, ServeMetrics(), self.config.worker_secret
@@ -47,17 +50,24 @@ class SpecdecServer:
         self.grpc_ingress = GrpcIngress(self.engine, self.config)
 
     async def locate(self, role: str) -> str:
-        """A replica of the worker `role` for one request: its gRPC address (WorkerUnavailable when
-        the deployment has none ready within worker_lookup_timeout_s)."""
-        response = self.handles[role].get_address.remote()
-        timeout_s = self.config.worker_lookup_timeout_s
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.lookups, lambda: response.result(timeout_s=timeout_s)
-            )
-        except Exception as error:  # noqa: BLE001 - none ready (restarting) or the call failed: say which
-            response.cancel()
-            raise WorkerUnavailable(f"no {role} worker replica ready ({type(error).__name__})") from None
+        """A replica of the worker `role` for one request: its gRPC address (replicas.py)."""
+        return await self.replicas[role].pick()
+
+    def lookup(self, handle) -> Callable[[], Awaitable[str]]:
+        """Ask `handle` for a replica's address (within worker_lookup_timeout_s)."""
+
+        async def ask() -> str:
+            response = handle.get_address.remote()
+            timeout_s = self.config.worker_lookup_timeout_s
+            try:
+                return await asyncio.get_running_loop().run_in_executor(
+                    self.lookups, lambda: response.result(timeout_s=timeout_s)
+                )
+            except BaseException:
+                response.cancel()
+                raise
+
+        return ask
 
     def __del__(self):  # Serve calls it when the replica stops: free the gRPC port at once
         self.grpc_ingress.stop()

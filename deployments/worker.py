@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 from typing import Any, Literal, Optional, get_args
 
 import ray
@@ -23,6 +24,27 @@ Role = Literal["draft", "target"]
 ROLES: tuple[Role, ...] = get_args(Role)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 RANK_PING_TIMEOUT_S = 10.0
+# A rank loads its model at the lowest CPU priority and serves it at a normal process's: where it
+# shares cores with another worker (the draft restarting beside the target on this project's
+# 2-core VMs), a loading rank otherwise stalls the serving rank's OpenMP team
+# (docs/performance.md). Ray runs its workers' threads at nice 15; serving at 0 needs the right to
+# (root, CAP_SYS_NICE or RLIMIT_NICE), and without it a rank keeps Ray's priority throughout.
+STARTING_NICENESS, SERVING_NICENESS = 19, 0
+
+
+def may_raise_priority_to(niceness: int) -> bool:
+    """Whether this process may raise its threads back to `niceness` after lowering them."""
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - niceness
+
+
+def set_priority(niceness: int) -> None:
+    """Every thread of this process (Linux nice values are per thread) at `niceness`, as far as
+    this process may set it."""
+    for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(task), niceness)
+        except (PermissionError, ProcessLookupError):
+            pass
 
 
 def worker_config(role: Role, config: AppConfig) -> WorkerConfig:
@@ -46,6 +68,9 @@ class WorkerRank:
     def __init__(self, role: Role, config: dict, rank: int):
         self.role, self.config, self.rank = role, AppConfig(**config), rank
         self.store = None
+        self.prioritized = may_raise_priority_to(SERVING_NICENESS)
+        if self.prioritized:
+            set_priority(STARTING_NICENESS)  # until `start` has loaded the model
 
     def open_store(self) -> str:
         """Rank 0 of a group: the rendezvous store's host:port."""
@@ -109,6 +134,8 @@ class WorkerRank:
                 heads=heads,
             )
             add = pb_grpc.add_TargetServicer_to_server
+        if self.prioritized:
+            set_priority(SERVING_NICENESS)
         if self.rank > 0:
             TORCH_THREAD.submit(follow, channel, servicer.apply)
             return None

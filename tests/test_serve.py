@@ -103,6 +103,10 @@ def service(checkpoints):
         "session_idle_timeout_s": 4.0,
         "rpc_deadline_s": 10.0,
         "torch_threads": 1,
+        # each worker on its node type, so that the tensor-parallel app's ranks fit beside them
+        # wherever Serve restarts them
+        "draft_worker": {"resources": {"draft_node": 1}},
+        "target_worker": {"resources": {"target_node": 1}},
         "http_port": HTTP_PORT,
         "grpc_port": GRPC_PORT,
     }
