@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install serve test lint bench protos clean
+.PHONY: install serve test lint bench protos clean gpu-wheels
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,14 @@ lint: install
 
 bench: install
 	$(VENV)/bin/specdec bench $(BENCH_ARGS)
+
+# what `specdec gpu-report` needs on a lent GPU machine and the machine lacks (Python 3.12, no
+# registry): these wheels, carried in .whl (docs/performance.md, "On a GPU")
+GPU_WHEELS := pydantic pydantic[-_]core annotated[-_]types typing[-_]inspection gguf
+gpu-wheels: install
+	rm -rf .whl && $(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$$($(PY) -m pip freeze | grep -iE '^($(shell echo $(GPU_WHEELS) | tr ' ' '|'))==')
 
 clean:
 	rm -rf $(VENV) build *.egg-info

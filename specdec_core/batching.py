@@ -12,10 +12,12 @@ position history + its depth, each seeing the history and its own ancestors only
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kernels.attention import grouped_decode_attention, grouped_sdpa
 from .kernels.int4 import kernels_by_chunk
@@ -123,15 +125,26 @@ def run_ragged(
             for cache, length, tree in zip(caches, lengths, trees)
         ]
     )
-    output = base_model(
-        **inputs,
-        position_ids=positions[None].to(base_model.device),
-        use_cache=False,
-        ragged=RaggedRows(caches, offsets, trees),
-    )
+    with attention_backends(base_model.device):
+        output = base_model(
+            **inputs,
+            position_ids=positions[None].to(base_model.device),
+            use_cache=False,
+            ragged=RaggedRows(caches, offsets, trees),
+        )
     for cache, length in zip(caches, lengths):
         cache.advance(length)
     return output.last_hidden_state, offsets
+
+
+def attention_backends(device: torch.device):
+    """The SDPA kernels a forward may use. Not cuDNN's on CUDA: it builds a plan for every new
+    sequence length, about 2.3 ms of host time per call on an H100, and a row's length grows
+    every step (docs/performance.md, gpu-report 2026-11-25)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(backends)
 
 
 def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, ragged=None, **kwargs):
@@ -157,6 +170,11 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             mask[:, history:] = tree.attention_mask.to(query.device)
         elif num_new > 1:
             mask = torch.ones(num_new, history + num_new, dtype=torch.bool, device=query.device).tril(history)
+        if mask is not None and query.device.type == "cuda":
+            # CUDA's efficient kernel takes a mask but not grouped K/V heads: without this the math
+            # one runs, 302 against 64 us a call on an H100 (docs/performance.md)
+            groups = row_query.shape[1] // keys.shape[0]
+            keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
         row_output = torch.nn.functional.scaled_dot_product_attention(
             row_query, keys[None], values[None], attn_mask=mask, scale=scaling, enable_gqa=True
         )

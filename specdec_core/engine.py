@@ -129,13 +129,18 @@ class SpeculativeEngine:
     def stream(self, request: GenerationRequest) -> Iterator[StreamChunk]:
         """Validates `request` now (SpecdecError), then decodes it as the iterator is consumed."""
         prepared = self.frontend.prepare(request)
-        target = Immediate(TargetScorer(self.target_model, self.heads))
+        drafter, target = self.sessions(prepared)
+        return run_immediately(speculative_loop(prepared, drafter, target, self.frontend.output(prepared)))
+
+    def sessions(
+        self, prepared: PreparedRequest, target_session: Callable = Immediate, draft_session: Callable = Immediate
+    ) -> tuple[DraftSession, TargetSession]:
+        """A request's drafter and target sessions over the local models; `target_session` and
+        `draft_session` put each local object behind the loop's calls (lockstep.py batches them)."""
+        target = target_session(TargetScorer(self.target_model, self.heads))
         if prepared.drafter.name == HeadsDrafter.name:
-            drafter = HeadsDrafter(target, validate_drafter(prepared.drafter.name, prepared.drafter.params))
-        else:
-            drafter = Immediate(make_drafter(prepared.drafter.name, prepared.drafter.params, self.draft_model))
-        output = self.frontend.output(prepared)
-        return run_immediately(speculative_loop(prepared, drafter, target, output))
+            return HeadsDrafter(target, validate_drafter(prepared.drafter.name, prepared.drafter.params)), target
+        return draft_session(make_drafter(prepared.drafter.name, prepared.drafter.params, self.draft_model)), target
 
     def complete(self, request: GenerationRequest) -> Completion:
         return Completion.from_chunks(list(self.stream(request)))

@@ -1,5 +1,5 @@
 """`specdec` command line, in-process commands: generate, bench, verify-cost, lookup-ceiling,
-calibrate-easd, convert. The console script (deployments/cli.py) adds the serving commands to
+calibrate-easd, convert, step-ops, gpu-report. The console script (deployments/cli.py) adds the serving commands to
 this app and hands `bench` its endpoint client through typer's context object
 (`{"endpoint_client": factory}`), so this package never imports the serving side."""
 
@@ -20,9 +20,13 @@ from ..errors import SpecdecError, format_validation_errors
 from ..loader import DEFAULT_DRAFT, EMBEDDED, ModelSpec
 from ..questions import DEFAULT_QUESTIONS, HUMANEVAL, first_turn, load_questions
 from . import params
+from .gpu_report import gpu_report
+from .step_ops import step_ops_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Speculative decoding for large LMs.")
 console = Console(width=None if sys.stdout.isatty() else 200)
+app.command("gpu-report")(gpu_report)
+app.command("step-ops")(step_ops_command)
 
 TargetOpt = typer.Option(EMBEDDED, "--target", help="target: local dir, hub id, .gguf path or " + EMBEDDED)
 TargetDtypeOpt = typer.Option("float32", "--target-dtype")

@@ -1,0 +1,44 @@
+"""lockstep.py: requests decoded together come out as each does alone, and every step holds every
+session that has work for it."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import repeating_prompt
+
+from specdec_core import GenerationRequest
+from specdec_core.lockstep import StepTimes, complete_together
+
+
+def request(seed: int, drafter: str, max_tokens: int, policy: str = "greedy", temperature: float = 0.0):
+    return GenerationRequest(
+        prompt_ids=repeating_prompt(seed, length=12 + 2 * seed),
+        policy={"name": policy},
+        drafter={"name": drafter},
+        num_draft_tokens=4,
+        sampling={"max_tokens": max_tokens, "temperature": temperature, "seed": seed},
+    )
+
+
+@pytest.mark.parametrize("drafter", ["none", "pld", "model", "mla", "model_tree"])
+def test_together_equals_alone(tiny_engine, drafter):
+    requests = [request(seed, drafter, max_tokens=8 + 3 * seed) for seed in range(4)]  # they end apart
+    alone = [tiny_engine.complete(one).token_ids for one in requests]
+    assert [done.token_ids for done in complete_together(tiny_engine, requests)] == alone
+
+
+def test_sampled_requests_together_equal_alone(tiny_engine):
+    requests = [request(seed, "model", 12, "rejection", temperature=0.8) for seed in range(3)]
+    alone = [tiny_engine.complete(one).token_ids for one in requests]
+    assert [done.token_ids for done in complete_together(tiny_engine, requests)] == alone
+
+
+def test_each_step_holds_every_live_session(tiny_engine):
+    times = StepTimes()
+    requests = [request(seed, "model", max_tokens=16) for seed in range(3)]
+    completions = complete_together(tiny_engine, requests, times)
+    steps = [done.metrics["num_steps"] for done in completions]
+    # a target forward holds the sessions still decoding: all three until the shortest ends
+    assert times.target_rows[: min(steps)] == [3] * min(steps)
+    assert len(times.target_rows) == max(steps) and sum(times.target_rows) == sum(steps)
+    assert len(times.draft_s) >= max(steps) and times.wall_s > 0

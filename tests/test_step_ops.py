@@ -1,0 +1,36 @@
+"""tools/step_ops.py: the operations a verify step dispatches, counted."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import tiny_llama
+from typer.testing import CliRunner
+
+from specdec_core.tools.cli import app
+from specdec_core.tools.step_ops import OpCounter, count_step_ops
+
+
+def test_the_counter_counts_each_dispatched_operation():
+    with OpCounter() as counter:
+        x = torch.ones(3)
+        torch.nn.functional.scaled_dot_product_attention(x.view(1, 1, 1, 3), x.view(1, 1, 1, 3), x.view(1, 1, 1, 3))
+        (x + x).sum()
+    assert counter.ops["add"] == 1 and counter.ops["sum"] == 1 and counter.attention_ops >= 1
+
+
+def test_one_session_calls_attention_once_per_layer():
+    model = tiny_llama(num_layers=3)
+    counts = [count_step_ops(model, rows, tokens_per_row=5, history=16) for rows in (1, 4)]
+    assert counts[0]["attention_ops"] == 3 and counts[0]["rows"] == 1
+    assert counts[1]["ops"] > counts[0]["ops"]
+
+
+def test_step_ops_command_prints_json(tmp_path):
+    tiny_llama(num_layers=2).config.save_pretrained(tmp_path)
+    source = f"random:{tmp_path / 'config.json'}"
+    result = CliRunner().invoke(app, ["step-ops", "--model", source, "--rows", "1,2", "--history", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    counts = json.loads(result.output.strip().splitlines()[-1])
+    assert [count["rows"] for count in counts] == [1, 2] and counts[0]["attention_ops"] == 2
