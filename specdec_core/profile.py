@@ -4,28 +4,34 @@ over its own greedy answers to a validation set). Here the validation set is the
 `questions_per_category` Spec-Bench questions of every category (chat template, first turn).
 
 A `TargetProfile` is measured once per model and cached as JSON in the specdec cache
-(`profiles/`, beside the converted weights), keyed by the model spec, the checkpoint's files and
-the calibration settings. The in-process engine measures it on first need; a served target
-worker measures it at load and serves it (`Target.Profile`)."""
+(`profiles/`, beside the converted weights), keyed by content: the checkpoint's (never its path),
+the spec's dtype and layers, the device type it runs on and the calibration settings. The
+embedded target's default profile on the CPU ships with the package (data/profiles/, under the
+name the cache would give it), so a first start need not measure it. The in-process engine
+measures a profile on first need; a served target worker measures it at load and serves it
+(`Target.Profile`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from .loader import ModelSpec, cache_dir, resolve_source
+from .loader import ModelSpec, cache_dir, source_identity, write_atomically
 from .policies.easd import calibrate_tau_h
 from .questions import DEFAULT_QUESTIONS, first_turn, load_questions
 from .sampling import entropy_of_logits
 
 if TYPE_CHECKING:
     from .frontend import Frontend
+
+# profiles measured once and shipped, named as in the cache: the embedded target's (fp32, on the
+# CPU, default settings; about two minutes of a first start on two cores otherwise)
+SHIPPED_PROFILES = Path(__file__).parent / "data" / "profiles"
 
 
 class CalibrationSettings(BaseModel):
@@ -91,30 +97,27 @@ def measure_profile(
 
 
 def profile_path(spec: ModelSpec, settings: CalibrationSettings) -> Path:
-    """Where the profile of `spec` is cached: keyed by the spec, the settings and the size and
-    mtime of the checkpoint's files (a local directory), so a changed checkpoint is measured anew."""
-    source = resolve_source(spec.source)
-    files = []
-    if Path(source).is_dir():
-        files = [
-            f"{path.name}:{path.stat().st_size}:{path.stat().st_mtime_ns}" for path in sorted(Path(source).iterdir())
-        ]
-    key = json.dumps([spec.model_dump(), settings.model_dump(), str(Path(source).resolve()), files])
-    name = Path(source).name or "model"
+    """Where the profile of `spec` is cached: named by the checkpoint's name and a hash of what the
+    measurement depends on, so a changed checkpoint is measured anew and a copy of it (another
+    clone, another directory) is not."""
+    name, content = source_identity(spec.source)
+    key = json.dumps(
+        [content, spec.model_dump(exclude={"source", "device"}), spec.torch_device.type, settings.model_dump()]
+    )
     return cache_dir() / "profiles" / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 
 def cached_profile(spec: ModelSpec, settings: CalibrationSettings) -> Optional[TargetProfile]:
+    """The profile of `spec` from the cache, else the one shipped under the same name, else None."""
     path = profile_path(spec, settings)
-    return TargetProfile.model_validate_json(path.read_text()) if path.exists() else None
+    for candidate in (path, SHIPPED_PROFILES / path.name):
+        if candidate.exists():
+            return TargetProfile.model_validate_json(candidate.read_text())
+    return None
 
 
 def store_profile(spec: ModelSpec, profile: TargetProfile) -> None:
-    path = profile_path(spec, profile.settings)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp_path.write_text(profile.model_dump_json())
-    tmp_path.replace(path)
+    write_atomically(profile_path(spec, profile.settings), profile.model_dump_json())
 
 
 def load_profile(
@@ -124,7 +127,7 @@ def load_profile(
     settings: CalibrationSettings,
     progress: Callable[[Any], Any] = iter,
 ) -> TargetProfile:
-    """The cached profile of `spec`, measured (and cached) when there is none."""
+    """The cached (or shipped) profile of `spec`, measured and cached when there is none."""
     profile = cached_profile(spec, settings)
     if profile is None:
         profile = measure_profile(model, frontend, settings, progress)
