@@ -163,7 +163,8 @@ def probe(
     from rich.markup import escape
     from rich.table import Table
 
-    from .probe import LocalCluster, Probe
+    from .probe import Probe
+    from .probe_cluster import LocalCluster
 
     try:
         suite = Probe(endpoint, grpc_address or None, api_key, timeout_s)

@@ -22,7 +22,7 @@ import torch
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec_core.compact import expand_rows
-from specdec_core.drafters import NoDrafter
+from specdec_core.drafters import DraftSource, drafter_source
 from specdec_core.errors import SpecdecError
 from specdec_core.heads import HeadGuesses
 from specdec_core.policies import AcceptancePolicy
@@ -168,7 +168,7 @@ class RemoteDrafter:
         self.with_logits = with_logits
         self.deadline_s = deadline_s
         self.failed: Optional[str] = None
-        self.remote = spec.name != NoDrafter.name
+        self.remote = drafter_source(spec.name) is not DraftSource.NOTHING
         self.bytes_received = 0
         self.pending_tokens: list[int] = []  # committed, not yet sent: they ride on the next Propose
 

@@ -23,7 +23,7 @@ import grpc
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec_core.drafters import HeadsDrafter, validate_drafter
+from specdec_core.drafters import DraftSource, drafter_source, make_drafter
 from specdec_core.engine import speculative_loop
 from specdec_core.frontend import Frontend, PreparedRequest
 from specdec_core.profile import TargetProfile
@@ -147,9 +147,9 @@ class RemoteEngine:
         self, request: PreparedRequest, target_stub: Any, session_id: str, arrival: float
     ) -> AsyncIterator[StreamChunk]:
         target = RemoteTarget(target_stub, session_id, self.deadline_s)
-        remote_drafter = None  # the heads drafter uses no draft worker: the heads run on the target's
-        if request.drafter.name == HeadsDrafter.name:
-            drafter = HeadsDrafter(target, validate_drafter(request.drafter.name, request.drafter.params))
+        remote_drafter = None  # a drafter of the target's heads uses no draft worker: they run on the target's
+        if drafter_source(request.drafter.name) is DraftSource.TARGET_HEADS:
+            drafter = make_drafter(request.drafter.name, request.drafter.params, target=target)
         else:
             drafter = remote_drafter = RemoteDrafter(
                 None, session_id, request.drafter, request.policy.needs_draft_logits(), self.deadline_s

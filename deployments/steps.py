@@ -31,28 +31,31 @@ def schedule(executor, call: Callable[..., Any], *args: Any) -> Future:
 
 @dataclass
 class PendingRow:
-    session_id: str
-    fields: dict[str, Any]  # the row's part of the step (a prompt chunk: prefill=True, tokens)
+    row: Any  # the session's part of the step (worker_ops.DraftRow or TargetRow)
     future: Future
     reply: Optional[Callable[[Any], Any]] = None  # builds the answer from the row's result, on the torch thread
 
     @property
+    def session_id(self) -> str:
+        return self.row.session_id
+
+    @property
     def prefill(self) -> bool:
-        return self.fields.get("prefill", False)
+        return getattr(self.row, "prefill", False)
 
 
 class StepBatcher:
     def __init__(
         self,
         executor,
-        run_step: Callable[[list[dict]], list[Any]],
+        run_step: Callable[[list[Any]], list[Any]],
         check_row: Callable[[PendingRow], None],
         open_sessions: Callable[[], int],
         window_s: float,
         chunk: int,
     ):
-        """`run_step(rows)`: one step over row dicts (session_id and a row's fields), a result
-        (None for a prompt chunk) per row; `check_row` raises for a row that may not run (and
+        """`run_step(rows)`: one step over the rows (worker_ops' rows), a result (None for a prompt
+        chunk) per row; `check_row` raises for a row that may not run (and
         may set its `reply`); `open_sessions()`: how many rows a full step would hold."""
         self.executor, self.run_step, self.check_row, self.open_sessions = executor, run_step, check_row, open_sessions
         self.window_s, self.chunk = window_s, chunk
@@ -62,10 +65,10 @@ class StepBatcher:
         self.steps = 0
         self.rows = 0
 
-    def submit(self, session_id: str, **fields: Any) -> Future:
+    def submit(self, step_row: Any) -> Future:
         """A row for the next step; its future gives the row's result (`reply(result)` when
         `check_row` set one), or None once a prompt (prefill=True, tokens) is prefilled."""
-        row = PendingRow(session_id, fields, Future())
+        row = PendingRow(step_row, Future())
         with self.arrived:
             self.pending.append(row)
             self.arrived.notify()
@@ -108,9 +111,7 @@ class StepBatcher:
                 row.future.set_exception(error)
                 continue
             rows.append(row)
-            ops.append({**row.fields, "session_id": row.session_id})
-            if row.prefill:
-                ops[-1]["tokens"] = row.fields["tokens"][: self.chunk]
+            ops.append(row.row.model_copy(update={"tokens": row.row.tokens[: self.chunk]}) if row.prefill else row.row)
         if not rows:
             return
         try:
@@ -123,8 +124,8 @@ class StepBatcher:
         self.rows += len(rows)
         for row, result in zip(rows, results):
             if row.prefill:
-                row.fields["tokens"] = row.fields["tokens"][self.chunk :]
-                if row.fields["tokens"]:
+                row.row = row.row.model_copy(update={"tokens": row.row.tokens[self.chunk :]})
+                if row.row.tokens:
                     with self.arrived:
                         self.pending.append(row)  # the rest of its prompt goes in the next step
                 else:

@@ -1,16 +1,17 @@
 """A worker whose model is sharded over several ranks (specdec_core/parallel.py): rank 0 serves
 the gRPC service and, before each operation that touches the model (open a session, score or
 propose, release), sends it to the other ranks over a gloo group, so every rank runs the same
-forwards in the same order and keeps the same sessions and KV caches. Operations travel as JSON
-(nothing is pickled): a length, then the bytes, each a broadcast from rank 0."""
+forwards in the same order and keeps the same sessions and KV caches. Operations (worker_ops.py)
+travel as JSON (nothing is pickled): a length, then the bytes, each a broadcast from rank 0."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import torch
 import torch.distributed as dist
+
+from .worker_ops import Message, operation_from_json
 
 logger = logging.getLogger(__name__)
 
@@ -26,20 +27,20 @@ class ControlChannel:
         self.group = group
         self.size = dist.get_world_size(group)
 
-    def send(self, op: dict) -> None:
-        payload = torch.frombuffer(bytearray(json.dumps(op).encode()), dtype=torch.uint8)
+    def send(self, op: Message) -> None:
+        payload = torch.frombuffer(bytearray(op.model_dump_json().encode()), dtype=torch.uint8)
         try:
             dist.broadcast(torch.tensor([payload.numel()]), src=0, group=self.group)
             dist.broadcast(payload, src=0, group=self.group)
         except (RuntimeError, dist.DistError) as error:
             raise GroupBroken(f"a rank of the group is gone: {error}") from None
 
-    def receive(self) -> dict:
+    def receive(self) -> Message:
         size = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(size, src=0, group=self.group)
         payload = torch.empty(int(size), dtype=torch.uint8)
         dist.broadcast(payload, src=0, group=self.group)
-        return json.loads(payload.numpy().tobytes())
+        return operation_from_json(payload.numpy().tobytes())
 
 
 def follow(channel: ControlChannel, apply) -> None:
@@ -54,4 +55,4 @@ def follow(channel: ControlChannel, apply) -> None:
         try:
             apply(op)
         except Exception:  # noqa: BLE001 - rank 0 met the same error on the same op and answered it
-            logger.exception("operation %s failed on this rank as on rank 0", op.get("op"))
+            logger.exception("operation %s failed on this rank as on rank 0", op.op)

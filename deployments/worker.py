@@ -92,8 +92,11 @@ class WorkerRank:
         from specdec_core.topologies import load_tree_bank
 
         from .admission import Admission
-        from .servicers import TORCH_THREAD, DraftServicer, TargetServicer, on_torch_thread, start_server
+        from .draft_service import DraftService
+        from .servicers import DraftServicer, TargetServicer, start_server
+        from .target_service import TargetService
         from .tensor_parallel import ControlChannel, follow
+        from .worker_service import TORCH_THREAD, on_torch_thread
 
         config, worker = self.config, worker_config(self.role, self.config)
         for bank in config.tree_banks:  # trees the coordinator may name
@@ -118,13 +121,13 @@ class WorkerRank:
             admission = Admission(budget, worker.max_waiting_sessions, worker.admission_wait_s)
         if self.role == "draft":
             target_config = load_configs(config.target)[0]
-            servicer = DraftServicer(
+            service = DraftService(
                 model, target_config, idle_timeout_s, sending, admission, batch_window_s=worker.batch_window_ms / 1000
             )
-            add = pb_grpc.add_DrafterServicer_to_server
+            servicer, add = DraftServicer(service), pb_grpc.add_DrafterServicer_to_server
         else:
             heads = on_torch_thread(load_heads, config.target_heads, spec.source, model)
-            servicer = TargetServicer(
+            service = TargetService(
                 model,
                 idle_timeout_s,
                 channel=sending,
@@ -133,27 +136,24 @@ class WorkerRank:
                 admission=admission,
                 heads=heads,
             )
-            add = pb_grpc.add_TargetServicer_to_server
+            servicer, add = TargetServicer(service), pb_grpc.add_TargetServicer_to_server
         if self.prioritized:
             set_priority(SERVING_NICENESS)
         if self.rank > 0:
-            TORCH_THREAD.submit(follow, channel, servicer.apply)
+            TORCH_THREAD.submit(follow, channel, service.apply)
             return None
         if self.role == "target" and config.calibration is not None:
-            self.load_target_profile(servicer, spec)
+            self.load_target_profile(service, spec)
         self.server, port = start_server(servicer, add, host=self.host(), secret=config.worker_secret)
         return f"{self.host()}:{port}"
 
-    def load_target_profile(self, servicer, spec) -> None:
+    def load_target_profile(self, service, spec) -> None:
         """Rank 0: the target's profile from the cache, or measured now on every rank and cached."""
         from specdec_core.profile import cached_profile, store_profile
 
-        from .servicers import on_torch_thread
-
-        servicer.profile = cached_profile(spec, self.config.calibration)
-        if servicer.profile is None:
-            op = {"op": "measure_profile", "spec": spec.model_dump(), "settings": self.config.calibration.model_dump()}
-            store_profile(spec, on_torch_thread(servicer.run, op))
+        service.profile = cached_profile(spec, self.config.calibration)
+        if service.profile is None:
+            store_profile(spec, service.measure_profile(spec, self.config.calibration))
 
     def host(self) -> str:
         # loopback when the service is; else the one address Ray uses for this node (the server

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
 import torch
 
-from .drafters import HeadsDrafter, make_drafter, validate_drafter
+from .drafters import DraftSource, drafter_source, make_drafter
 from .frontend import Frontend, PreparedRequest
 from .heads import AUTO, Heads, load_heads
 from .loader import ModelSpec, load_model, load_tokenizer
@@ -32,7 +32,7 @@ async def speculative_loop(
     verify_rng = sampling.generator("verify")
     metrics = SpecMetrics(counters=dict.fromkeys(policy.counters, 0))
     clock = time.perf_counter()
-    with_heads = request.drafter.name == HeadsDrafter.name
+    with_heads = drafter_source(request.drafter.name) is DraftSource.TARGET_HEADS
     prompt_scores = await target.reset(request.prompt_ids, policy, sampling, with_heads=with_heads)
     if output.remaining:
         await drafter.reset(request.prompt_ids, sampling)
@@ -138,9 +138,10 @@ class SpeculativeEngine:
         """A request's drafter and target sessions over the local models; `target_session` and
         `draft_session` put each local object behind the loop's calls (lockstep.py batches them)."""
         target = target_session(TargetScorer(self.target_model, self.heads))
-        if prepared.drafter.name == HeadsDrafter.name:
-            return HeadsDrafter(target, validate_drafter(prepared.drafter.name, prepared.drafter.params)), target
-        return draft_session(make_drafter(prepared.drafter.name, prepared.drafter.params, self.draft_model)), target
+        spec = prepared.drafter
+        drafter = make_drafter(spec.name, spec.params, self.draft_model, target)
+        # a drafter of the target's heads asks the target session itself: it is a session already
+        return (drafter if drafter.drafts_from is DraftSource.TARGET_HEADS else draft_session(drafter)), target
 
     def complete(self, request: GenerationRequest) -> Completion:
         return Completion.from_chunks(list(self.stream(request)))

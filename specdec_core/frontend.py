@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .drafters import DRAFTERS, HeadsDrafter, validate_drafter
+from .drafters import DRAFTERS, DraftSource, validate_drafter
 from .errors import SpecdecError, check_token_ids
 from .output import OutputTracker
 from .policies import POLICIES, AcceptancePolicy, make_policy
@@ -102,8 +102,9 @@ class Frontend:
                 f"(policies with one: {trees})",
                 "policy",
             )
-        if drafter.name == HeadsDrafter.name and not self.num_heads():
-            raise SpecdecError("drafter 'heads' needs multi-token heads on the target; this one has none", "drafter")
+        if DRAFTERS[drafter.name].drafts_from is DraftSource.TARGET_HEADS and not self.num_heads():
+            message = f"drafter {drafter.name!r} needs multi-token heads on the target; this one has none"
+            raise SpecdecError(message, "drafter")
         num_draft_tokens = request.num_draft_tokens or self.defaults.num_draft_tokens
         prompt_ids = self.encode(request)
         prompt_field = "messages" if request.messages is not None else "prompt"

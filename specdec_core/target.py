@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from .batching import SequenceKV, forward_ragged
+from .errors import SpecdecError
 from .heads import HeadGuesses, Heads, HeadsSession
 from .logprobs import score_prompt_tokens, token_log_probs
 from .policies import AcceptancePolicy
@@ -139,6 +140,28 @@ class TargetScorer:
         self.cache.keep_at(self.committed_len, [self.committed_len + node for node in nodes])
         self.committed_len += len(nodes)
         self.advance_heads(list(nodes))
+
+    def check_commit(self, keep: int, path: Sequence[int]) -> None:
+        """A caller's commit of the last score (a worker checks every one it receives): at most the
+        tokens scored, or a root-first path of the tree scored."""
+        if not 0 <= keep <= self.num_scored:
+            raise SpecdecError(f"commit_keep must lie in [0, {self.num_scored}] (the tokens last scored)")
+        if not path:
+            return
+        parents = self.scored_tree.parents.tolist() if self.scored_tree is not None else []
+        on_tree = path[0] == 0 and all(
+            0 < node < len(parents) and parents[node] == parent for parent, node in zip(path, path[1:])
+        )
+        if keep or not parents or not on_tree:
+            raise SpecdecError("commit_path must be a root-first path of the tree last scored")
+
+    def commit_scored(self, keep: int, path: Sequence[int]) -> None:
+        """Commit the last score once: its first `keep` tokens, or its tree's `path`."""
+        if keep:
+            self.commit(keep)
+        if path:
+            self.commit_path(path)
+        self.num_scored, self.scored_tree = 0, None
 
     def advance_heads(self, rows) -> None:
         """With heads: the scored rows `rows` (a slice or node indices) are committed positions."""

@@ -12,21 +12,26 @@ import grpc
 from fastapi.testclient import TestClient
 
 from deployments.config import AppConfig
+from deployments.draft_service import DraftService
 from deployments.http_ingress import build_http_app
 from deployments.remote_engine import STUBS, RemoteEngine, fixed_addresses
-from deployments.servicers import DraftServicer, TargetServicer, start_server
+from deployments.servicers import DraftServicer, SessionServicer, TargetServicer, start_server
+from deployments.target_service import TargetService
 from protos import specdec_pb2_grpc as pb_grpc
 
 ADD = {"draft": pb_grpc.add_DrafterServicer_to_server, "target": pb_grpc.add_TargetServicer_to_server}
 
 
 class Workers:
-    """In-process draft and target servers and an engine pointed at them."""
+    """In-process draft and target servers and an engine pointed at them; `draft` and `target`:
+    the services (or servicers) to serve instead of new ones."""
 
     def __init__(self, engine, draft=None, target=None, deadline_s: float = 30.0, idle_timeout_s: float = 60.0):
+        draft = draft or DraftService(engine.draft_model, engine.target_model.config, idle_timeout_s)
+        target = target or TargetService(engine.target_model, idle_timeout_s, engine.frontend.profile())
         servicers = {
-            "draft": draft or DraftServicer(engine.draft_model, engine.target_model.config, idle_timeout_s),
-            "target": target or TargetServicer(engine.target_model, idle_timeout_s, engine.frontend.profile()),
+            "draft": draft if isinstance(draft, SessionServicer) else DraftServicer(draft),
+            "target": target if isinstance(target, SessionServicer) else TargetServicer(target),
         }
         self.servers, self.addresses = {}, {}
         for role, servicer in servicers.items():

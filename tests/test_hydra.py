@@ -133,6 +133,7 @@ def test_only_heads_sessions_run_the_heads_and_a_worker_reserves_their_prefix_ca
     grpc = pytest.importorskip("grpc")
     from deployments.admission import Admission
     from deployments.servicers import TargetServicer, start_server
+    from deployments.target_service import TargetService
     from deployments.wire import component_to_proto, sampling_to_proto
     from protos import specdec_pb2 as pb
     from protos import specdec_pb2_grpc as pb_grpc
@@ -145,8 +146,8 @@ def test_only_heads_sessions_run_the_heads_and_a_worker_reserves_their_prefix_ca
     config = target.config
     head_dim = config.hidden_size // config.num_attention_heads
     assert heads.cache_bytes_per_token() == 2 * config.num_key_value_heads * head_dim * 4  # one fp32 layer
-    servicer = TargetServicer(target, 60.0, admission=Admission(None, 4, 1.0), heads=heads)
-    server, port = start_server(servicer, pb_grpc.add_TargetServicer_to_server)
+    service = TargetService(target, 60.0, admission=Admission(None, 4, 1.0), heads=heads)
+    server, port = start_server(TargetServicer(service), pb_grpc.add_TargetServicer_to_server)
     stub = pb_grpc.TargetStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     prompt, sampling = [1, 2, 3], SamplingParams(max_tokens=8)
     try:
@@ -159,11 +160,11 @@ def test_only_heads_sessions_run_the_heads_and_a_worker_reserves_their_prefix_ca
                 with_heads=with_heads,
             )
             stub.Reset(reset)
-        reserved = servicer.admission.reserved
+        reserved = service.admission.reserved
         extra = reserved["heads"] - reserved["plain"]
-        assert extra == pytest.approx(servicer.max_len(prompt, sampling) * heads.cache_bytes_per_token())
-        assert servicer.session("plain").heads_session is None
-        assert servicer.session("heads").heads_session.cache is not None  # the prefix layer's
+        assert extra == pytest.approx(service.max_len(prompt, sampling) * heads.cache_bytes_per_token())
+        assert service.session("plain").heads_session is None
+        assert service.session("heads").heads_session.cache is not None  # the prefix layer's
         assert len(stub.Heads(pb.HeadsRequest(session_id="heads", root_token=3, tree="chain_2")).tokens.shape) == 1
         with pytest.raises(grpc.RpcError) as raised:
             stub.Heads(pb.HeadsRequest(session_id="plain", root_token=3, tree="chain_2"))

@@ -22,12 +22,15 @@ import grpc  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from deployments.config import AppConfig  # noqa: E402
+from deployments.draft_service import DraftService  # noqa: E402
 from deployments.errors import WorkerUnavailable  # noqa: E402
 from deployments.hostile_inputs import GRPC_CASES, HttpCase, http_cases  # noqa: E402
 from deployments.http_ingress import build_http_app  # noqa: E402
 from deployments.remote_engine import RemoteEngine  # noqa: E402
 from deployments.servicers import DraftServicer, TargetServicer, checked, start_server  # noqa: E402
+from deployments.target_service import TargetService  # noqa: E402
 from deployments.wire import component_to_proto, sampling_to_proto  # noqa: E402
+from deployments.worker_ops import OpenDraft, TargetRow  # noqa: E402
 from protos import specdec_pb2 as pb  # noqa: E402
 from protos import specdec_pb2_grpc as pb_grpc  # noqa: E402
 from specdec_core import GenerationRequest, SpecdecError  # noqa: E402
@@ -101,7 +104,7 @@ def test_heads_trees_come_from_the_target_worker(request, heads, policy, tempera
     last commit) and uses no draft worker; the served tokens, acceptance and tree choices of a
     binary_tau scheduler equal the in-process engine's, with Medusa's heads and with Hydra's."""
     heads_engine = request.getfixturevalue("heads_engine" if heads == "medusa" else "hydra_engine")
-    target = TargetServicer(heads_engine.target_model, 60.0, heads_engine.frontend.profile(), heads=heads_engine.heads)
+    target = TargetService(heads_engine.target_model, 60.0, heads_engine.frontend.profile(), heads=heads_engine.heads)
     workers = Workers(heads_engine, target=target)
     params = {"scheduler": "binary_tau", "tree": "chain_2", "aggressive": "mc_sim_7b_63", "tau_on": 5e-4}
     req = GenerationRequest(
@@ -124,7 +127,7 @@ def test_heads_trees_come_from_the_target_worker(request, heads, policy, tempera
 def test_a_target_worker_checks_heads_calls(heads_engine, tiny_engine):
     """A heads session on a target without heads, an unknown tree or a bad root, and a commit sent
     twice are refused."""
-    with_heads = TargetServicer(
+    with_heads = TargetService(
         heads_engine.target_model, 60.0, heads_engine.frontend.profile(), heads=heads_engine.heads
     )
     workers = {"heads": Workers(heads_engine, target=with_heads), "none": Workers(tiny_engine)}
@@ -256,10 +259,11 @@ def test_target_only_decoding_makes_no_draft_worker_calls(tiny_engine):
 def test_draft_steps_wait_only_for_sessions_of_model_drafters(tiny_engine):
     """A lookup row gains nothing from sharing a draft step, so the step window waits for the
     open sessions that draft with the model only."""
-    draft = DraftServicer(tiny_engine.draft_model, tiny_engine.target_model.config)
-    sampling = SamplingParams().model_dump()
+    draft = DraftService(tiny_engine.draft_model, tiny_engine.target_model.config)
+    sampling, prompt = SamplingParams(), repeating_prompt(1)
     for session, drafter in (("a", "pld"), ("b", "pld"), ("c", "mla"), ("d", "model")):
-        draft.op_reset(session, repeating_prompt(1), {"name": drafter, "params": {}}, sampling, False)
+        spec = ComponentSpec(name=drafter)
+        draft.open(OpenDraft(session_id=session, prompt_ids=prompt, drafter=spec, sampling=sampling, with_logits=False))
     assert draft.table.counts()[0] == 4 and draft.sessions_in_steps() == 2
 
 
@@ -342,7 +346,7 @@ class ProposeCancelled(DraftServicer):
 
 
 def test_a_draft_call_cancelled_by_its_stopping_worker_falls_back(tiny_engine):
-    draft = ProposeCancelled(tiny_engine.draft_model, tiny_engine.target_model.config)
+    draft = ProposeCancelled(DraftService(tiny_engine.draft_model, tiny_engine.target_model.config))
     workers = Workers(tiny_engine, draft=draft)
     req = request("greedy", "model")
     try:
@@ -368,7 +372,7 @@ def test_each_request_asks_where_its_workers_are(tiny_engine):
     try:
         assert remote_complete(engine, request("greedy", "model"))[1]["draft_fallback"] is True
         replacement, port = start_server(
-            DraftServicer(tiny_engine.draft_model, tiny_engine.target_model.config), ADD["draft"]
+            DraftServicer(DraftService(tiny_engine.draft_model, tiny_engine.target_model.config)), ADD["draft"]
         )
         where["draft"] = f"127.0.0.1:{port}"
         _, metrics = remote_complete(engine, request("greedy", "model"))
@@ -393,7 +397,7 @@ def test_past_the_kv_budget_requests_get_503_and_the_admitted_ones_finish(tiny_e
     from deployments.admission import Admission
 
     req = request("greedy", "pld")
-    target = TargetServicer(tiny_engine.target_model, 60.0, tiny_engine.frontend.profile())
+    target = TargetService(tiny_engine.target_model, 60.0, tiny_engine.frontend.profile())
     session_bytes = target.max_len(req.prompt_ids, req.sampling) * target.kv_bytes_per_token
     target.admission = Admission(2.5 * session_bytes, max_waiting=0, wait_s=0.0)
     workers = Workers(tiny_engine, target=target)
@@ -449,7 +453,9 @@ def completion_body(**fields) -> dict:
 
 
 def test_a_bug_in_the_draft_worker_is_a_500_with_a_request_id_not_a_fallback(tiny_engine, caplog):
-    workers = Workers(tiny_engine, draft=ResetRaises(tiny_engine.draft_model, tiny_engine.target_model.config))
+    workers = Workers(
+        tiny_engine, draft=ResetRaises(DraftService(tiny_engine.draft_model, tiny_engine.target_model.config))
+    )
     try:
         with caplog.at_level(logging.ERROR, logger="deployments"):
             response = http_client(workers).post("/v1/completions", json=completion_body())
@@ -482,7 +488,7 @@ def test_a_gone_target_worker_is_a_503_with_retry_after(tiny_engine):
 
 
 def test_a_stream_that_fails_midway_ends_with_an_error_event_and_done(tiny_engine):
-    workers = Workers(tiny_engine, target=ScoreRaisesLater(tiny_engine.target_model))
+    workers = Workers(tiny_engine, target=ScoreRaisesLater(TargetService(tiny_engine.target_model)))
     try:
         with http_client(workers).stream("POST", "/v1/completions", json=completion_body(stream=True)) as response:
             assert response.status_code == 200
@@ -734,8 +740,8 @@ def test_api_key_is_required_on_http_and_grpc(tokenizer_engine, grpc_ingress):
 def test_workers_check_the_secret_and_everything_they_receive(tiny_engine):
     """A direct caller of a worker: refused without the secret; with it, out-of-vocabulary ids,
     oversized blocks and bad settings are INVALID_ARGUMENT, and the worker keeps serving."""
-    draft = DraftServicer(tiny_engine.draft_model, tiny_engine.target_model.config)
-    target = TargetServicer(tiny_engine.target_model)
+    draft = DraftServicer(DraftService(tiny_engine.draft_model, tiny_engine.target_model.config))
+    target = TargetServicer(TargetService(tiny_engine.target_model))
     servers, stubs = [], {}
     for role, servicer in (("draft", draft), ("target", target)):
         server, port = start_server(servicer, ADD[role], secret="s3cret")
@@ -806,12 +812,12 @@ def test_a_stopping_worker_answers_unavailable_not_internal(tiny_engine):
     stopped.shutdown()
     batcher = StepBatcher(stopped, lambda rows: rows, lambda row: None, lambda: 1, 0.0, 8)
     with pytest.raises(WorkerStopping):
-        batcher.submit("s", tokens=[1])
+        batcher.submit(TargetRow(session_id="s", tokens=[1]))
     assert batcher.pending == [] and not batcher.scheduled
 
-    draft = DraftServicer(tiny_engine.draft_model, tiny_engine.target_model.config)
+    draft = DraftService(tiny_engine.draft_model, tiny_engine.target_model.config)
     draft.batcher.executor = stopped
-    server, port = start_server(draft, ADD["draft"])
+    server, port = start_server(DraftServicer(draft), ADD["draft"])
     try:
         stub = pb_grpc.DrafterStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
         reset = pb.DraftReset(

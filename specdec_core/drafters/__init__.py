@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import SpecdecError, validate_params
-from .base import Drafter, NoDrafter
+from .base import Drafter, DraftSource, NoDrafter
 from .heads import HeadsDrafter
 from .model import ModelDrafter, MultiLevelDrafter
 from .model_tree import ModelTreeDrafter, MultiLevelTreeDrafter
@@ -45,17 +45,31 @@ def validate_drafter(name: str, params: Optional[dict[str, Any]] = None):
         raise DrafterError(str(error)) from None
 
 
+def drafter_source(name: str) -> DraftSource:
+    """What drafter `name` drafts from (an unknown name: DrafterError)."""
+    validate_drafter(name)
+    return DRAFTERS[name].drafts_from
+
+
 def make_drafter(
-    name: str, params: Optional[dict[str, Any]] = None, draft_model: Optional[torch.nn.Module] = None
-) -> Drafter:
+    name: str,
+    params: Optional[dict[str, Any]] = None,
+    draft_model: Optional[torch.nn.Module] = None,
+    target: Optional[Any] = None,
+) -> Any:
+    """Drafter `name` over what it drafts from: `draft_model`, or the request's `target` session
+    (whose heads it asks; such a drafter is itself an awaitable `DraftSession`)."""
     validated = validate_drafter(name, params)
-    if DRAFTERS[name] is HeadsDrafter:
-        raise DrafterError("drafter 'heads' reads the target's heads: it is made beside the target session")
-    if DRAFTERS[name].needs_model:
+    source = DRAFTERS[name].drafts_from
+    if source is DraftSource.TARGET_HEADS:
+        if target is None:
+            raise DrafterError(f"drafter {name!r} reads the target's heads: it is made beside the target session")
+        return DRAFTERS[name](target, validated)
+    if source is DraftSource.DRAFT_MODEL:
         if draft_model is None:
             raise DrafterError(f"drafter {name!r} needs a draft model, and none is loaded")
         return DRAFTERS[name](draft_model, validated)
     return DRAFTERS[name](validated)
 
 
-__all__ = ["DRAFTERS", "Drafter", "DrafterError", "HeadsDrafter", "make_drafter", "validate_drafter"]
+__all__ = ["DRAFTERS", "DraftSource", "Drafter", "DrafterError", "drafter_source", "make_drafter", "validate_drafter"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from enum import Enum
 from typing import ClassVar, Sequence
 
 from pydantic import BaseModel, ConfigDict
@@ -10,6 +11,16 @@ from pydantic import BaseModel, ConfigDict
 from ..batching import SequenceKV
 from ..sampling import SamplingParams
 from ..types import DraftBlock
+
+
+class DraftSource(Enum):
+    """What a drafter drafts from, declared by its class: the one factory (drafters/__init__.py)
+    builds it from that, and the engines place it by it."""
+
+    NOTHING = "nothing"  # drafts nothing: no session anywhere
+    CONTEXT = "context"  # the request's own tokens (lookups)
+    DRAFT_MODEL = "draft_model"  # a draft model's forwards: built over it, on the draft worker when served
+    TARGET_HEADS = "target_heads"  # the target's heads: it asks the target session for their guesses
 
 
 def common_prefix_length(first: Sequence[int], second: Sequence[int], limit: int) -> int:
@@ -39,7 +50,7 @@ class Drafter(ABC):
 
     name: ClassVar[str]
     Params: ClassVar[type[DrafterParams]] = DrafterParams
-    needs_model: ClassVar[bool] = False  # True: constructed as Drafter(draft_model, params)
+    drafts_from: ClassVar[DraftSource] = DraftSource.CONTEXT
     proposes_trees: ClassVar[bool] = False  # True: its blocks are candidate trees (DraftBlock.tree)
 
     def __init__(self, params: DrafterParams | None = None):
@@ -63,6 +74,7 @@ class NoDrafter(Drafter):
     through the same loop)."""
 
     name = "none"
+    drafts_from = DraftSource.NOTHING
 
     def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         return DraftBlock.empty()

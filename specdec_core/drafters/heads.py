@@ -23,7 +23,7 @@ from ..sampling import SamplingParams
 from ..scheduler import BinaryTauParams, LadderParams, SchedulerParams, StaticParams, TreeScheduler, path_score
 from ..topologies import DEFAULT_TREE, default_bank
 from ..types import DraftBlock
-from .base import DrafterParams
+from .base import DrafterParams, DraftSource
 
 
 class HeadsSource(Protocol):
@@ -74,7 +74,7 @@ class HeadsDrafter:
 
     name = "heads"
     Params = HeadsParams
-    needs_model = False
+    drafts_from = DraftSource.TARGET_HEADS
     proposes_trees = True
 
     def __init__(self, source: HeadsSource, params: Optional[HeadsParams] = None):

@@ -33,7 +33,7 @@ from pydantic import Field
 from ..batching import SequenceKV, forward_ragged
 from ..sampling import argmax, sample, sampling_probs
 from ..types import DraftBlock
-from .base import Drafter, common_prefix_length, sync_cache
+from .base import Drafter, DraftSource, common_prefix_length, sync_cache
 from .block_length import AcceptanceEstimate, AdaptiveLengthParams, BlockChoice, best_block
 from .pld import AdaptiveLookupParams, PromptLookupDrafter, PromptLookupParams, lookup_continuation
 
@@ -63,7 +63,7 @@ class MultiLevelParams(ModelDrafterParams, PromptLookupParams):
 class ModelDrafter(Drafter):
     name = "model"
     Params = ModelDrafterParams
-    needs_model = True
+    drafts_from = DraftSource.DRAFT_MODEL
     deterministic: ClassVar[bool] = False  # True: proposals never sampled (one-hot p_d)
 
     def __init__(self, model: torch.nn.Module, params: Optional[ModelDrafterParams] = None):

@@ -21,7 +21,7 @@ from ..batching import SequenceKV, forward_ragged
 from ..topologies import DEFAULT_DRAFT_TREE, DEFAULT_MLA_TREE, default_bank
 from ..tree import Topology
 from ..types import DraftBlock
-from .base import Drafter, DrafterParams, common_prefix_length, sync_cache
+from .base import Drafter, DrafterParams, DraftSource, common_prefix_length, sync_cache
 from .pld import PromptLookupParams, lookup_continuation
 
 # how a sequence goes on, at most n tokens (prompt lookup's guess)
@@ -100,7 +100,7 @@ class ModelTreeDrafter(Drafter):
 
     name = "model_tree"
     Params = ModelTreeParams
-    needs_model = True
+    drafts_from = DraftSource.DRAFT_MODEL
     proposes_trees = True
 
     def __init__(self, model: torch.nn.Module, params: ModelTreeParams | None = None):

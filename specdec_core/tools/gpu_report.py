@@ -74,8 +74,8 @@ def run_gpu_tests() -> str:
     tests = REPO / "tests" / "test_gpu.py"
     if not tests.exists():
         return "skipped: tests/test_gpu.py is not beside this package"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)], cwd=REPO,
-                          capture_output=True, text=True)  # fmt: skip
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     return lines[-1] if lines else done.stderr[-500:]
 
@@ -167,10 +167,10 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
     out += ["GPU tests: " + (run_gpu_tests() if args["tests"] and on_cuda else "skipped"), ""]
     clock = time.perf_counter()
     engine = SpeculativeEngine(load_model(target), None, load_model(draft), profile=lambda *_: None)
-    out += [f"models: target {target.source}, draft {draft.source}, {target.dtype}, loaded in "
-            f"{time.perf_counter() - clock:.1f} s", ""]  # fmt: skip
-    out += decode_section(engine, concurrency, methods, {**args, "vocab": engine.target_model.config.vocab_size},
-                          facts.get("copy_gb_s", 0) * 1e9)  # fmt: skip
+    loaded_s = time.perf_counter() - clock
+    out += [f"models: target {target.source}, draft {draft.source}, {target.dtype}, loaded in {loaded_s:.1f} s", ""]
+    args = {**args, "vocab": engine.target_model.config.vocab_size}
+    out += decode_section(engine, concurrency, methods, args, facts.get("copy_gb_s", 0) * 1e9)
     out += [prefill_line(engine.target_model, 1500), ""]
     ops = [count_step_ops(engine.target_model, n, args["num_draft"] + 1, args["prompt_tokens"]) for n in concurrency]
     out += ["Operations one target verify step dispatches (K + 1 tokens per session):", "", table(ops, list(ops[0]))]
@@ -219,8 +219,10 @@ def gpu_report(
     if target_spec.torch_device.type != "cuda" and device == "auto":
         facts = device_facts(target_spec.torch_device)
         print(table([facts], list(facts)))
-        print("skipped: the GPU tests and the engine at real shapes (no CUDA device; --device cpu with small "
-              "--target/--draft runs the engine here)")  # fmt: skip
+        skipped = (
+            "the GPU tests and the engine at real shapes (no CUDA device; --device cpu with small --target/--draft"
+        )
+        print(f"skipped: {skipped} runs the engine here)")
         return
     args = {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "num_draft": num_draft_tokens, "tests": tests}
     levels = [int(level) for level in concurrency.split(",")]

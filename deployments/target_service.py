@@ -1,0 +1,182 @@
+"""The target worker's service: scorer sessions over the target model, whose verify blocks and
+prompt chunks of one step share a forward (`forward_rows`), the heads' guesses, and the target's
+profile. A verify row's answer is made compact here, on the torch thread: top-k rows where the
+request's policy reads no more (compact.py)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from specdec_core.compact import compact_rows, wire_top_k
+from specdec_core.errors import SpecdecError, check_token_ids
+from specdec_core.frontend import Frontend
+from specdec_core.heads import HeadGuesses, Heads
+from specdec_core.loader import ModelSpec
+from specdec_core.policies import make_policy
+from specdec_core.profile import CalibrationSettings, TargetProfile, calibration_progress, measure_profile
+from specdec_core.request import MAX_DRAFT_TOKENS, ComponentSpec
+from specdec_core.sampling import SamplingParams
+from specdec_core.target import PREFILL_CHUNK, Row, TargetScorer, forward_rows
+from specdec_core.topologies import default_bank
+from specdec_core.tree import Topology
+from specdec_core.types import PromptScores, TargetBlock
+
+from .admission import Admission
+from .steps import PendingRow
+from .tensor_parallel import ControlChannel
+from .worker_ops import Guess, MeasureProfile, OpenTarget, TargetRow, TargetStep
+from .worker_service import WorkerService
+
+
+@dataclass
+class ScoredRows:
+    """A verify row's answer: its block, and its rows as top-k (`top_ids`, `top_log_probs`
+    `[T, k]`) where they may travel so (None: the whole `block.logits` `[T, V]`)."""
+
+    block: TargetBlock
+    top_ids: Optional[torch.Tensor] = None
+    top_log_probs: Optional[torch.Tensor] = None
+
+
+class TargetService(WorkerService):
+    def __init__(
+        self,
+        target_model: torch.nn.Module,
+        idle_timeout_s: float = 120.0,
+        profile: Optional[TargetProfile] = None,
+        channel: Optional[ControlChannel] = None,
+        batch_window_s: float = 0.005,
+        prefill_chunk: int = PREFILL_CHUNK,
+        admission: Optional[Admission] = None,
+        heads: Optional[Heads] = None,
+    ):
+        """`profile`: the target's, measured at load (the defaults of policies that need one);
+        `heads`: its multi-token heads (drafter `heads`), on its device."""
+        super().__init__(
+            target_model.config, idle_timeout_s, channel, admission, target_model, batch_window_s, prefill_chunk
+        )
+        self.target_model = target_model
+        self.profile = profile
+        self.heads = heads
+        self.operations.update(
+            {OpenTarget: self.open, TargetStep: self.step, Guess: self.guess_after, MeasureProfile: self.measure}
+        )
+
+    def reset(
+        self, session_id: str, prompt_ids: list[int], policy: ComponentSpec, sampling: SamplingParams, with_heads: bool
+    ) -> Optional[PromptScores]:
+        """Open a session and prefill its prompt (in steps); the prompt's scores when asked."""
+        policy_object = make_policy(policy.name, policy.params)
+        if policy_object.needs_profile:
+            policy_object = policy_object.for_target(self.profile)
+        prompt_ids = self.check_prompt(prompt_ids)
+        if with_heads and self.heads is None:
+            raise SpecdecError("this target has no multi-token heads")
+        # the policy travels with its target-dependent parameters filled in, for every rank
+        filled = ComponentSpec(name=policy_object.name, params=json.loads(policy_object.params.model_dump_json()))
+        op = OpenTarget(
+            session_id=session_id,
+            prompt_ids=prompt_ids,
+            policy=filled,
+            sampling=sampling.seeded(),
+            with_heads=with_heads,
+        )
+        prefill = self.open_session(op, self.heads.cache_bytes_per_token() if with_heads else 0.0)
+        if prefill:
+            self.batcher.submit(TargetRow(session_id=session_id, tokens=prefill, prefill=True)).result()
+        return self.session(session_id).prompt_scores()
+
+    def open(self, op: OpenTarget) -> list[int]:
+        """Open the session; returns the prompt tokens to prefill (in steps)."""
+        scorer = TargetScorer(self.target_model, self.heads)
+        policy = make_policy(op.policy.name, op.policy.params)
+        prefill = scorer.start(op.prompt_ids, policy, op.sampling, op.with_heads)
+        self.table.put(op.session_id, scorer)
+        return prefill
+
+    def measure(self, op: MeasureProfile) -> TargetProfile:
+        """Measure the target's profile (every rank of a group runs the same forwards)."""
+        frontend = Frontend.from_spec(op.spec)
+        progress = calibration_progress(op.spec.source)
+        self.profile = measure_profile(self.target_model, frontend, op.settings, progress)
+        return self.profile
+
+    def measure_profile(self, spec: ModelSpec, settings: CalibrationSettings) -> TargetProfile:
+        return self.call(MeasureProfile(spec=spec, settings=settings))
+
+    def score(
+        self, session_id: str, tokens: list[int], commit_keep: int, commit_path: list[int], tree: str
+    ) -> ScoredRows:
+        """Commit the last score (`commit_keep` tokens or a tree's `commit_path`), then score
+        `[last committed, drafts]` (or a tree's root and nodes) in the next step."""
+        tokens = self.check_tokens(tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)
+        if tree and len(tokens) != known_tree(tree).num_nodes + 1:
+            raise SpecdecError(f"tree {tree!r} takes {known_tree(tree).num_nodes + 1} tokens (root and nodes)")
+        row = TargetRow(
+            session_id=session_id, tokens=tokens, commit_keep=commit_keep, commit_path=commit_path, tree=tree
+        )
+        return self.batcher.submit(row).result()
+
+    def check_row(self, row: PendingRow) -> None:
+        scorer = self.session(row.session_id)
+        if row.prefill:
+            return
+        step_row: TargetRow = row.row
+        scorer.check_commit(step_row.commit_keep, step_row.commit_path)
+        reach = scorer.committed_len + step_row.commit_keep + len(step_row.commit_path) + len(step_row.tokens)
+        if reach > self.max_positions:
+            raise SpecdecError(f"the session would exceed {self.max_positions} positions")
+        row.reply = functools.partial(self.scored_rows, scorer)
+
+    @staticmethod
+    def scored_rows(scorer: TargetScorer, block: TargetBlock) -> ScoredRows:
+        # a top-k row with its stop tokens masked would be flat where they led: ship it whole
+        top_k = None if scorer.within_min_tokens() else wire_top_k(scorer.policy, scorer.sampling)
+        if top_k is None:
+            return ScoredRows(block)
+        return ScoredRows(block, *compact_rows(block.logits, top_k))
+
+    def guess(
+        self, session_id: str, commit_keep: int, commit_path: list[int], root_token: int, tree: str
+    ) -> Optional[HeadGuesses]:
+        """After the last score's commit: the heads' node tokens of `tree` after `root_token`."""
+        if self.session(session_id).heads_session is None:
+            raise SpecdecError("this session was not reset with_heads")
+        check_token_ids([root_token], self.vocab_size, "root_token")
+        known_tree(tree)
+        op = Guess(
+            session_id=session_id, commit_keep=commit_keep, commit_path=commit_path, root_token=root_token, tree=tree
+        )
+        return self.call(op)
+
+    def guess_after(self, op: Guess) -> Optional[HeadGuesses]:
+        scorer = self.session(op.session_id)
+        scorer.check_commit(op.commit_keep, op.commit_path)
+        scorer.commit_scored(op.commit_keep, op.commit_path)
+        return scorer.guess(op.root_token, op.tree)
+
+    def step_of(self, rows: list[TargetRow]) -> TargetStep:
+        return TargetStep(rows=rows)
+
+    def step(self, op: TargetStep) -> list[Optional[TargetBlock]]:
+        """One forward over the rows of a step: verify blocks (after their commits) and prompt chunks."""
+        step = []
+        for row in op.rows:
+            scorer = self.session(row.session_id)
+            if not row.prefill:
+                scorer.commit_scored(row.commit_keep, row.commit_path)
+            step.append(Row(scorer, row.tokens, prefill=row.prefill, tree=known_tree(row.tree) if row.tree else None))
+        return forward_rows(step)
+
+
+def known_tree(name: str) -> Topology:
+    """A named tree (specdec_core/topologies.py); an unknown name is the caller's error."""
+    try:
+        return default_bank().get(name)
+    except KeyError as error:
+        raise SpecdecError(str(error.args[0])) from None
