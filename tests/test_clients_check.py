@@ -18,7 +18,7 @@ from deployments.clients_check import ClientsCheck  # noqa: E402
 from specdec_core import ModelSpec, SpeculativeEngine  # noqa: E402
 from specdec_core.loader import load_tokenizer  # noqa: E402
 
-pytestmark = pytest.mark.slow  # SmolLM2's tokenizer
+pytestmark = pytest.mark.needs_smollm2  # SmolLM2's tokenizer
 
 
 @pytest.fixture(scope="module")

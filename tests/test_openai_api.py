@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 
 from served import HttpServer, Workers, http_client  # noqa: E402
 
-pytestmark = pytest.mark.slow  # SmolLM2's tokenizer
+pytestmark = pytest.mark.needs_smollm2  # SmolLM2's tokenizer
 
 from specdec_core import GenerationRequest, ModelSpec, SpeculativeEngine  # noqa: E402
 from specdec_core.loader import load_tokenizer  # noqa: E402

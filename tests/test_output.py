@@ -63,7 +63,7 @@ def test_the_rows_before_min_tokens_lose_their_stop_tokens_chains_and_trees():
     assert late.suppress_early_stops(block, None) is block
 
 
-@pytest.mark.slow  # SmolLM2's tokenizer
+@pytest.mark.needs_smollm2  # SmolLM2's tokenizer
 def test_special_tokens_show_only_when_asked():
     from specdec_core import ModelSpec
     from specdec_core.loader import load_tokenizer

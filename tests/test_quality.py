@@ -88,7 +88,7 @@ def test_code_is_taken_from_a_chat_answer(humaneval_problem):
 # ---------------------------------------------------------------- EASD's default threshold
 
 
-@pytest.mark.slow  # SmolLM2's tokenizer and chat template build the calibration prompts
+@pytest.mark.needs_smollm2  # SmolLM2's tokenizer and chat template build the calibration prompts
 def test_easd_without_tau_h_uses_the_targets_calibrated_value_cached_per_model(tmp_path, monkeypatch):
     from conftest import tiny_llama
 

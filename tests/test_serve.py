@@ -14,7 +14,7 @@ import pytest
 ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 
-pytestmark = pytest.mark.slow  # the checkpoints use SmolLM2's tokenizer
+pytestmark = [pytest.mark.needs_smollm2, pytest.mark.ray]  # SmolLM2's tokenizer; a local Ray cluster
 
 from conftest import perturbed_copy, tiny_llama  # noqa: E402
 

@@ -13,7 +13,7 @@ from specdec_core import GenerationRequest
 from specdec_core.drafters import make_drafter, validate_drafter
 from specdec_core.tools.cli import app
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.needs_smollm2
 
 PROMPTS = [
     "Repeat this sentence twice: the cat sat on the mat.",
