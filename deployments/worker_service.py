@@ -13,7 +13,7 @@ import torch
 
 from specdec_core.errors import SpecdecError, check_token_ids
 from specdec_core.memory import kv_bytes_per_token
-from specdec_core.request import MAX_DRAFT_TOKENS
+from specdec_core.request import session_positions
 from specdec_core.sampling import SamplingParams
 from specdec_core.target import PREFILL_CHUNK
 
@@ -108,10 +108,10 @@ class WorkerService:
             raise
 
     def max_len(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
-        """The positions a session can fill: its prompt, its tokens, one block of drafts (a
-        request of open length: the context)."""
+        """The positions a session can fill (`session_positions`; a request of open length: the
+        context)."""
         max_tokens = sampling.max_tokens if sampling.max_tokens is not None else self.max_positions
-        return min(len(prompt_ids) + max_tokens + MAX_DRAFT_TOKENS + 1, self.max_positions)
+        return min(session_positions(len(prompt_ids), max_tokens), self.max_positions)
 
     def call(self, op: Message) -> Any:
         """`run` an operation on the torch thread and wait for its result (a handler's way)."""

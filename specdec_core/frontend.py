@@ -13,7 +13,7 @@ from .errors import SpecdecError, check_token_ids
 from .output import OutputTracker
 from .policies import POLICIES, AcceptancePolicy, make_policy
 from .profile import TargetProfile
-from .request import ComponentSpec, GenerationRequest, RequestDefaults
+from .request import ComponentSpec, GenerationRequest, RequestDefaults, session_positions
 from .sampling import MAX_TOKENS, SamplingParams
 
 
@@ -122,14 +122,14 @@ class Frontend:
         """`sampling` with its max_tokens set: a request without one runs to a stop or the end of
         the context (vLLM's rule; OpenAI's chat API's), within the deployment's limit. A prompt
         leaves room for max_tokens and one block of drafts in the context."""
-        room = self.max_positions - num_prompt - num_draft_tokens
+        room = self.max_positions - session_positions(num_prompt, 0, num_draft_tokens)
         max_tokens = sampling.max_tokens
         if max_tokens is None:
             max_tokens = min(room, self.max_tokens_limit or MAX_TOKENS, MAX_TOKENS)
             if max_tokens < max(1, sampling.min_tokens):
                 raise SpecdecError(f"prompt has {num_prompt} tokens: no room left in the context", prompt_field)
             sampling = sampling.model_copy(update={"max_tokens": max_tokens})
-        if max_tokens > room:
+        if session_positions(num_prompt, max_tokens, num_draft_tokens) > self.max_positions:
             raise SpecdecError(
                 f"prompt has {num_prompt} tokens; with max_tokens={max_tokens} the limit is "
                 f"{max(self.max_positions - max_tokens - num_draft_tokens, 0)}",

@@ -11,6 +11,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from .sampling import SamplingParams
 
 MAX_DRAFT_TOKENS = 64
+
+
+def session_positions(num_prompt: int, max_tokens: int, num_draft_tokens: int = MAX_DRAFT_TOKENS) -> int:
+    """The positions a session's caches can hold at most: its prompt, its tokens and one block
+    of drafts scored after them. The frontend checks it against the context with the request's
+    K; a worker, which is not told K, reserves KV memory for it with the largest block."""
+    return num_prompt + max_tokens + num_draft_tokens
+
+
 Role = Literal["system", "user", "assistant", "developer", "tool"]
 
 
