@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from specdec_core.drafters import make_drafter, validate_drafter
-from specdec_core.drafters.model import ModelDrafter, propose_together
+from specdec_core.drafters.model import ModelDrafter, propose_step
 from specdec_core.errors import SpecdecError
 from specdec_core.request import MAX_DRAFT_TOKENS, ComponentSpec
 from specdec_core.sampling import SamplingParams
@@ -89,16 +89,10 @@ class DraftService(WorkerService):
     def step(self, op: DraftStep) -> list[DraftBlock]:
         """One step over the rows' proposals (after their commits): model drafters' forwards in
         lockstep, the others on their own."""
-        drafters, proposals = [], []
+        proposals = []
         for row in op.rows:
             drafter_session, _ = self.session(row.session_id)
             if row.commit_tokens:
                 drafter_session.commit(row.commit_tokens)
-            drafters.append(drafter_session)
-            if isinstance(drafter_session, ModelDrafter):
-                proposals.append(drafter_session.drafting(row.max_tokens, row.batch_rows))
-        blocks = iter(propose_together(self.draft_model, proposals) if proposals else ())
-        return [
-            next(blocks) if isinstance(drafter, ModelDrafter) else drafter.propose(row.max_tokens, row.batch_rows)
-            for drafter, row in zip(drafters, op.rows)
-        ]
+            proposals.append((drafter_session, row.max_tokens, row.batch_rows))
+        return propose_step(self.draft_model, proposals)

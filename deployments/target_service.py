@@ -115,8 +115,8 @@ class TargetService(WorkerService):
         """Commit the last score (`commit_keep` tokens or a tree's `commit_path`), then score
         `[last committed, drafts]` (or a tree's root and nodes) in the next step."""
         tokens = self.check_tokens(tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)
-        if tree and len(tokens) != known_tree(tree).num_nodes + 1:
-            raise SpecdecError(f"tree {tree!r} takes {known_tree(tree).num_nodes + 1} tokens (root and nodes)")
+        if tree and len(tokens) != (wanted := known_tree(tree).num_nodes + 1):
+            raise SpecdecError(f"tree {tree!r} takes {wanted} tokens (root and nodes)")
         row = TargetRow(
             session_id=session_id, tokens=tokens, commit_keep=commit_keep, commit_path=commit_path, tree=tree
         )

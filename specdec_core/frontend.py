@@ -132,7 +132,7 @@ class Frontend:
         if session_positions(num_prompt, max_tokens, num_draft_tokens) > self.max_positions:
             raise SpecdecError(
                 f"prompt has {num_prompt} tokens; with max_tokens={max_tokens} the limit is "
-                f"{max(self.max_positions - max_tokens - num_draft_tokens, 0)}",
+                f"{max(self.max_positions - session_positions(0, max_tokens, num_draft_tokens), 0)}",
                 prompt_field,
             )
         return sampling

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .drafters.model import propose_together
+from .drafters.model import propose_step
 from .engine import SpeculativeEngine, speculative_loop
 from .request import Completion, GenerationRequest
 from .target import Row, TargetScorer, forward_rows
@@ -34,8 +34,8 @@ class StepTimes:
 
 
 class Lockstep:
-    """Gathers the loops' calls: target rows (`forward_rows`) and model-drafter proposals
-    (`propose_together`, one draft round of as many forwards as the longest proposal needs)."""
+    """Gathers the loops' calls: target rows (`forward_rows`) and proposals (`propose_step`, as a
+    draft worker's step: the model drafters' forwards in lockstep)."""
 
     def __init__(self, engine: SpeculativeEngine, times: StepTimes):
         self.engine, self.times = engine, times
@@ -56,7 +56,7 @@ class Lockstep:
         rows, self.rows = self.rows, []
         if proposals:
             model = self.engine.draft_model
-            blocks = self.timed(self.times.draft_s, propose_together, model, [item for item, _ in proposals])
+            blocks = self.timed(self.times.draft_s, propose_step, model, [item for item, _ in proposals])
             for (_, future), block in zip(proposals, blocks):
                 future.set_result(block)
         if rows:
@@ -100,8 +100,7 @@ class LockstepTarget:
 
 
 class LockstepDraft:
-    """A `DraftSession`: a model drafter's proposal joins the step's draft round; a lookup drafter
-    (no forwards) proposes at once."""
+    """A `DraftSession` whose proposals join the step's draft round."""
 
     def __init__(self, step: Lockstep, drafter: Any):
         self.step, self.drafter = step, drafter
@@ -110,9 +109,7 @@ class LockstepDraft:
         self.drafter.reset(prompt_ids, sampling)
 
     async def propose(self, max_tokens: int, batch_rows: int = 1):
-        if not hasattr(self.drafter, "drafting"):
-            return self.drafter.propose(max_tokens, batch_rows)
-        return await self.step.wait(self.step.proposals, self.drafter.drafting(max_tokens, batch_rows))
+        return await self.step.wait(self.step.proposals, (self.drafter, max_tokens, batch_rows))
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         self.drafter.commit(new_tokens)

@@ -221,3 +221,14 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
         for index, forward_logits in zip(order, logits.split([forward.keep for forward in forwards])):
             advance(index, forward_logits)
     return blocks
+
+
+def propose_step(model: Optional[torch.nn.Module], proposals: Sequence[tuple[Drafter, int, int]]) -> list[DraftBlock]:
+    """One draft step over drafter sessions, each with its `(max_tokens, batch_rows)`: the model
+    drafters' forwards (sessions of `model`) in lockstep, the others propose on their own."""
+    together = [drafter.drafting(*limits) for drafter, *limits in proposals if isinstance(drafter, ModelDrafter)]
+    blocks = iter(propose_together(model, together) if together else ())
+    return [
+        next(blocks) if isinstance(drafter, ModelDrafter) else drafter.propose(*limits)
+        for drafter, *limits in proposals
+    ]

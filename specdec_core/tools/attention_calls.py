@@ -11,6 +11,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
+from .device_clock import seconds_per_call
+
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PER_ROW = {
     "efficient, K/V heads expanded": ([SDPBackend.EFFICIENT_ATTENTION], True),
@@ -19,13 +21,7 @@ PER_ROW = {
 
 
 def microseconds(call, repeats: int = 20) -> float:
-    call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats * 1e6
+    return seconds_per_call(call, repeats) * 1e6
 
 
 def attention_calls(rows: int = 64, tokens: int = 5, history: int = 352) -> list[dict]:

@@ -22,11 +22,13 @@ import typer
 from ..engine import SpeculativeEngine
 from ..loader import ModelSpec, load_model
 from ..lockstep import StepTimes, complete_together
+from ..memory import kv_bytes_per_token
 from ..policies import make_policy
 from ..request import GenerationRequest
 from ..sampling import SamplingParams
 from ..target import TargetScorer
 from .attention_calls import attention_calls
+from .device_clock import seconds_per_call
 from .step_ops import count_step_ops
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +45,7 @@ def device_facts(device: torch.device) -> dict:
     properties = torch.cuda.get_device_properties(device)
     source = torch.empty(2**30, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    seconds = timed_on_device(lambda: target.copy_(source), repeats=10)
+    seconds = seconds_per_call(lambda: target.copy_(source), repeats=10)
     return {
         **facts,
         "device": properties.name,
@@ -52,21 +54,6 @@ def device_facts(device: torch.device) -> dict:
         "memory_gib": round(properties.total_memory / 2**30, 1),
         "copy_gb_s": round(2 * source.numel() / seconds / 1e9),
     }
-
-
-def timed_on_device(call, repeats: int) -> float:
-    """Median seconds of `call` (after one warm-up), each timed to the device's end."""
-    call()
-    samples = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def run_gpu_tests() -> str:
@@ -99,12 +86,6 @@ def requests(method: str, count: int, prompt_tokens: int, max_tokens: int, num_d
     return batch
 
 
-def kv_bytes_per_token(model: torch.nn.Module) -> int:
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
-
-
 def measure(engine: SpeculativeEngine, method: str, sessions: int, args: dict, copy_bytes_s: float):
     """One method at one concurrency: its row (tokens/s over the decode, prefills excluded, and
     per step) and each request's token ids."""
@@ -117,9 +98,8 @@ def measure(engine: SpeculativeEngine, method: str, sessions: int, args: dict, c
     model = engine.target_model
     weight_bytes = sum(parameter.numel() * parameter.itemsize for parameter in model.parameters())
     # the KV a forward reads: its sessions at the mean context of the decode
-    kv_bytes = (
-        sum(times.target_rows) / steps * (args["prompt_tokens"] + args["max_tokens"] / 2) * kv_bytes_per_token(model)
-    )
+    per_token = kv_bytes_per_token(model.config, 1, model.dtype.itemsize)
+    kv_bytes = sum(times.target_rows) / steps * (args["prompt_tokens"] + args["max_tokens"] / 2) * per_token
     return {
         "method": method,
         "sessions": sessions,
@@ -140,11 +120,11 @@ def prefill_line(model: torch.nn.Module, num_tokens: int) -> str:
     scorer = TargetScorer(model)
     sampling = SamplingParams(max_tokens=1)
     first, second = (
-        timed_on_device(
+        seconds_per_call(
             lambda: (
                 scorer.reset(prompt.tolist(), make_policy("greedy"), sampling) or scorer.score(prompt[-1:].tolist())
             ),
-            repeats=1,
+            warm_up=False,  # the first time is the measure
         )
         for _ in range(2)
     )

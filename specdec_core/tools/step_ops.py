@@ -5,7 +5,6 @@ sessions is launch-bound long before it is bandwidth-bound (issue 33 measures th
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from typing import Optional
 
@@ -17,6 +16,7 @@ from ..loader import EMBEDDED, ModelSpec, load_model
 from ..policies import make_policy
 from ..sampling import SamplingParams
 from ..target import Row, TargetScorer, forward_rows
+from .device_clock import seconds_per_call
 
 
 class OpCounter(TorchDispatchMode):
@@ -63,17 +63,9 @@ def step_times(rows: list[Row], repeats: int = 3) -> dict:
         return {}
     from torch.profiler import ProfilerActivity, profile
 
-    forward_rows(rows)  # warm
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        forward_rows(rows)
-    torch.cuda.synchronize()
-    wall_s = (time.perf_counter() - start) / repeats
+    wall_s = seconds_per_call(lambda: forward_rows(rows), repeats)
     with profile(activities=[ProfilerActivity.CUDA]) as profiled:  # apart: the profiler slows the host
-        for _ in range(repeats):
-            forward_rows(rows)
-        torch.cuda.synchronize()
+        seconds_per_call(lambda: forward_rows(rows), repeats, warm_up=False)
     busy_us = sum(event.self_device_time_total for event in profiled.key_averages()) / repeats
     return {"wall ms": round(wall_s * 1e3, 2), "device busy ms": round(busy_us / 1e3, 2)}
 
