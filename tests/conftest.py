@@ -84,7 +84,7 @@ HEADS_PROMPTS = 12
 def trained_heads(tmp_path_factory, tiny_target):
     """Heads for the tiny target, trained on its own continuations of the prompts the tests ask
     (`train-heads` on a tiny random model), and their training log."""
-    from specdec_core.train_heads import DistillSettings, TrainSettings, train_heads
+    from specdec_core.tools.train_heads import DistillSettings, TrainSettings, train_heads
 
     out = tmp_path_factory.mktemp("heads")
     prompts = [repeating_prompt(seed) for seed in range(HEADS_PROMPTS)]

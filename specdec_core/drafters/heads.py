@@ -46,7 +46,7 @@ class HeadsParams(DrafterParams):
     def _a_schedule_of_known_trees(self):
         self.schedule()  # the scheduler's own checks
         for name in self.tree_names():
-            default_bank().require_named(name)
+            default_bank().get(name, named_only=True)
         return self
 
     def schedule(self) -> SchedulerParams:

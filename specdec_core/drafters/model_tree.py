@@ -86,7 +86,7 @@ class ModelTreeParams(DrafterParams):
     @field_validator("tree")
     @classmethod
     def _known(cls, name: str) -> str:
-        return default_bank().require_named(name)
+        return default_bank().get(name, named_only=True).name
 
 
 class MultiLevelTreeParams(ModelTreeParams, PromptLookupParams):

@@ -50,13 +50,13 @@ class BenchConfig:
     temperature: float
     seed: int
     num_draft_tokens: int
-    pld_max_ngram: int
-    pld_min_ngram: int
-    pld_tokens: int
     policy_params: dict[str, dict[str, Any]]
     drafter_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     endpoint: Optional[str] = None
     skip: int = 0  # questions passed over at the start of each category (e.g. to tune on others)
+    pld_max_ngram: int = PromptLookupParams().max_ngram
+    pld_min_ngram: int = PromptLookupParams().min_ngram
+    pld_tokens: int = PromptLookupParams().num_pred_tokens
 
 
 @torch.inference_mode()

@@ -1,5 +1,5 @@
-"""`specdec` command line: the app and its in-process commands, registered here in the order
-`specdec --help` lists them (cli_decoding.py, cli_measuring.py, cli_preparing.py, gpu_report.py,
+"""`specdec` command line: the app and its in-process commands, registered here in groups, in the
+order `specdec --help` lists them (cli_decoding.py, cli_measuring.py, cli_preparing.py, gpu_report.py,
 step_ops.py hold them; cli_common.py what they share). The console script (deployments/cli.py)
 adds the serving commands to this app, with the console, `fail` and `request_from_options`, and
 hands `bench` its endpoint client through typer's context object (`{"endpoint_client": factory}`),
@@ -19,20 +19,24 @@ from .step_ops import step_ops_command
 __all__ = ["app", "console", "fail", "request_from_options"]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Speculative decoding for large LMs.")
-# in the order `specdec --help` lists them
-COMMANDS = {
-    "gpu-report": gpu_report,
-    "step-ops": step_ops_command,
-    "generate": generate,
-    "bench": bench,
-    "quality": quality,
-    "verify-cost": verify_cost,
-    "train-heads": train_heads_command,
-    "frontier": frontier,
-    "lookup-ceiling": lookup_ceiling,
-    "calibrate-easd": calibrate_easd,
-    "plan": plan,
-    "convert": convert,
+# command groups (panels of `specdec --help`), in the order it lists them; the console script
+# adds the "Serve" group
+GROUPS = {
+    "Decode": {"generate": generate, "bench": bench, "quality": quality},
+    "Prepare a model": {
+        "convert": convert,
+        "plan": plan,
+        "train-heads": train_heads_command,
+        "frontier": frontier,
+        "calibrate-easd": calibrate_easd,
+    },
+    "Measure": {
+        "verify-cost": verify_cost,
+        "lookup-ceiling": lookup_ceiling,
+        "step-ops": step_ops_command,
+        "gpu-report": gpu_report,
+    },
 }
-for name, command in COMMANDS.items():
-    app.command(name)(command)
+for group, commands in GROUPS.items():
+    for name, command in commands.items():
+        app.command(name, rich_help_panel=group)(command)

@@ -10,23 +10,32 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import typer
+from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
 from ..errors import format_validation_errors
-from ..loader import DEFAULT_DRAFT, EMBEDDED, ModelSpec
+from ..heads import AUTO
+from ..loader import DEFAULT_DRAFT, ModelSpec
 from ..questions import DEFAULT_QUESTIONS, HUMANEVAL
 from . import params
 
 console = Console(width=None if sys.stdout.isatty() else 200)
 
+
+def default_of(model: type[BaseModel], field: str) -> Any:
+    """An option's default, read from the pydantic model that owns it: each default is written once."""
+    return model.model_fields[field].get_default(call_default_factory=True)
+
+
+EMBEDDED = default_of(ModelSpec, "source")
 TargetOpt = typer.Option(EMBEDDED, "--target", help="target: local dir, hub id, .gguf path or " + EMBEDDED)
-TargetDtypeOpt = typer.Option("float32", "--target-dtype")
+TargetDtypeOpt = typer.Option(default_of(ModelSpec, "dtype"), "--target-dtype")
 DraftOpt = typer.Option(DEFAULT_DRAFT.source, "--draft", help="draft model source ('none' for no draft model)")
 DraftDtypeOpt = typer.Option(DEFAULT_DRAFT.dtype, "--draft-dtype")
 DraftLayersOpt = typer.Option(DEFAULT_DRAFT.num_layers, "--draft-layers", help="keep the first N draft layers")
 HeadsOpt = typer.Option(
-    "auto",
+    AUTO,
     "--heads",
     help="the target's multi-token heads: a directory of Medusa or Hydra heads, auto (shipped ones), none",
 )

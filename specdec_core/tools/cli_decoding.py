@@ -12,9 +12,12 @@ from typing import Optional
 
 import typer
 
+from ..drafters.pld import PromptLookupParams
 from ..errors import SpecdecError
 from ..loader import ModelSpec
 from ..questions import first_turn, load_questions
+from ..request import RequestDefaults
+from ..sampling import SamplingParams
 from .cli_common import (
     DraftDtypeOpt,
     DraftLayersOpt,
@@ -27,6 +30,7 @@ from .cli_common import (
     build_engine,
     comma_list,
     console,
+    default_of,
     fail,
     parse_scoped_params,
     print_table,
@@ -39,13 +43,13 @@ def generate(
     chat: bool = typer.Option(True, help="apply the chat template to the prompt"),
     policy: Optional[str] = typer.Option(None, "--policy", help="default: greedy at temperature 0, else rejection"),
     policy_param: list[str] = typer.Option([], "--policy-param", help="k=v, repeatable"),
-    drafter: str = typer.Option("pld", "--drafter"),
+    drafter: str = typer.Option(default_of(RequestDefaults, "drafter").name, "--drafter"),
     drafter_param: list[str] = typer.Option([], "--drafter-param", help="k=v, repeatable"),
-    num_draft_tokens: int = typer.Option(8, "-k", "--num-draft-tokens"),
+    num_draft_tokens: int = typer.Option(default_of(RequestDefaults, "num_draft_tokens"), "-k", "--num-draft-tokens"),
     max_tokens: int = typer.Option(128, "--max-tokens"),
-    temperature: float = typer.Option(0.0, "--temperature"),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
+    temperature: float = typer.Option(default_of(SamplingParams, "temperature"), "--temperature"),
+    top_p: float = typer.Option(default_of(SamplingParams, "top_p"), "--top-p"),
+    top_k: int = typer.Option(default_of(SamplingParams, "top_k"), "--top-k"),
     seed: Optional[int] = typer.Option(None, "--seed", help="default: fresh randomness"),
     stop: list[str] = typer.Option([], "--stop"),
     target: str = TargetOpt,
@@ -112,9 +116,9 @@ def bench(
     out: Path = typer.Option(Path("bench_out"), "--out"),
     questions: str = QuestionsOpt,
     num_draft_tokens: int = typer.Option(10, "-k", "--num-draft-tokens"),
-    pld_max_ngram: int = typer.Option(3, "--pld-max-ngram"),
-    pld_min_ngram: int = typer.Option(1, "--pld-min-ngram"),
-    pld_tokens: int = typer.Option(10, "--pld-tokens"),
+    pld_max_ngram: int = typer.Option(default_of(PromptLookupParams, "max_ngram"), "--pld-max-ngram"),
+    pld_min_ngram: int = typer.Option(default_of(PromptLookupParams, "min_ngram"), "--pld-min-ngram"),
+    pld_tokens: int = typer.Option(default_of(PromptLookupParams, "num_pred_tokens"), "--pld-tokens"),
     policy_param: list[str] = typer.Option([], "--policy-param", help="policy.k=v, repeatable (e.g. ears.beta=0.2)"),
     drafter_param: list[str] = typer.Option([], "--drafter-param", help="drafter.k=v, repeatable"),
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="base URL of a running specdec service"),

@@ -37,7 +37,7 @@ def train_heads_command(
     continuation_tokens: int = typer.Option(128, "--continuation-tokens"),
     distill_batch: int = typer.Option(16, "--distill-batch", help="prompts continued together"),
     setting: list[str] = typer.Option(
-        [], "--set", help="a training setting k=v, repeatable (specdec_core/train_heads.py TrainSettings)"
+        [], "--set", help="a training setting k=v, repeatable (specdec_core/tools/train_heads.py TrainSettings)"
     ),
     target: str = TargetOpt,
     target_dtype: str = TargetDtypeOpt,
@@ -51,7 +51,7 @@ def train_heads_command(
     from ..engine import SpeculativeEngine
     from ..kernels.cpu import configure_cpu
     from ..questions import sharegpt_first_turns
-    from ..train_heads import DistillSettings, TrainSettings, train_heads
+    from .train_heads import DistillSettings, TrainSettings, train_heads
 
     try:
         distill_settings = DistillSettings(continuation_tokens=continuation_tokens, batch_size=distill_batch)

@@ -19,11 +19,11 @@ from typing import Optional
 from tqdm.auto import tqdm
 
 from ..engine import SpeculativeEngine
-from ..frontier import FrontierPoint, acceptance_frontier, own_acceptance, rank_table
 from ..heads import MedusaHeads
 from ..questions import DEFAULT_QUESTIONS, first_turn, load_questions, sharegpt_first_turns
 from ..request import GenerationRequest
 from ..topologies import DEFAULT_TREE, default_bank
+from .frontier_search import FrontierPoint, acceptance_frontier, own_acceptance, rank_table
 
 # Spec-Bench's MT-bench part is eight categories; a task may name it as one (its categories hold
 # 10 questions each, so its calibration questions are among any 10-per-category bench's)

@@ -57,10 +57,10 @@ def device_facts(device: torch.device) -> dict:
 
 
 def run_gpu_tests() -> str:
-    """tests/test_gpu.py's summary line (the tests need the repository, not an installed wheel)."""
-    tests = REPO / "tests" / "test_gpu.py"
+    """tests/core/test_gpu.py's summary line (the tests need the repository, not an installed wheel)."""
+    tests = REPO / "tests" / "core" / "test_gpu.py"
     if not tests.exists():
-        return "skipped: tests/test_gpu.py is not beside this package"
+        return "skipped: tests/core/test_gpu.py is not beside this package"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
@@ -176,7 +176,7 @@ def decode_section(engine, concurrency: list[int], methods: list[str], args: dic
         f"Decode, {args['prompt_tokens']}-token prompts, {args['max_tokens']} tokens each, K = {args['num_draft']} "
         "(host: policy, commits and transfers between forwards; same as: greedy outputs equal to the first "
         "method's at that concurrency, where random bf16 weights' near-flat logits let rounding decide ties, "
-        "so the exactness check is tests/test_gpu.py's, in fp32):"
+        "so the exactness check is tests/core/test_gpu.py's, in fp32):"
     )
     return [heading, "", table(rows, list(rows[0])), ""]
 
@@ -191,7 +191,7 @@ def gpu_report(
     prompt_tokens: int = typer.Option(256, min=2),
     max_tokens: int = typer.Option(96, min=1),
     num_draft_tokens: int = typer.Option(4, min=1, help="K, fixed (no adaptive length)"),
-    tests: bool = typer.Option(True, help="run tests/test_gpu.py first"),
+    tests: bool = typer.Option(True, help="run tests/core/test_gpu.py first"),
     out: Optional[Path] = typer.Option(None, help="also write the markdown here"),
 ):
     """Device facts, GPU tests and the engine at real shapes on random weights, as markdown."""

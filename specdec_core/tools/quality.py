@@ -68,9 +68,6 @@ def run_quality(
                 temperature=temperature,
                 seed=config.seed,
                 num_draft_tokens=config.num_draft_tokens,
-                pld_max_ngram=3,
-                pld_min_ngram=1,
-                pld_tokens=10,
                 policy_params={},
             )
             bench_rows, outputs = run_bench(engine, bench_config, progress)

@@ -15,7 +15,7 @@ from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
 from deployments.config import AppConfig  # noqa: E402
 
-CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
+CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
 # GPUs per machine of the node types the launcher files use (the clouds' published shapes)
 MACHINE_GPUS = {"p5.48xlarge": 8, "p5e.48xlarge": 8, "p4d.24xlarge": 8, "g6e.2xlarge": 1, "a3-highgpu-8g": 8}
 # which launcher files each GPU Serve config is meant for

@@ -18,10 +18,10 @@ from urllib.parse import urlparse
 
 from protos import specdec_pb2 as pb
 
+from ..worker import LOOPBACK, ROLES
 from .hostile_inputs import GRPC_CASES, http_cases
 from .probe_client import Outcome, ProbeClient
 from .probe_cluster import LocalCluster
-from .worker import LOOPBACK, ROLES
 
 DRAFT_LOSS_BOUND_S = 1.0  # a request during a draft outage may take target-only + this
 SOAK_VARIANTS = [  # (path, stream, fields): the soak cycles through them

@@ -21,8 +21,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
 
-from .batching import SequenceKV, forward_ragged
-from .heads import MedusaHeads
+from ..batching import SequenceKV, forward_ragged
+from ..heads import MedusaHeads
 
 DISTILLED_FILE = "distilled.pt"
 STATE_FILE = "train_state.pt"

@@ -16,7 +16,7 @@ import httpx
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 
-from .worker import ROLES
+from ..worker import ROLES
 
 
 @dataclass

@@ -24,11 +24,11 @@ from fastapi.testclient import TestClient  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
 from deployments.draft_service import DraftService  # noqa: E402
 from deployments.errors import WorkerUnavailable  # noqa: E402
-from deployments.hostile_inputs import GRPC_CASES, HttpCase, http_cases  # noqa: E402
 from deployments.http_ingress import build_http_app  # noqa: E402
 from deployments.remote_engine import RemoteEngine  # noqa: E402
 from deployments.servicers import DraftServicer, TargetServicer, checked, start_server  # noqa: E402
 from deployments.target_service import TargetService  # noqa: E402
+from deployments.tools.hostile_inputs import GRPC_CASES, HttpCase, http_cases  # noqa: E402
 from deployments.wire import component_to_proto, sampling_to_proto  # noqa: E402
 from deployments.worker_ops import OpenDraft, TargetRow  # noqa: E402
 from protos import specdec_pb2 as pb  # noqa: E402

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .worker import ROLES, Role, worker_handle
+from ..worker import ROLES, Role, worker_handle
 
 
 class LocalCluster:

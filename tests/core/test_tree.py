@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from specdec_core.errors import SpecdecError
 from specdec_core.policies import make_policy
 from specdec_core.sampling import SamplingParams
 from specdec_core.topologies import DEFAULT_TREE, NAMED_TREES, default_bank
@@ -73,7 +74,7 @@ def test_the_published_default_tree_and_the_bank():
     assert tuple(tree.retrieve_indices.shape) == (42, 5)  # Medusa's 42 leaves for this tree
     assert default_bank().get(DEFAULT_TREE) is tree  # switching is a lookup, built once
     assert NAMED_TREES["medusa_16"] == NAMED_TREES["mc_sim_7b_63"][:16]
-    with pytest.raises(KeyError, match="unknown tree 'nope'; known: chain_2"):
+    with pytest.raises(SpecdecError, match="unknown tree 'nope'; known: chain_2"):
         TopologyBank({"chain_2": NAMED_TREES["chain_2"]}).get("nope")
     # NAME@D: the nodes of depth <= D, what a drafter proposes near a request's last tokens
     shallow = default_bank().limited(DEFAULT_TREE, 2)
@@ -81,7 +82,10 @@ def test_the_published_default_tree_and_the_bank():
     assert shallow.paths == tuple(path for path in tree.paths if len(path) <= 2)
     assert default_bank().limited("mc_sim_7b_63@3", 2) is shallow and default_bank().limited(DEFAULT_TREE, 9) is tree
     for bad in ("mc_sim_7b_63@x", "mc_sim_7b_63@0", "nope@2", "chain_2+nope"):
-        assert bad not in default_bank()
+        with pytest.raises(SpecdecError, match="unknown tree"):
+            default_bank().get(bad)
+    with pytest.raises(SpecdecError, match="unknown tree 'medusa_8@2'; known: .*medusa_8"):
+        default_bank().get("medusa_8@2", named_only=True)  # a request names a registered tree
     # A+B: the union of trees (every node a schedule may verify); a tree's nodes gather from it
     union = default_bank().get("chain_4+medusa_8")
     assert set(union.paths) == set(NAMED_TREES["chain_4"]) | set(NAMED_TREES["medusa_8"])
@@ -105,10 +109,10 @@ def test_requests_name_named_trees_and_derived_ones_are_kept_least_recently_used
     assert len(bank.indices) == 2 and len(bank.derived) == 2
     rebuilt = bank.get("medusa_16@2")  # on demand, the same
     assert set(rebuilt.paths) == {tuple(path) for path in NAMED_TREES["medusa_16"] if len(path) <= 2}
-    assert bank.require_named("medusa_8") == "medusa_8"
+    assert bank.get("medusa_8", named_only=True) is bank.named["medusa_8"]
     for derived in ("medusa_8@1", "chain_4+medusa_8"):
-        with pytest.raises(ValueError, match=f"unknown tree '{re.escape(derived)}'; known: chain_4, medusa_16"):
-            bank.require_named(derived)
+        with pytest.raises(SpecdecError, match=f"unknown tree '{re.escape(derived)}'; known: chain_4, medusa_16"):
+            bank.get(derived, named_only=True)
 
 
 def test_levels_list_each_depths_nodes_with_their_parents_and_ranks():

@@ -21,8 +21,8 @@ from typing import Sequence
 
 import torch
 
-from .batching import SequenceKV, forward_ragged
-from .heads import MedusaHeads
+from ..batching import SequenceKV, forward_ragged
+from ..heads import MedusaHeads
 
 Path = tuple[int, ...]
 

@@ -66,7 +66,7 @@ def test_heads_saved_here_load_back_and_a_foreign_file_is_refused(tmp_path):
 def test_train_heads_lowers_the_loss_and_writes_heads_that_load_and_resume(trained_heads, tiny_target):
     from conftest import HEADS_PROMPTS
 
-    from specdec_core.train_heads import DISTILLED_FILE, head_labels, train
+    from specdec_core.tools.train_heads import DISTILLED_FILE, head_labels, train
 
     heads, log, out, settings = trained_heads
     data = torch.load(out / DISTILLED_FILE, weights_only=True)

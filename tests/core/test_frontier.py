@@ -1,4 +1,4 @@
-"""EntMTP's offline tree search (specdec_core/frontier.py): the greedy replay of a tree equals
+"""EntMTP's offline tree search (specdec_core/tools/frontier_search.py): the greedy replay of a tree equals
 what the engine accepts with it, and Algorithm 1 grows trees by what-if scoring, as the paper
 states it."""
 
@@ -9,7 +9,7 @@ import torch
 from conftest import repeating_prompt
 
 from specdec_core import GenerationRequest
-from specdec_core.frontier import (
+from specdec_core.tools.frontier_search import (
     accept_lengths,
     acceptance_frontier,
     next_children,

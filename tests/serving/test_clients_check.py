@@ -14,7 +14,7 @@ pytest.importorskip("guidellm")
 
 from served import HttpServer, Workers  # noqa: E402
 
-from deployments.clients_check import ClientsCheck  # noqa: E402
+from deployments.tools.clients_check import ClientsCheck  # noqa: E402
 from specdec_core import ModelSpec, SpeculativeEngine  # noqa: E402
 from specdec_core.loader import load_tokenizer  # noqa: E402
 
