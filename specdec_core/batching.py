@@ -1,14 +1,20 @@
 """One forward over many sequences: each row brings its own new tokens, KV history and positions
 (a ragged batch, packed into one `[1, N]` sequence with no padding). Linears, norms and the LM
-head see N rows; attention runs per row against that row's own cache (`SequenceKV`), so a row's
-result does not depend on its batch companions (the CPU linears are batch invariant, see
-docs/performance.md, and an int4 draft's rows pick their kernel by their own chunk). The
-attention is registered with transformers (`use_ragged_attention`) and finds the rows in a
+head see N rows; attention is one call per layer for all rows, over the model's KV pool
+(kv_pool.py): the step's new entries go into the pool with one write, every row's history comes
+back padded to the longest, `[B, L]`, with one gather (a view for a lone row whose blocks are
+consecutive), and a mask built once per forward says what each query sees. A padded key is
+masked, so it adds an exact zero: a row's result does not depend on its batch companions beyond
+the kernels' own blocking (the CPU linears are batch invariant, see docs/performance.md). The
+attention is registered with transformers (`use_ragged_attention`) and finds the step in a
 keyword argument the model passes down to it; without one it is the model's usual attention, so
 the same model still serves plain forwards.
 
 A row may also be a candidate tree (tree.py): its tokens are the tree's root and nodes, each at
-position history + its depth, each seeing the history and its own ancestors only."""
+position history + its depth, each seeing the history and its own ancestors only.
+
+Vocabulary: B rows, N new tokens in all (row b has T_b of them after H_b cached ones), Q the
+most new tokens of a row, L the longest row (H_b + T_b)."""
 
 from __future__ import annotations
 
@@ -19,80 +25,79 @@ from typing import Optional, Sequence
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .kernels.attention import grouped_decode_attention, grouped_sdpa
+from .kernels.attention import grouped_low_precision_attention, grouped_sdpa
 from .kernels.int4 import kernels_by_chunk
+from .kv_pool import KVPool, PagedKV, blocks_for
 from .tree import Topology
 
 RAGGED_ATTENTION = "specdec_ragged"
-DEFAULT_CAPACITY = 256
-
-
-class SequenceKV:
-    """One sequence's keys and values for every layer: buffers `[kv_heads, capacity, head_dim]`
-    that double when full, of which the first `length` positions are the sequence's. Rollback
-    lowers `length`; nothing is copied."""
-
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
-        """`capacity`: positions to allocate at the first write (a session's most, when known)."""
-        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.capacity = capacity
-        self.length = 0
-
-    @classmethod
-    def for_request(cls, num_prompt: int, max_tokens: Optional[int]) -> "SequenceKV":
-        """A request's cache, allocated at first for its prompt and the tokens it may emit, at most
-        DEFAULT_CAPACITY of them (None: that many): past them it doubles as it goes, so a long or
-        open-ended request holds the memory it uses, not its whole reach."""
-        return cls(num_prompt + 1 + min(DEFAULT_CAPACITY if max_tokens is None else max_tokens, DEFAULT_CAPACITY))
-
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store `[kv_heads, T, head_dim]` at positions length..length+T; return the layer's keys
-        and values up to there (views). `advance` moves `length` once every layer wrote."""
-        needed = self.length + keys.shape[1]
-        held = self.buffers.get(layer)
-        if held is None or needed > held[0].shape[1]:
-            capacity = max(needed, 2 * held[0].shape[1] if held else self.capacity)
-            held = tuple(self._grown(old, new, capacity) for old, new in zip(held or (None, None), (keys, values)))
-            self.buffers[layer] = held
-        for buffer, new in zip(held, (keys, values)):
-            buffer[:, self.length : needed] = new
-        return held[0][:, :needed], held[1][:, :needed]
-
-    def _grown(self, old: Optional[torch.Tensor], new: torch.Tensor, capacity: int) -> torch.Tensor:
-        buffer = new.new_empty((new.shape[0], capacity, new.shape[2]))
-        if old is not None and self.length:
-            buffer[:, : self.length] = old[:, : self.length]
-        return buffer
-
-    def advance(self, num_tokens: int) -> None:
-        self.length += num_tokens
-
-    def crop(self, keep: int) -> None:
-        self.length = min(self.length, keep)
-
-    @torch.inference_mode()  # the buffers were made in the forwards' inference mode
-    def keep_at(self, start: int, positions: Sequence[int]) -> None:
-        """Keep the entries at `positions` (ascending, >= start), moved to start, start + 1, ..;
-        the sequence ends after them (a tree's accepted path into place)."""
-        moved = torch.as_tensor(positions, dtype=torch.long)
-        for keys, values in self.buffers.values():
-            for buffer in (keys, values):
-                buffer[:, start : start + len(positions)] = buffer[:, moved]
-        self.length = start + len(positions)
 
 
 @dataclass
-class RaggedRows:
-    """The rows of one forward: row i's tokens are packed positions offsets[i]..offsets[i+1]."""
+class StepLayout:
+    """Where one forward's rows write and read in the pool, built once for all its layers."""
 
-    caches: Sequence[SequenceKV]
-    offsets: list[int]
-    trees: Sequence[Optional[Topology]]  # a row's tree, or None for a chain of tokens
+    pool: KVPool
+    write_slots: torch.Tensor  # [N] the slot of each new token
+    read: "torch.Tensor | slice"  # [B, L] each row's slots, padded; or one row's consecutive slots
+    query_index: Optional[torch.Tensor]  # [B, Q] the packed index of row b's t-th token (None: B == 1)
+    output_index: Optional[torch.Tensor]  # [N] where each packed token lies in [B * Q] (None: B == 1)
+    mask: Optional[torch.Tensor]  # [B, 1, Q, L] bool, True attends (None: every key, one token a row)
+
+
+def pool_of(base_model: torch.nn.Module) -> KVPool:
+    """The model's KV pool, made at its first ragged forward (one per model and process)."""
+    pool = getattr(base_model, "kv_pool", None)
+    if pool is None:
+        pool = base_model.kv_pool = KVPool(num_layers=len(base_model.layers))
+    return pool
+
+
+def step_layout(
+    pool: KVPool, caches: Sequence[PagedKV], lengths: Sequence[int], trees: Sequence[Optional[Topology]], device
+) -> StepLayout:
+    """Reserve each row's blocks for its new tokens and lay out the step (host-side, a few ops
+    per forward, not per layer)."""
+    for cache, length in zip(caches, lengths):
+        cache.reserve(pool, cache.length + length)
+    history = torch.tensor([cache.length for cache in caches])  # [B]
+    new = torch.tensor(list(lengths))  # [B]
+    total, most_new = history + new, int(new.max())
+    size = pool.block_size
+    num_blocks = blocks_for(int(total.max()), size)
+    # [B, blocks]; a shorter row's padding names block 0, whose slots its mask hides
+    tables = torch.tensor([cache.table[:num_blocks] + [0] * (num_blocks - len(cache.table)) for cache in caches])
+    keys = torch.arange(int(total.max()))  # [L]
+    read_slots = tables[:, keys // size] * size + keys % size  # [B, L]; past a row's end: some slot, masked
+    queries = torch.arange(most_new)  # [Q]
+    real = queries[None] < new[:, None]  # [B, Q]
+    write_slots = read_slots.gather(1, (history[:, None] + queries[None]).clamp(max=keys.numel() - 1))[real]  # [N]
+    if len(caches) == 1:
+        table = caches[0].table
+        consecutive = all(block == table[0] + index for index, block in enumerate(table[:num_blocks]))
+        read = slice(table[0] * size, table[0] * size + int(total[0])) if consecutive else read_slots.to(device)
+        query_index = output_index = None
+    else:
+        read = read_slots.to(device)
+        offsets = torch.cumsum(new, 0) - new  # [B]
+        query_index = (offsets[:, None] + queries[None]).clamp(max=int(new.sum()) - 1).to(device)  # [B, Q]
+        output_index = (torch.arange(len(caches))[:, None] * most_new + queries[None])[real].to(device)  # [N]
+    mask = None
+    if most_new > 1 or any(tree is not None for tree in trees) or int(total.min()) != int(total.max()):
+        # query t of row b sees the history and new tokens 0..t (a causal mask shifted by the
+        # history), or in a tree the history and its own ancestors; a padded query sees key 0
+        mask = keys[None, None] <= (history[:, None, None] + queries[None, :, None])  # [B, Q, L]
+        for row, tree in enumerate(trees):
+            if tree is not None:
+                start = int(history[row])
+                mask[row, : tree.num_nodes + 1, start : start + tree.num_nodes + 1] = tree.attention_mask
+        mask = torch.where(real[:, :, None], mask, keys[None, None] == 0)[:, None].to(device)  # [B, 1, Q, L]
+    return StepLayout(pool, write_slots.to(device), read, query_index, output_index, mask)
 
 
 def forward_ragged(
     model: torch.nn.Module,
-    caches: Sequence[SequenceKV],
+    caches: Sequence[PagedKV],
     token_lists: Sequence[Sequence[int]],
     trees: Optional[Sequence[Optional[Topology]]] = None,
 ):
@@ -108,7 +113,7 @@ def forward_ragged(
 
 def run_ragged(
     base_model: torch.nn.Module,
-    caches: Sequence[SequenceKV],
+    caches: Sequence[PagedKV],
     lengths: Sequence[int],
     trees: Optional[Sequence[Optional[Topology]]] = None,
     **inputs: torch.Tensor,
@@ -119,18 +124,18 @@ def run_ragged(
     offsets = [0]
     for length in lengths:
         offsets.append(offsets[-1] + length)
-    positions = torch.cat(
+    # a chain's tokens follow its history; a tree's root and nodes sit at history + their depth
+    positions = torch.tensor(
         [
-            cache.length + (tree.depths if tree is not None else torch.arange(length))
+            cache.length + offset
             for cache, length, tree in zip(caches, lengths, trees)
+            for offset in (range(length) if tree is None else (0, *map(len, tree.paths)))
         ]
     )
+    layout = step_layout(pool_of(base_model), caches, lengths, trees, base_model.device)
     with attention_backends(base_model.device):
         output = base_model(
-            **inputs,
-            position_ids=positions[None].to(base_model.device),
-            use_cache=False,
-            ragged=RaggedRows(caches, offsets, trees),
+            **inputs, position_ids=positions[None].to(base_model.device), use_cache=False, ragged=layout
         )
     for cache, length in zip(caches, lengths):
         cache.advance(length)
@@ -140,7 +145,7 @@ def run_ragged(
 def attention_backends(device: torch.device):
     """The SDPA kernels a forward may use. Not cuDNN's on CUDA: it builds a plan for every new
     sequence length, about 2.3 ms of host time per call on an H100, and a row's length grows
-    every step (docs/performance.md, gpu-report 2026-11-25)."""
+    every step (docs/performance.md)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -148,38 +153,35 @@ def attention_backends(device: torch.device):
 
 
 def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, ragged=None, **kwargs):
-    """Attention of each row's queries over its own cache (written here first). `query`,
-    `key`, `value`: `[1, heads, N, head_dim]` of the packed rows; returns `[1, N, heads, head_dim]`.
-    Without `ragged` rows: the model's usual attention (`grouped_sdpa`)."""
+    """Every row's queries over its own history, in one call: `query`, `key`, `value` are
+    `[1, heads, N, head_dim]` of the packed rows; returns `[1, N, heads, head_dim]`. Without a
+    `ragged` layout: the model's usual attention (`grouped_sdpa`)."""
     if ragged is None:
         return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    outputs = []
-    for cache, start, end, tree in zip(ragged.caches, ragged.offsets, ragged.offsets[1:], ragged.trees):
-        history = cache.length
-        keys, values = cache.write(module.layer_idx, key[0, :, start:end], value[0, :, start:end])
-        row_query = query[:, :, start:end]
-        num_new = end - start
-        if num_new == 1 and row_query.dtype in (torch.bfloat16, torch.float16) and row_query.device.type == "cpu":
-            outputs.append(grouped_decode_attention(row_query, keys[None], values[None], None, scaling))
-            continue
-        # query t sees the history and new tokens 0..t (a causal mask shifted by the history), or in
-        # a tree the history and its own ancestors
-        mask = None
-        if tree is not None:
-            mask = torch.ones(num_new, history + num_new, dtype=torch.bool, device=query.device)
-            mask[:, history:] = tree.attention_mask.to(query.device)
-        elif num_new > 1:
-            mask = torch.ones(num_new, history + num_new, dtype=torch.bool, device=query.device).tril(history)
-        if mask is not None and query.device.type == "cuda":
+    layer = module.layer_idx
+    pool_keys, pool_values = ragged.pool.storage(layer, key)  # [slots, kv_heads, head_dim] each
+    pool_keys.index_copy_(0, ragged.write_slots, key[0].transpose(0, 1))
+    pool_values.index_copy_(0, ragged.write_slots, value[0].transpose(0, 1))
+    if isinstance(ragged.read, slice):
+        keys, values = pool_keys[ragged.read][None], pool_values[ragged.read][None]  # [1, L, kv_heads, head_dim]
+    else:
+        keys, values = pool_keys[ragged.read], pool_values[ragged.read]  # [B, L, kv_heads, head_dim]
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, kv_heads, L, head_dim]
+    queries = query if ragged.query_index is None else query[0].transpose(0, 1)[ragged.query_index].transpose(1, 2)
+    if queries.dtype in (torch.bfloat16, torch.float16) and queries.device.type == "cpu":
+        output = grouped_low_precision_attention(queries, keys, values, ragged.mask, scaling)  # [B, Q, heads, head_dim]
+    else:
+        if ragged.mask is not None and queries.device.type == "cuda":
             # CUDA's efficient kernel takes a mask but not grouped K/V heads: without this the math
             # one runs, 302 against 64 us a call on an H100 (docs/performance.md)
-            groups = row_query.shape[1] // keys.shape[0]
-            keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
-        row_output = torch.nn.functional.scaled_dot_product_attention(
-            row_query, keys[None], values[None], attn_mask=mask, scale=scaling, enable_gqa=True
-        )
-        outputs.append(row_output.transpose(1, 2))
-    return torch.cat(outputs, dim=1), None
+            groups = queries.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        output = torch.nn.functional.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=ragged.mask, scale=scaling, enable_gqa=True
+        ).transpose(1, 2)  # [B, Q, heads, head_dim]
+    if ragged.output_index is None:
+        return output, None
+    return output.reshape(-1, *output.shape[2:])[ragged.output_index][None], None
 
 
 def use_ragged_attention(model: torch.nn.Module) -> None:

@@ -33,8 +33,9 @@ import torch
 from torch import nn
 from transformers import AutoModel, PretrainedConfig
 
-from .batching import SequenceKV, run_ragged, use_ragged_attention
+from .batching import run_ragged, use_ragged_attention
 from .heads import HeadGuesses
+from .kv_pool import PagedKV
 from .memory import kv_bytes_per_token
 from .topologies import default_bank
 from .tree import Topology
@@ -173,7 +174,7 @@ def prefix_layer(target_config: PretrainedConfig, state: dict[str, torch.Tensor]
     # older transformers also saved the rotary frequencies, which the config gives
     read = {name: tensor.float() for name, tensor in state.items() if not name.endswith("rotary_emb.inv_freq")}
     model.load_state_dict({name: tensor for name, tensor in read.items() if not name.startswith("embed_tokens.")})
-    use_ragged_attention(model)  # its cache is a SequenceKV, as the target's
+    use_ragged_attention(model)  # its cache is a PagedKV, as the target's
     return model
 
 
@@ -183,7 +184,7 @@ class HydraSession:
 
     def __init__(self, heads: HydraHeads, model: nn.Module):
         self.heads, self.model = heads, model
-        self.cache = SequenceKV() if heads.prefix is not None else None
+        self.cache = PagedKV() if heads.prefix is not None else None
         self.state: Optional[torch.Tensor] = None
         self.last_hidden: Optional[torch.Tensor] = None
 

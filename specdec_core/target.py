@@ -13,9 +13,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from .batching import SequenceKV, forward_ragged
+from .batching import forward_ragged
 from .errors import SpecdecError
 from .heads import HeadGuesses, Heads, HeadsSession
+from .kv_pool import PagedKV
 from .logprobs import score_prompt_tokens, token_log_probs
 from .policies import AcceptancePolicy
 from .sampling import SamplingParams
@@ -33,7 +34,7 @@ class TargetScorer:
     def __init__(self, model: torch.nn.Module, heads: Optional[Heads] = None):
         self.model = model
         self.heads = heads
-        self.cache = SequenceKV()
+        self.cache = PagedKV()
         self.committed_len = 0
         self.num_scored = 0  # tokens of the last `score`, of which `commit` keeps some
         self.scored_tree: Optional[Topology] = None  # the tree the last score was, if one
@@ -48,7 +49,7 @@ class TargetScorer:
         sampling: SamplingParams,
         with_heads: bool = False,
     ) -> list[int]:
-        """Begin a request (its cache: `SequenceKV.for_request`); returns the tokens to prefill
+        """Begin a request (its cache: `PagedKV.for_request`); returns the tokens to prefill
         (all of the prompt but its last token, which the first `score` feeds), as
         `Row(prefill=True)`s of one or more forwards. `with_heads`: the request's drafter reads
         the target's heads (`guess`); only then do they run beside it."""
@@ -59,7 +60,7 @@ class TargetScorer:
         self.prompt_ids = list(prompt_ids)
         self.prompt_parts = [] if sampling.prompt_logprobs is not None else None
         self.features_rng = sampling.generator("target")
-        self.cache = SequenceKV.for_request(len(prompt_ids), sampling.max_tokens)
+        self.cache = PagedKV.for_request(len(prompt_ids), sampling.max_tokens)
         self.committed_len = 0
         self.num_scored = 0
         self.scored_hidden = None
@@ -112,17 +113,19 @@ class TargetScorer:
             raise ValueError(f"tree {tree.name!r} has {tree.num_nodes} nodes; got {len(tokens) - 1} node tokens")
         return forward_rows([Row(self, tokens, tree=tree)])[0]
 
-    def finish(self, tokens: Sequence[int], hidden: torch.Tensor, tree: Optional[Topology] = None) -> TargetBlock:
-        """This row's block from its final hidden states `[1, T, H]` (a tree's: logits only)."""
-        # [1, T, H] into the LM head: a row-parallel LM head (DeepSpeed's) splits dim 2
-        block = TargetBlock(logits=self.model.lm_head(hidden)[0].float())
+    def finish(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, tree: Optional[Topology]
+    ) -> TargetBlock:
+        """This row's block from its tokens `[T]`, final hidden states `[T, H]` and logits `[T, V]`
+        (fp32; a tree's: logits only)."""
+        block = TargetBlock(logits=logits)
         if self.heads_session is not None:
-            self.scored_hidden = hidden[0]
+            self.scored_hidden = hidden
         if tree is not None:
             return block
         if self.policy.needs_hidden:
-            block.hidden, block.lm_head = hidden[0], self.model.lm_head
-        draft_tokens = torch.tensor(list(tokens[1:]), dtype=torch.long, device=hidden.device)
+            block.hidden, block.lm_head = hidden, self.model.lm_head
+        draft_tokens = tokens[1:]
         if self.sampling.logprobs is not None:
             block.token_log_probs = token_log_probs(block.logits[:-1], draft_tokens)
         block.features = self.policy.target_features(block, draft_tokens, self.sampling, self.features_rng)
@@ -200,18 +203,29 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
         if not row.prefill:
             row.scorer.num_scored, row.scorer.scored_tree = len(row.tokens), row.tree
     model = rows[0].scorer.model
-    hidden, offsets = forward_ragged(
+    hidden, _ = forward_ragged(
         model, [row.scorer.cache for row in rows], [row.tokens for row in rows], [row.tree for row in rows]
     )
-    blocks = []
-    for row, begin, end in zip(rows, offsets, offsets[1:]):
+    # per-row work in a handful of ops for the whole step: split views, one LM head for every
+    # verify row, their tokens as one tensor
+    parts = hidden[0].split([len(row.tokens) for row in rows])  # [T_i, H] each
+    verifying = [index for index, row in enumerate(rows) if not row.prefill]
+    blocks: list[Optional[TargetBlock]] = [None] * len(rows)
+    if verifying:
+        sizes = [len(rows[index].tokens) for index in verifying]
+        scored = hidden[0] if len(verifying) == len(rows) else torch.cat([parts[index] for index in verifying])
+        # [1, M, H] into the LM head: a row-parallel LM head (DeepSpeed's) splits dim 2
+        logits = model.lm_head(scored[None])[0].float().split(sizes)  # [T_i, V] each
+        tokens = [token for index in verifying for token in rows[index].tokens]
+        tokens = torch.tensor(tokens, dtype=torch.long, device=hidden.device).split(sizes)  # [T_i] each
+        for index, row_logits, row_tokens in zip(verifying, logits, tokens):
+            row = rows[index]
+            blocks[index] = row.scorer.finish(row_tokens, parts[index], row_logits, row.tree)
+            blocks[index].batch_rows = len(rows)
+    for row, part in zip(rows, parts):
         if row.prefill:
-            row.scorer.score_prefill(hidden[:, begin:end])
+            row.scorer.score_prefill(part[None])
             row.scorer.committed_len += len(row.tokens)
             if row.scorer.heads_session is not None:
-                row.scorer.heads_session.advance(hidden[0, begin:end])
-            blocks.append(None)
-        else:
-            blocks.append(row.scorer.finish(row.tokens, hidden[:, begin:end], row.tree))
-            blocks[-1].batch_rows = len(rows)
+                row.scorer.heads_session.advance(part)
     return blocks

@@ -8,7 +8,7 @@ from typing import ClassVar, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from ..batching import SequenceKV
+from ..kv_pool import PagedKV
 from ..sampling import SamplingParams
 from ..types import DraftBlock
 
@@ -31,7 +31,7 @@ def common_prefix_length(first: Sequence[int], second: Sequence[int], limit: int
     return length
 
 
-def sync_cache(cache: SequenceKV, cached: list[int], sequence: Sequence[int]) -> None:
+def sync_cache(cache: PagedKV, cached: list[int], sequence: Sequence[int]) -> None:
     """Crop a draft cache (holding the tokens `cached`, kept in step) to its longest prefix
     shared with `sequence`, leaving >= 1 token of it to feed."""
     shared = common_prefix_length(cached, sequence, min(len(cached), len(sequence) - 1))

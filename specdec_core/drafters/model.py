@@ -30,7 +30,8 @@ from typing import ClassVar, Generator, Optional, Sequence
 import torch
 from pydantic import Field
 
-from ..batching import SequenceKV, forward_ragged
+from ..batching import forward_ragged
+from ..kv_pool import PagedKV
 from ..sampling import argmax, sample, sampling_probs
 from ..types import DraftBlock
 from .base import Drafter, DraftSource, common_prefix_length, sync_cache
@@ -69,7 +70,7 @@ class ModelDrafter(Drafter):
     def __init__(self, model: torch.nn.Module, params: Optional[ModelDrafterParams] = None):
         super().__init__(params)
         self.model = model
-        self.cache = SequenceKV()
+        self.cache = PagedKV()
         self.cached_tokens: list[int] = []
 
     def lookup(self, context: Sequence[int], max_tokens: int) -> list[int]:
@@ -77,7 +78,7 @@ class ModelDrafter(Drafter):
 
     def reset(self, prompt_ids, sampling) -> None:
         super().reset(prompt_ids, sampling)
-        self.cache = SequenceKV.for_request(len(prompt_ids), sampling.max_tokens)
+        self.cache = PagedKV.for_request(len(prompt_ids), sampling.max_tokens)
         self.cached_tokens = []
         # optimistic prior (mean 0.9, weight 2): a Beta(1, 1) start would price drafting as a
         # loss and crawl up from 1-token blocks
@@ -188,7 +189,7 @@ LOOKUP_FIELDS = set(AdaptiveLookupParams.model_fields)
 class DraftForward:
     """One forward a proposal needs: `tokens` after the cached ones; the logits of the last `keep`."""
 
-    cache: SequenceKV
+    cache: PagedKV
     tokens: list[int]
     keep: int
 

@@ -17,7 +17,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from pydantic import Field, field_validator
 
-from ..batching import SequenceKV, forward_ragged
+from ..batching import forward_ragged
+from ..kv_pool import PagedKV
 from ..topologies import DEFAULT_DRAFT_TREE, DEFAULT_MLA_TREE, default_bank
 from ..tree import Topology
 from ..types import DraftBlock
@@ -31,7 +32,7 @@ Lookup = Callable[[list[int], int], list[int]]
 @torch.inference_mode()
 def draft_tree(
     model: torch.nn.Module,
-    cache: SequenceKV,
+    cache: PagedKV,
     cached: list[int],
     context: Sequence[int],
     tree: Topology,
@@ -113,7 +114,7 @@ class ModelTreeDrafter(Drafter):
 
     def reset(self, prompt_ids, sampling) -> None:
         super().reset(prompt_ids, sampling)
-        self.cache = SequenceKV.for_request(len(prompt_ids), sampling.max_tokens)
+        self.cache = PagedKV.for_request(len(prompt_ids), sampling.max_tokens)
         self.cached: list[int] = []
 
     def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:

@@ -1,6 +1,6 @@
 """CPU kernels, beside the loop as gpt-fast keeps `quantize.py` and `tp.py`: packed linears
 (linear.py), weight-only int4 (int4.py), grouped-head attention (attention.py) and process-wide
-CPU settings (cpu.py). KV caches are batching.py's `SequenceKV`."""
+CPU settings (cpu.py). KV caches are kv_pool.py's `PagedKV` sessions in a model's `KVPool`."""
 
 from __future__ import annotations
 

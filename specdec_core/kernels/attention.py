@@ -16,7 +16,7 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     flash kernel takes the groups natively, bitwise equal.
     Other devices, position biases, ungrouped heads, and a causal flag with a longer cache
     (which SDPA would align top-left) take transformers' path. A one-token step in bf16 or fp16
-    takes `grouped_decode_attention`."""
+    takes `grouped_low_precision_attention`."""
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
     if (
@@ -29,7 +29,7 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if query.shape[2] == 1 and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0.0:
-        return grouped_decode_attention(query, key, value, attention_mask, scaling), None
+        return grouped_low_precision_attention(query, key, value, attention_mask, scaling), None
     output = torch.nn.functional.scaled_dot_product_attention(
         query,
         key,
@@ -43,23 +43,27 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     return output.transpose(1, 2).contiguous(), None
 
 
-def grouped_decode_attention(query, key, value, attention_mask, scaling=None) -> torch.Tensor:
-    """Attention of one query token per head in low precision, as two matmuls per KV head with
-    the group's query heads stacked as rows and the softmax in fp32; returns `[B, 1, H, D]`.
-    CPU SDPA's bf16 flash kernel is slow for a single query (several times slower than this for
-    SmolLM2's shapes at 1,000 tokens of context), which made a bf16 draft's own decode steps
-    pay mostly for attention."""
-    batch, num_heads, _, head_dim = query.shape
+def grouped_low_precision_attention(query, key, value, attention_mask, scaling=None) -> torch.Tensor:
+    """Attention in bf16 or fp16 on CPU as two matmuls per KV head, the group's query heads and
+    queries stacked as rows and the softmax in fp32; `query` `[B, H, Q, D]`, `key`, `value`
+    `[B, H_kv, L, D]`, `attention_mask` `[B, 1, Q, L]` (bool, True attends; or additive) or None; returns
+    `[B, Q, H, D]`. CPU SDPA's bf16 flash kernel is slow for a single query (several times
+    slower than this for SmolLM2's shapes at 1,000 tokens of context), and a row's numbers here
+    do not depend on how many queries the other rows of its step bring (SDPA's would: it picks
+    another kernel), so a draft's proposals come out the same alone and batched."""
+    batch, num_heads, num_queries, head_dim = query.shape
     num_kv_heads = key.shape[1]
+    groups = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scaling is None else scaling
     # query heads h * g .. h * g + g - 1 share KV head h (transformers' repeat_kv order)
-    grouped_query = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(grouped_query, key.transpose(-1, -2)).float() * scale
-    if attention_mask is not None:  # [B, 1, 1, L]: bool (True attends) or additive
-        mask = attention_mask[:, :, 0, None, :]
+    grouped_query = query.reshape(batch, num_kv_heads, groups * num_queries, head_dim)
+    scores = torch.matmul(grouped_query, key.transpose(-1, -2)).float() * scale  # [B, H_kv, g * Q, L]
+    if attention_mask is not None:
+        mask = attention_mask.expand(batch, groups, num_queries, -1).reshape(batch, 1, groups * num_queries, -1)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     weights = scores.softmax(-1).to(value.dtype)
-    return torch.matmul(weights, value).reshape(batch, 1, num_heads, head_dim)
+    output = torch.matmul(weights, value).reshape(batch, num_heads, num_queries, head_dim)
+    return output.transpose(1, 2)
 
 
 def use_grouped_attention(model: torch.nn.Module) -> None:

@@ -21,8 +21,9 @@ from typing import Sequence
 
 import torch
 
-from ..batching import SequenceKV, forward_ragged
+from ..batching import forward_ragged
 from ..heads import MedusaHeads
+from ..kv_pool import PagedKV
 
 Path = tuple[int, ...]
 
@@ -38,7 +39,7 @@ def rank_table(
     sequence = list(prompt_ids) + list(output_ids)
     if len(prompt_ids) < 2:
         raise ValueError("a prompt needs 2 tokens: a step's guesses come from the position before its root")
-    hidden, _ = forward_ragged(model, [SequenceKV(len(sequence))], [sequence])
+    hidden, _ = forward_ragged(model, [PagedKV(len(sequence))], [sequence])
     lm_head = model.get_output_embeddings()
     start = len(prompt_ids) - 2  # the position whose state predicted the first root
     states = hidden[0, start : len(sequence) - 1]  # one per step start: the root is the next token

@@ -21,8 +21,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
 
-from ..batching import SequenceKV, forward_ragged
+from ..batching import forward_ragged
 from ..heads import MedusaHeads
+from ..kv_pool import PagedKV
 
 DISTILLED_FILE = "distilled.pt"
 STATE_FILE = "train_state.pt"
@@ -63,7 +64,7 @@ def greedy_continuations(
     bar = tqdm(total=len(prompts), desc="distilling (greedy continuations)", unit="prompt")
     for begin in range(0, len(prompts), settings.batch_size):
         batch = [list(prompt) for prompt in prompts[begin : begin + settings.batch_size]]
-        caches = [SequenceKV(len(prompt) + settings.continuation_tokens + 1) for prompt in batch]
+        caches = [PagedKV(len(prompt) + settings.continuation_tokens + 1) for prompt in batch]
         states: list[list[torch.Tensor]] = [[] for _ in batch]
         tokens: list[list[int]] = [[] for _ in batch]
         hidden, offsets = forward_ragged(model, caches, batch)

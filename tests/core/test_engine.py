@@ -514,32 +514,36 @@ def test_grouped_sdpa_equals_transformers_sdpa():
             scorer.commit(1)
 
 
-def test_grouped_decode_attention_matches_sdpa_and_runs_for_low_precision_steps(monkeypatch):
-    """The one-query low-precision attention equals SDPA (float64 reference, bf16 tolerance) with
-    no mask, a boolean mask and an additive one, each query head reading its own KV group; a bf16
-    model's one-token steps run it and give transformers' sdpa logits within bf16 rounding."""
+def test_grouped_low_precision_attention_matches_sdpa_and_runs_for_low_precision_steps(monkeypatch):
+    """The low-precision attention equals SDPA (float64 reference, bf16 tolerance) with no mask, a
+    boolean mask and an additive one, each query head reading its own KV group, for one query and
+    several; a bf16 model's steps run it and give transformers' sdpa logits within bf16 rounding."""
     from specdec_core.kernels import attention
 
     generator = torch.Generator().manual_seed(0)
-    query = torch.randn(2, 6, 1, 16, generator=generator)
     key, value = torch.randn(2, 2, 2, 30, 16, generator=generator)
-    keep = torch.rand(2, 1, 1, 30, generator=generator) > 0.3
-    additive = torch.zeros(2, 1, 1, 30, dtype=torch.float64).masked_fill(~keep, float("-inf"))
-    for mask in (None, keep, additive):
-        reference = torch.nn.functional.scaled_dot_product_attention(
-            query.double(), key.double(), value.double(), attn_mask=mask, enable_gqa=True
-        ).transpose(1, 2)
-        result = attention.grouped_decode_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), mask)
-        torch.testing.assert_close(result.double(), reference, atol=3e-2, rtol=0)
+    for num_queries in (1, 3):
+        query = torch.randn(2, 6, num_queries, 16, generator=generator)
+        keep = torch.rand(2, 1, num_queries, 30, generator=generator) > 0.3
+        keep[..., 0] = True  # every query sees a key
+        additive = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+        for mask in (None, keep, additive):
+            reference = torch.nn.functional.scaled_dot_product_attention(
+                query.double(), key.double(), value.double(), attn_mask=mask, enable_gqa=True
+            ).transpose(1, 2)
+            low = (query.bfloat16(), key.bfloat16(), value.bfloat16())
+            result = attention.grouped_low_precision_attention(*low, mask)
+            torch.testing.assert_close(result.double(), reference, atol=3e-2, rtol=0)
 
     from specdec_core import batching
 
     calls = []
-    original = batching.grouped_decode_attention
-    monkeypatch.setattr(batching, "grouped_decode_attention", lambda *args: calls.append(1) or original(*args))
+    original = batching.grouped_low_precision_attention
+    monkeypatch.setattr(batching, "grouped_low_precision_attention", lambda *args: calls.append(1) or original(*args))
     plain, grouped = (tiny_llama(seed=5, prepared=prepared).to(torch.bfloat16) for prepared in (False, True))
     prompt = repeating_prompt(5, length=40)
     scorer = greedy_scorer(grouped, prompt)
+    calls.clear()  # the prompt's prefill ran it too
     fed = prompt[:-1]  # the scorer holds all but the prompt's last token; each score feeds one
     for token in (7, 8, 9):
         fed = [*fed, token]

@@ -147,8 +147,8 @@ def test_tree_decoding_is_greedy_decoding_and_keeps_the_cache_consistent_across_
     forward over the committed tokens (1e-5)."""
     from conftest import perturbed_copy, repeating_prompt, tiny_llama
 
-    from specdec_core.batching import SequenceKV
     from specdec_core.drafters.model_tree import draft_tree
+    from specdec_core.kv_pool import PagedKV
     from specdec_core.target import TargetScorer
 
     target = tiny_llama()
@@ -157,7 +157,7 @@ def test_tree_decoding_is_greedy_decoding_and_keeps_the_cache_consistent_across_
     scorer = TargetScorer(target)
     greedy = make_policy("greedy", {})
     scorer.reset(prompt, greedy, SamplingParams())
-    draft_cache, draft_cached, committed, accepted = SequenceKV(), [], list(prompt), 0
+    draft_cache, draft_cached, committed, accepted = PagedKV(), [], list(prompt), 0
     for name in ("medusa_8", "chain_4", "mc_sim_7b_63", "medusa_16", "chain_2", "mc_sim_7b_63", "medusa_32"):
         tree = default_bank().get(name)
         nodes = draft_tree(draft_model, draft_cache, draft_cached, committed, tree)
@@ -185,11 +185,11 @@ def test_mla_trees_hold_the_draft_models_tokens_in_fewer_forwards(tree_name, mon
     forward, a guess right for k tokens saves k forwards."""
     from conftest import repeating_prompt, tiny_llama
 
-    from specdec_core.batching import SequenceKV
     from specdec_core.drafters import model_tree
+    from specdec_core.kv_pool import PagedKV
 
     draft_model, context, tree = tiny_llama(seed=1), repeating_prompt(3), default_bank().get(tree_name)
-    cache, cached = SequenceKV(), []
+    cache, cached = PagedKV(), []
     reference = model_tree.draft_tree(draft_model, cache, cached, context, tree)  # also caches the context
     forwards = []
 
