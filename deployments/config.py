@@ -63,6 +63,10 @@ class AppConfig(BaseModel):
     defaults: RequestDefaults = Field(
         default_factory=RequestDefaults, description="policy, drafter and K for requests that leave them out"
     )
+    prefix_caching: bool = Field(
+        True,
+        description="reuse a prompt's full KV blocks computed for an earlier request (vLLM's automatic prefix caching)",
+    )
     max_tokens_limit: int = Field(2048, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
     replicas: int = Field(1, ge=1)

@@ -31,6 +31,10 @@ class ServeMetrics:
             description="accepted draft tokens at each draft position (0-based)",
             tag_keys=("policy", "position"),
         )
+        self.prefix_cache = {
+            name: Counter(f"specdec_{name}", description=f"prompt tokens: {name} of the target's prefix cache")
+            for name in ("prefix_cache_queries", "prefix_cache_hits")
+        }
         self.tokens = {
             kind: Counter(f"specdec_{kind}_tokens", description=f"{kind} tokens of finished requests")
             for kind in ("prompt", "generation")
@@ -63,6 +67,9 @@ class ServeMetrics:
                 self.spec_decode[name].inc(metrics[f"spec_decode_{name}"], tags)
         if metrics["draft_fallback"]:
             self.spec_decode["draft_fallbacks"].inc(1, tags)
+        for name, counter in self.prefix_cache.items():
+            if metrics[name] > 0:
+                counter.inc(metrics[name])
         for kind, key in (("prompt", "prompt_tokens"), ("generation", "completion_tokens")):
             if metrics[key] > 0:
                 self.tokens[kind].inc(metrics[key])

@@ -30,7 +30,7 @@ from specdec_core.request import ComponentSpec
 from specdec_core.sampling import SamplingParams
 from specdec_core.topologies import default_bank
 from specdec_core.tree import Topology
-from specdec_core.types import DraftBlock, PromptScores, TargetBlock
+from specdec_core.types import DraftBlock, Prefilled, TargetBlock
 
 from .errors import WorkerOverloaded, WorkerUnavailable
 from .wire import component_to_proto, prompt_scores_from_proto, sampling_to_proto, tensor_from_proto
@@ -72,7 +72,7 @@ class RemoteTarget:
 
     async def reset(
         self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams, with_heads: bool = False
-    ) -> Optional[PromptScores]:
+    ) -> Prefilled:
         request = pb.TargetReset(
             session_id=self.session_id,
             prompt_ids=list(prompt_ids),
@@ -84,7 +84,8 @@ class RemoteTarget:
             reply = await self.stub.Reset(request, timeout=self.deadline_s * RESET_DEADLINES)
         except grpc.RpcError as error:
             raise classify(error, "target") from None
-        return prompt_scores_from_proto(reply.prompt) if reply.HasField("prompt") else None
+        scores = prompt_scores_from_proto(reply.prompt) if reply.HasField("prompt") else None
+        return Prefilled(scores, reply.prefix_cache_queries, reply.prefix_cache_hits)
 
     async def score(self, tokens: Sequence[int], tree: Optional[Topology] = None) -> TargetBlock:
         request = pb.ScoreRequest(

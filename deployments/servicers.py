@@ -112,8 +112,15 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
     @checked
     def Reset(self, request, context):
         policy, sampling = component_from_proto(request.policy), sampling_from_proto(request.sampling)
-        scores = self.service.reset(request.session_id, list(request.prompt_ids), policy, sampling, request.with_heads)
-        return pb.TargetResetReply(prompt=prompt_scores_to_proto(scores) if scores is not None else None)
+        prefilled = self.service.reset(
+            request.session_id, list(request.prompt_ids), policy, sampling, request.with_heads
+        )
+        scores = prefilled.prompt_scores
+        return pb.TargetResetReply(
+            prompt=prompt_scores_to_proto(scores) if scores is not None else None,
+            prefix_cache_queries=prefilled.prefix_cache_queries,
+            prefix_cache_hits=prefilled.prefix_cache_hits,
+        )
 
     @checked
     def Score(self, request, context):

@@ -23,7 +23,7 @@ from specdec_core.request import MAX_DRAFT_TOKENS, ComponentSpec
 from specdec_core.sampling import SamplingParams
 from specdec_core.target import PREFILL_CHUNK, Row, TargetScorer, forward_rows
 from specdec_core.topologies import default_bank
-from specdec_core.types import PromptScores, TargetBlock
+from specdec_core.types import Prefilled, TargetBlock
 
 from .admission import Admission
 from .steps import PendingRow
@@ -68,7 +68,7 @@ class TargetService(WorkerService):
 
     def reset(
         self, session_id: str, prompt_ids: list[int], policy: ComponentSpec, sampling: SamplingParams, with_heads: bool
-    ) -> Optional[PromptScores]:
+    ) -> Prefilled:
         """Open a session and prefill its prompt (in steps); the prompt's scores when asked."""
         policy_object = make_policy(policy.name, policy.params)
         if policy_object.needs_profile:
@@ -88,7 +88,7 @@ class TargetService(WorkerService):
         prefill = self.open_session(op, self.heads.cache_bytes_per_token() if with_heads else 0.0)
         if prefill:
             self.batcher.submit(TargetRow(session_id=session_id, tokens=prefill, prefill=True)).result()
-        return self.session(session_id).prompt_scores()
+        return self.session(session_id).prefilled()
 
     def open(self, op: OpenTarget) -> list[int]:
         """Open the session; returns the prompt tokens to prefill (in steps)."""

@@ -86,6 +86,7 @@ class WorkerRank:
         """Join the group (when there is one), load the model and serve it (rank 0: returns its
         gRPC address) or follow rank 0."""
         from protos import specdec_pb2_grpc as pb_grpc
+        from specdec_core.batching import pool_of
         from specdec_core.heads import load_heads
         from specdec_core.kernels.cpu import configure_cpu
         from specdec_core.loader import load_configs, load_model
@@ -142,6 +143,8 @@ class WorkerRank:
                 heads=heads,
             )
             servicer, add = TargetServicer(service), pb_grpc.add_TargetServicer_to_server
+        if model is not None:
+            pool_of(model.model).prefix_caching = config.prefix_caching
         if self.prioritized:
             set_priority(SERVING_NICENESS)
         if self.rank > 0:

@@ -11,7 +11,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from specdec_core.batching import fix_pool
 from specdec_core.errors import SpecdecError, check_token_ids
+from specdec_core.kv_pool import BLOCK_SIZE, blocks_for
 from specdec_core.memory import kv_bytes_per_token
 from specdec_core.request import session_positions
 from specdec_core.sampling import SamplingParams
@@ -72,6 +74,8 @@ class WorkerService:
             tp_size = channel.size if channel is not None else 1
             width = model.get_input_embeddings().weight.element_size()
             self.kv_bytes_per_token = kv_bytes_per_token(model.config, tp_size, width)
+            if admission is not None and admission.budget_bytes is not None:
+                fix_pool(model, admission.budget_bytes, self.kv_bytes_per_token)
         self.table = SessionTable(idle_timeout_s, self.on_expire)
         self.batcher = StepBatcher(
             TORCH_THREAD,
@@ -109,9 +113,10 @@ class WorkerService:
 
     def max_len(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
         """The positions a session can fill (`session_positions`; a request of open length: the
-        context)."""
+        context), in whole blocks of the KV pool: what its cache can take from it."""
         max_tokens = sampling.max_tokens if sampling.max_tokens is not None else self.max_positions
-        return min(session_positions(len(prompt_ids), max_tokens), self.max_positions)
+        positions = min(session_positions(len(prompt_ids), max_tokens), self.max_positions)
+        return blocks_for(positions, BLOCK_SIZE) * BLOCK_SIZE
 
     def call(self, op: Message) -> Any:
         """`run` an operation on the torch thread and wait for its result (a handler's way)."""

@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kernels.attention import grouped_low_precision_attention, grouped_sdpa
 from .kernels.int4 import kernels_by_chunk
-from .kv_pool import KVPool, PagedKV, blocks_for
+from .kv_pool import BLOCK_SIZE, KVPool, PagedKV, blocks_for
 from .tree import Topology
 
 RAGGED_ATTENTION = "specdec_ragged"
@@ -46,11 +46,21 @@ class StepLayout:
 
 
 def pool_of(base_model: torch.nn.Module) -> KVPool:
-    """The model's KV pool, made at its first ragged forward (one per model and process)."""
+    """The model's KV pool, made at its first ragged forward (one per model and process) unless
+    `fix_pool` sized it."""
     pool = getattr(base_model, "kv_pool", None)
     if pool is None:
         pool = base_model.kv_pool = KVPool(num_layers=len(base_model.layers))
     return pool
+
+
+def fix_pool(model: torch.nn.Module, budget_bytes: float, bytes_per_token: float) -> KVPool:
+    """Give `model` a pool of `budget_bytes`, allocated once and never grown: a worker's KV
+    budget, within which its admission keeps every session's blocks (`bytes_per_token`: what a
+    position costs in all layers of this rank)."""
+    num_blocks = int(budget_bytes // (bytes_per_token * BLOCK_SIZE))
+    model.model.kv_pool = KVPool(len(model.model.layers), num_blocks=num_blocks, growable=False)
+    return model.model.kv_pool
 
 
 def step_layout(

@@ -33,12 +33,14 @@ async def speculative_loop(
     metrics = SpecMetrics(counters=dict.fromkeys(policy.counters, 0))
     clock = time.perf_counter()
     with_heads = drafter_source(request.drafter.name) is DraftSource.TARGET_HEADS
-    prompt_scores = await target.reset(request.prompt_ids, policy, sampling, with_heads=with_heads)
+    prefilled = await target.reset(request.prompt_ids, policy, sampling, with_heads=with_heads)
+    metrics.prefix_cache_queries = prefilled.prefix_cache_queries
+    metrics.prefix_cache_hits = prefilled.prefix_cache_hits
     if output.remaining:
         await drafter.reset(request.prompt_ids, sampling)
     metrics.prefill_ms = (time.perf_counter() - clock) * 1e3
-    if prompt_scores is not None:
-        yield output.prompt_chunk(request.prompt_ids, prompt_scores)
+    if prefilled.prompt_scores is not None:
+        yield output.prompt_chunk(request.prompt_ids, prefilled.prompt_scores)
     last_token = request.prompt_ids[-1]
     # the block length follows the target's load only where it cannot change the output: a
     # sampled or lossy request's tokens depend on its blocks, and must not on its batch companions

@@ -8,11 +8,21 @@ rows write their new entries with one `index_copy_` per layer and read every row
 one gather (batching.py), whatever the number of rows.
 
 Without a fixed size the pool doubles when full (a copy, done between forwards, log2 of the
-peak times), so a server's memory settles at its peak and stays there."""
+peak times), so a server's memory settles at its peak and stays there.
+
+Prefix caching (vLLM's automatic prefix caching): a full block of a session's committed prompt is
+published under a key that hashes its tokens and the key before it, so a key names a whole
+prefix; a later session whose prompt starts with the same blocks takes them (a reference each)
+instead of computing them. Only committed, full blocks are published, and a session writes only
+past its committed positions, so a shared block never changes. A block no session holds stays
+cached until a new block is needed and it is the least recently used."""
 
 from __future__ import annotations
 
+import hashlib
 import weakref
+from array import array
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
@@ -25,34 +35,88 @@ class KVPoolExhausted(RuntimeError):
     """A fixed-size pool has no free block left for a session's next positions."""
 
 
+def prefix_keys(tokens: Sequence[int], block_size: int, parent: bytes = b"") -> list[bytes]:
+    """The keys of `tokens`' full blocks, each a hash of its tokens and the key before it."""
+    keys = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hashlib.sha256(parent + array("q", tokens[start : start + block_size]).tobytes()).digest()
+        keys.append(parent)
+    return keys
+
+
 class KVPool:
     """`keys`, `values`: `[layers, num_blocks * block_size, kv_heads, head_dim]`, allocated at the
-    first write (its shape, dtype and device are the model's). `free`: the unused blocks, lowest
-    first, so that a session's blocks tend to be consecutive (read as a view, not gathered)."""
+    first write (its shape, dtype and device are the model's). A block is held (`holders`: how
+    many sessions hold it), cached (no holder, published: `idle`, least recently used first) or
+    `free` (lowest first, so that a session's blocks tend to be consecutive: read as a view)."""
 
     def __init__(
-        self, num_layers: int, num_blocks: int = INITIAL_BLOCKS, growable: bool = True, block_size: int = BLOCK_SIZE
+        self,
+        num_layers: int,
+        num_blocks: int = INITIAL_BLOCKS,
+        growable: bool = True,
+        block_size: int = BLOCK_SIZE,
+        prefix_caching: bool = True,
     ):
         self.num_layers, self.num_blocks, self.growable, self.block_size = num_layers, num_blocks, growable, block_size
+        self.prefix_caching = prefix_caching
         self.keys: Optional[torch.Tensor] = None
         self.values: Optional[torch.Tensor] = None
         self.free = list(range(num_blocks))
+        self.holders = [0] * num_blocks
+        self.published: dict[bytes, int] = {}  # prefix key -> block
+        self.key_of: dict[int, bytes] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free)
+        """Blocks some session holds."""
+        return self.num_blocks - len(self.free) - len(self.idle)
 
     def allocate(self, count: int) -> list[int]:
-        """`count` free blocks, lowest first (a growable pool doubles until they fit)."""
-        while count > len(self.free):
+        """`count` blocks for one session: free ones first, lowest first, then the least recently
+        used cached ones; only when held blocks fill it does a growable pool double."""
+        while count > len(self.free) + len(self.idle):
             if not self.growable:
-                raise KVPoolExhausted(f"KV pool full: {count} blocks wanted, {len(self.free)} free")
-            self.grow(max(self.num_blocks, count - len(self.free)))
+                raise KVPoolExhausted(f"KV pool full: {count} blocks wanted, {len(self.free) + len(self.idle)} free")
+            self.grow(max(self.num_blocks, count - len(self.free) - len(self.idle)))
         taken, self.free = self.free[:count], self.free[count:]
+        while len(taken) < count:  # evict
+            block, _ = self.idle.popitem(last=False)
+            del self.published[self.key_of.pop(block)]
+            taken.append(block)
+        for block in taken:
+            self.holders[block] = 1
         return taken
 
     def release(self, blocks: Sequence[int]) -> None:
-        self.free = sorted(self.free + list(blocks))
+        freed = []
+        for block in blocks:
+            self.holders[block] -= 1
+            if self.holders[block] == 0:
+                if block in self.key_of:
+                    self.idle[block] = None  # cached, most recently used
+                else:
+                    freed.append(block)
+        if freed:
+            self.free = sorted(self.free + freed)
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The published blocks of the longest prefix of `keys`, each now held once more."""
+        blocks = []
+        for key in keys:
+            block = self.published.get(key)
+            if block is None:
+                break
+            self.idle.pop(block, None)
+            self.holders[block] += 1
+            blocks.append(block)
+        return blocks
+
+    def publish(self, block: int, key: bytes) -> None:
+        """Offer a held block's entries to later sessions under `key` (a prefix's first holder wins)."""
+        if key not in self.published and block not in self.key_of:
+            self.published[key], self.key_of[block] = block, key
 
     @torch.inference_mode()
     def grow(self, extra_blocks: int) -> None:
@@ -61,6 +125,7 @@ class KVPool:
             self.keys = torch.cat([self.keys, self.keys.new_zeros(extra)], 1)
             self.values = torch.cat([self.values, self.values.new_zeros(extra)], 1)
         self.free += range(self.num_blocks, self.num_blocks + extra_blocks)
+        self.holders += [0] * extra_blocks
         self.num_blocks += extra_blocks
 
     def storage(self, layer: int, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +160,7 @@ class PagedKV:
         self.table: list[int] = []
         self.length = 0
         self.reserve_positions = reserve_positions
+        self.prefix_keys: list[bytes] = []  # of its first blocks, published or taken
 
     @classmethod
     def for_request(cls, num_prompt: int, max_tokens: Optional[int], most: int = 256) -> "PagedKV":
@@ -102,14 +168,40 @@ class PagedKV:
         `most` of them: past them it takes blocks as it goes."""
         return cls(num_prompt + 1 + min(most if max_tokens is None else max_tokens, most))
 
-    def reserve(self, pool: KVPool, positions: int) -> None:
-        """Blocks for `positions` positions in all, from `pool` (this session's from now on)."""
+    def join(self, pool: KVPool) -> None:
+        """Take blocks from `pool` from now on (one model's; its first call decides)."""
         if self.pool is None:
             self.pool = pool
             weakref.finalize(self, pool.release, self.table)  # the table list is kept in place
-            positions = max(positions, self.reserve_positions)
-        if self.pool is not pool:
+        elif self.pool is not pool:
             raise ValueError("a session's KV cache belongs to one model's pool")
+
+    def reuse(self, pool: KVPool, tokens: Sequence[int]) -> int:
+        """A new session's first positions from the pool's published blocks where `tokens` (its
+        prompt but the last token) starts with them; returns the positions it now holds."""
+        self.join(pool)
+        if pool.prefix_caching and not self.table:
+            keys = prefix_keys(tokens, pool.block_size)
+            self.table += pool.lookup(keys)
+            self.prefix_keys = keys[: len(self.table)]
+            self.length = len(self.table) * pool.block_size
+        return self.length
+
+    def publish(self, tokens: Sequence[int]) -> None:
+        """Publish the full blocks of `tokens`, this session's committed positions from 0."""
+        if self.pool is None or not self.pool.prefix_caching:
+            return
+        done = len(self.prefix_keys)
+        parent = self.prefix_keys[-1] if done else b""
+        start = done * self.pool.block_size
+        for key in prefix_keys(tokens[start : min(len(tokens), self.length)], self.pool.block_size, parent):
+            self.pool.publish(self.table[len(self.prefix_keys)], key)
+            self.prefix_keys.append(key)
+
+    def reserve(self, pool: KVPool, positions: int) -> None:
+        """Blocks for `positions` positions in all, from `pool` (this session's from now on)."""
+        self.join(pool)
+        positions = max(positions, self.reserve_positions)
         wanted = blocks_for(positions, pool.block_size) - len(self.table)
         if wanted > 0:
             self.table += pool.allocate(wanted)

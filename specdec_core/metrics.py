@@ -22,6 +22,8 @@ class SpecMetrics:
     target_ms: list[float] = field(default_factory=list)
     verify_ms: list[float] = field(default_factory=list)
     prefill_ms: float = 0.0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the target's prefix cache (vLLM's name)
+    prefix_cache_hits: int = 0  # and found there
 
     def record(self, draft: DraftBlock, verdict: Verdict) -> None:
         self.num_steps += 1
@@ -71,6 +73,8 @@ class SpecMetrics:
             **self.counters,
             **({"tree_steps": dict(self.tree_steps)} if self.tree_steps else {}),
             "prefill_ms": round(self.prefill_ms, 3),
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
             "draft_ms_p50": p50(self.draft_ms),
             "target_ms_p50": p50(self.target_ms),
             "verify_ms_p50": p50(self.verify_ms),

@@ -12,7 +12,7 @@ from .heads import HeadGuesses
 from .policies import AcceptancePolicy
 from .sampling import SamplingParams
 from .tree import Topology
-from .types import DraftBlock, PromptScores, TargetBlock
+from .types import DraftBlock, Prefilled, TargetBlock
 
 Item = TypeVar("Item")
 
@@ -20,10 +20,11 @@ Item = TypeVar("Item")
 class TargetSession(Protocol):
     async def reset(
         self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams, with_heads: bool = False
-    ) -> Optional[PromptScores]:
-        """Prefill the prompt (all but its last token, which the first `score` feeds);
-        `with_heads`: run the target's heads beside it, for `guess`. Returns the prompt's
-        scores when `sampling.prompt_logprobs` asks for them."""
+    ) -> Prefilled:
+        """Prefill the prompt (all but its last token, which the first `score` feeds; what the
+        prefix cache holds of it is not computed again); `with_heads`: run the target's heads
+        beside it, for `guess`. Returns the prompt's scores when `sampling.prompt_logprobs` asks
+        for them, and its prefix cache use."""
 
     async def score(self, tokens: Sequence[int]) -> TargetBlock:
         """Target logits for `[last committed, d_1..d_K]` (plus the policy's target features)."""

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .batching import forward_ragged
+from .batching import forward_ragged, pool_of
 from .errors import SpecdecError
 from .heads import HeadGuesses, Heads, HeadsSession
 from .kv_pool import PagedKV
@@ -21,7 +21,7 @@ from .logprobs import score_prompt_tokens, token_log_probs
 from .policies import AcceptancePolicy
 from .sampling import SamplingParams
 from .tree import Topology
-from .types import PromptScores, TargetBlock
+from .types import Prefilled, PromptScores, TargetBlock
 
 
 class TargetScorer:
@@ -36,6 +36,7 @@ class TargetScorer:
         self.heads = heads
         self.cache = PagedKV()
         self.committed_len = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # prompt tokens looked up and found
         self.num_scored = 0  # tokens of the last `score`, of which `commit` keeps some
         self.scored_tree: Optional[Topology] = None  # the tree the last score was, if one
         self.scored_hidden: Optional[torch.Tensor] = None  # [T, H] of the last score, with heads
@@ -50,7 +51,8 @@ class TargetScorer:
         with_heads: bool = False,
     ) -> list[int]:
         """Begin a request (its cache: `PagedKV.for_request`); returns the tokens to prefill
-        (all of the prompt but its last token, which the first `score` feeds), as
+        (the prompt but its last token, which the first `score` feeds, past what the pool
+        has cached of it), as
         `Row(prefill=True)`s of one or more forwards. `with_heads`: the request's drafter reads
         the target's heads (`guess`); only then do they run beside it."""
         if len(prompt_ids) == 0:
@@ -61,7 +63,12 @@ class TargetScorer:
         self.prompt_parts = [] if sampling.prompt_logprobs is not None else None
         self.features_rng = sampling.generator("target")
         self.cache = PagedKV.for_request(len(prompt_ids), sampling.max_tokens)
-        self.committed_len = 0
+        # the prompt's blocks another session computed (prefix caching), unless the prompt's
+        # scores or the heads need its forward
+        reusable = self.prompt_parts is None and not with_heads
+        self.committed_len = self.cache.reuse(pool_of(self.model.model), prompt_ids[:-1]) if reusable else 0
+        self.prefix_cache_queries = len(prompt_ids) - 1 if reusable else 0
+        self.prefix_cache_hits = self.committed_len
         self.num_scored = 0
         self.scored_hidden = None
         self.heads_session = None
@@ -69,23 +76,23 @@ class TargetScorer:
             if self.heads is None:
                 raise ValueError("this target has no multi-token heads")
             self.heads_session = self.heads.session(self.model)
-        return list(prompt_ids[:-1])
+        return list(prompt_ids[self.committed_len : -1])
 
     def reset(
         self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams, with_heads: bool = False
-    ) -> Optional[PromptScores]:
-        """Start a request and prefill its prompt, `PREFILL_CHUNK` tokens per forward; the
-        prompt's scores when `sampling.prompt_logprobs` asks for them."""
+    ) -> Prefilled:
+        """Start a request and prefill its prompt, `PREFILL_CHUNK` tokens per forward."""
         prefill = self.start(prompt_ids, policy, sampling, with_heads=with_heads)
         for begin in range(0, len(prefill), PREFILL_CHUNK):
             forward_rows([Row(self, prefill[begin : begin + PREFILL_CHUNK], prefill=True)])
-        return self.prompt_scores()
+        return self.prefilled()
 
-    def prompt_scores(self) -> Optional[PromptScores]:
-        """After the prefill: the prompt's scores, when the request asks for them."""
-        if self.prompt_parts is None:
-            return None
-        return PromptScores.concat(self.prompt_parts, self.sampling.prompt_logprobs)
+    def prefilled(self) -> Prefilled:
+        """After the prefill: the prompt's scores (when the request asks) and its prefix cache use."""
+        scores = None
+        if self.prompt_parts is not None:
+            scores = PromptScores.concat(self.prompt_parts, self.sampling.prompt_logprobs)
+        return Prefilled(scores, self.prefix_cache_queries, self.prefix_cache_hits)
 
     def within_min_tokens(self) -> bool:
         """Whether the rows last scored decide any of the request's first `min_tokens` tokens,
@@ -226,6 +233,7 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
         if row.prefill:
             row.scorer.score_prefill(part[None])
             row.scorer.committed_len += len(row.tokens)
+            row.scorer.cache.publish(row.scorer.prompt_ids[: row.scorer.committed_len])
             if row.scorer.heads_session is not None:
                 row.scorer.heads_session.advance(part)
     return blocks

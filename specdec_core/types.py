@@ -78,6 +78,17 @@ class TargetBlock:
 
 
 @dataclass
+class Prefilled:
+    """What a target session's `reset` reports: the prompt's scores when the request asks for
+    them, and its prompt tokens looked up in the KV pool's prefix cache and found there (vLLM's
+    `prefix_cache_queries` and `prefix_cache_hits`, this request's)."""
+
+    prompt_scores: Optional["PromptScores"] = None
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+@dataclass
 class PromptScores:
     """The target's log-probs of a prompt's tokens after the first, from its prefill: each
     token's and the top `n` alternatives at its position."""

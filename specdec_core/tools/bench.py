@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from ..batching import pool_of
 from ..drafters import DRAFTERS
 from ..drafters.pld import PromptLookupParams
 from ..engine import SpeculativeEngine
@@ -212,6 +213,8 @@ def run_bench(
     questions = load_questions(config.questions, config.categories, config.per_category, config.skip)
     if not questions:
         raise ValueError("no questions selected")
+    # every method prefills its prompts cold: prompts cached by the methods before would favor the later ones
+    pool_of(engine.target_model.model).prefix_caching = False
     runner = Runner(engine, config, endpoint_client)
     grade = Grader()
     tokenizer = engine.frontend.tokenizer

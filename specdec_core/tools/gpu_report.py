@@ -113,24 +113,27 @@ def measure(engine: SpeculativeEngine, method: str, sessions: int, args: dict, c
     }, [done.token_ids for done in completions]
 
 
-def prefill_line(model: torch.nn.Module, num_tokens: int) -> str:
-    """Time to the first token of a `num_tokens` prompt (its prefill and first score), twice: a
-    prefix cache would make the second one short."""
-    prompt = torch.randint(0, model.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
-    scorer = TargetScorer(model)
+def prefix_cache_line(model: torch.nn.Module, shared_tokens: int = 1500, question_tokens: int = 30) -> str:
+    """Time to the first token (prefill and first score) of two prompts that share a
+    `shared_tokens` system prompt and differ in their question: the second finds the shared
+    prompt's full blocks in the prefix cache."""
+    generator = torch.Generator().manual_seed(0)
+    vocab_size = model.config.vocab_size
+    shared = torch.randint(0, vocab_size, (shared_tokens,), generator=generator).tolist()
+    prompts = [shared + torch.randint(0, vocab_size, (question_tokens,), generator=generator).tolist() for _ in "ab"]
     sampling = SamplingParams(max_tokens=1)
-    first, second = (
-        seconds_per_call(
-            lambda: (
-                scorer.reset(prompt.tolist(), make_policy("greedy"), sampling) or scorer.score(prompt[-1:].tolist())
-            ),
-            warm_up=False,  # the first time is the measure
-        )
-        for _ in range(2)
-    )
+    times, scorers = [], [TargetScorer(model) for _ in prompts]
+    for scorer, prompt in zip(scorers, prompts):
+
+        def first_token(scorer=scorer, prompt=prompt):
+            scorer.reset(prompt, make_policy("greedy"), sampling)
+            scorer.score(prompt[-1:])
+
+        times.append(seconds_per_call(first_token, warm_up=False))  # the first time is the measure
     return (
-        f"Time to first token of a {num_tokens}-token prompt: {first * 1e3:.1f} ms, "
-        f"again {second * 1e3:.1f} ms (no prefix cache yet)"
+        f"Time to first token of a {shared_tokens + question_tokens}-token prompt: {times[0] * 1e3:.1f} ms; "
+        f"of another that shares its first {shared_tokens} tokens: {times[1] * 1e3:.1f} ms "
+        f"(prefix cache hits: {scorers[1].prefix_cache_hits} of {scorers[1].prefix_cache_queries} tokens)"
     )
 
 
@@ -151,7 +154,7 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
     out += [f"models: target {target.source}, draft {draft.source}, {target.dtype}, loaded in {loaded_s:.1f} s", ""]
     args = {**args, "vocab": engine.target_model.config.vocab_size}
     out += decode_section(engine, concurrency, methods, args, facts.get("copy_gb_s", 0) * 1e9)
-    out += [prefill_line(engine.target_model, 1500), ""]
+    out += [prefix_cache_line(engine.target_model), ""]
     ops = [count_step_ops(engine.target_model, n, args["num_draft"] + 1, args["prompt_tokens"]) for n in concurrency]
     out += ["Operations one target verify step dispatches (K + 1 tokens per session):", "", table(ops, list(ops[0]))]
     if on_cuda:

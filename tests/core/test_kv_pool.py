@@ -72,3 +72,70 @@ def test_a_trees_path_moves_into_place_and_the_rest_is_dropped():
     for layer in range(2):
         kept = pool.keys[layer][pool.slots(cache.table, range(7))].flatten().tolist()
         assert kept == [value + 100 * layer for value in (0, 1, 2, 3, 4, 6, 9)]
+
+
+def greedy_steps(scorers, prompts, num_tokens: int) -> list[list[int]]:
+    """Target-only greedy decoding of every session together, one token per step each."""
+    from specdec_core.target import Row, forward_rows
+
+    lasts, outputs = [prompt[-1] for prompt in prompts], [[] for _ in prompts]
+    for _ in range(num_tokens):
+        blocks = forward_rows([Row(scorer, [last]) for scorer, last in zip(scorers, lasts)])
+        for index, (scorer, block) in enumerate(zip(scorers, blocks)):
+            lasts[index] = int(block.logits[-1].argmax())
+            scorer.commit(1)
+            outputs[index].append(lasts[index])
+    return outputs
+
+
+def test_sessions_sharing_a_prefix_take_its_blocks_and_each_continue_as_alone():
+    """The second session of a shared 40-token prefix finds its 2 full blocks cached and prefills
+    only the rest; both sessions, open together, continue token for token as each does on a model
+    without prefix caching; when they end, every block is back and the prefix stays cached."""
+    from specdec_core.policies import make_policy
+    from specdec_core.sampling import SamplingParams
+    from specdec_core.target import TargetScorer
+
+    shared = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    prompts = [shared + [5, 6, 7], shared + [9, 8]]
+    cached, alone = tiny_llama(seed=7), tiny_llama(seed=7)
+    alone.model.kv_pool = KVPool(len(alone.model.layers), prefix_caching=False)
+    expected = []
+    for prompt in prompts:
+        scorer = TargetScorer(alone)
+        scorer.reset(prompt, make_policy("greedy"), SamplingParams())
+        assert scorer.prefix_cache_hits == 0
+        expected += greedy_steps([scorer], [prompt], 12)
+    first, second = TargetScorer(cached), TargetScorer(cached)
+    first.reset(prompts[0], make_policy("greedy"), SamplingParams())
+    assert (first.prefix_cache_queries, first.prefix_cache_hits) == (42, 0)
+    to_prefill = second.start(prompts[1], make_policy("greedy"), SamplingParams())
+    assert (second.prefix_cache_queries, second.prefix_cache_hits) == (41, 32) and to_prefill == prompts[1][32:-1]
+    assert second.cache.table[:2] == first.cache.table[:2]  # the same blocks, held twice
+    second.reset(prompts[1], make_policy("greedy"), SamplingParams())
+    assert greedy_steps([first, second], prompts, 12) == expected
+    pool = pool_of(cached.model)
+    del first, second
+    gc.collect()
+    assert pool.num_used == 0 and len(pool.idle) >= 2
+
+
+def test_a_full_pool_evicts_the_least_recently_used_cached_blocks():
+    pool = KVPool(num_layers=1, num_blocks=4, growable=False, block_size=2)
+    tokens = [1, 2, 3, 4, 5]
+    owner = PagedKV()
+    assert owner.reuse(pool, tokens) == 0
+    owner.reserve(pool, 5)
+    owner.advance(5)
+    owner.publish(tokens)  # blocks [1, 2] and [3, 4]; the fifth token's block is not full
+    assert len(owner.prefix_keys) == 2
+    reader = PagedKV()
+    assert reader.reuse(pool, tokens) == 4 and reader.table == owner.table[:2]
+    owner_table = list(owner.table)
+    del owner, reader
+    gc.collect()
+    assert pool.num_used == 0 and len(pool.idle) == 2
+    taker = PagedKV()
+    taker.reserve(pool, 6)  # 3 blocks: the two free ones, then the oldest cached one
+    assert pool.num_used == 3 and list(pool.published.values()) == [owner_table[1]]
+    assert PagedKV().reuse(pool, tokens) == 0  # its first block is gone, so no prefix matches

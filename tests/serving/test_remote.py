@@ -394,12 +394,25 @@ def test_past_the_kv_budget_requests_get_503_and_the_admitted_ones_finish(tiny_e
     gets 503 + Retry-After over HTTP (RESOURCE_EXHAUSTED from the worker) while two streams are
     open; one client leaving frees its session and memory at once, the other finishes with its
     usual tokens, and the next request is served."""
+    import gc
+
     from deployments.admission import Admission
+    from specdec_core.batching import pool_of
+    from specdec_core.kv_pool import BLOCK_SIZE
 
     req = request("greedy", "pld")
-    target = TargetService(tiny_engine.target_model, 60.0, tiny_engine.frontend.profile())
-    session_bytes = target.max_len(req.prompt_ids, req.sampling) * target.kv_bytes_per_token
-    target.admission = Admission(2.5 * session_bytes, max_waiting=0, wait_s=0.0)
+    model = tiny_engine.target_model
+    growable_pool = pool_of(model.model)
+    probe = TargetService(model, 60.0)  # what a session reserves, in whole blocks of the pool
+    session_bytes = probe.max_len(req.prompt_ids, req.sampling) * probe.kv_bytes_per_token
+    admission = Admission(2.5 * session_bytes, max_waiting=0, wait_s=0.0)
+    target = TargetService(model, 60.0, tiny_engine.frontend.profile(), admission=admission)
+    pool = pool_of(model.model)  # the budget's, allocated once
+    assert (
+        pool is not growable_pool
+        and not pool.growable
+        and pool.num_blocks * BLOCK_SIZE >= 2 * probe.max_len(req.prompt_ids, req.sampling)
+    )
     workers = Workers(tiny_engine, target=target)
     try:
         expected = tiny_engine.complete(req).token_ids
@@ -425,8 +438,11 @@ def test_past_the_kv_budget_requests_get_503_and_the_admitted_ones_finish(tiny_e
         stats = workers.stubs["target"].Stats(pb.Empty())
         assert stats.sessions == 0 and stats.kv_reserved_bytes == 0
         assert remote_complete(workers.engine, req)[0] == expected
+        gc.collect()
+        assert pool.num_used == 0  # every block back: nothing leaks
     finally:
         workers.stop()
+        model.model.kv_pool = growable_pool  # the other tests' engine
 
 
 class ResetRaises(DraftServicer):
@@ -832,3 +848,15 @@ def test_a_stopping_worker_answers_unavailable_not_internal(tiny_engine):
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(None)
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(cluster, tiny_engine):
+    """The second request of a prompt (another session on the same worker) finds its full
+    blocks in the target's prefix cache, says so in its metrics, and decodes the same tokens."""
+    req = request("greedy", "pld")
+    req.prompt_ids = repeating_prompt(11, length=70)
+    first_tokens, first = remote_complete(cluster, req)
+    second_tokens, second = remote_complete(cluster, req)
+    assert second_tokens == first_tokens
+    assert second["prefix_cache_queries"] == 69 and second["prefix_cache_hits"] == 64
+    assert first["prefix_cache_hits"] <= second["prefix_cache_hits"]
