@@ -13,6 +13,7 @@ from .cli_common import console, fail, request_from_options
 from .cli_decoding import bench, generate, quality
 from .cli_measuring import calibrate_easd, lookup_ceiling, verify_cost
 from .cli_preparing import convert, frontier, plan, train_heads_command
+from .compile_check import compile_check_command
 from .gpu_report import gpu_report
 from .step_ops import step_ops_command
 
@@ -34,6 +35,7 @@ GROUPS = {
         "verify-cost": verify_cost,
         "lookup-ceiling": lookup_ceiling,
         "step-ops": step_ops_command,
+        "compile-check": compile_check_command,
         "gpu-report": gpu_report,
     },
 }

@@ -70,6 +70,41 @@ def test_each_row_of_a_ragged_step_scores_as_it_would_alone():
     assert torch.equal(by_itself.logits, beside.logits)
 
 
+def test_a_long_prompt_chunk_attends_apart_and_every_row_scores_as_alone():
+    """A step holding a prompt chunk longer than LONG_ROW beside short verify rows makes two
+    attention calls per layer (the short rows are not padded to the chunk); each verify row's
+    logits are those of its step alone, and the chunk's prompt continues as unbatched."""
+    from specdec_core.batching import LONG_ROW
+
+    model = tiny_llama(seed=4)
+    generator = torch.Generator().manual_seed(3)
+    long_prompt = torch.randint(0, 512, (LONG_ROW + 40,), generator=generator).tolist()
+    prompts = [torch.randint(0, 512, (length,), generator=generator).tolist() for length in (9, 30)]
+    blocks = [torch.randint(0, 512, (5,), generator=generator).tolist() for _ in prompts]
+    alone = []
+    for prompt, block in zip(prompts, blocks):
+        scorer = TargetScorer(model)
+        scorer.reset(prompt, make_policy("greedy"), SamplingParams())
+        alone.append(scorer.score(block).logits)
+    scorers = [TargetScorer(model) for _ in range(3)]
+    for scorer, prompt in zip(scorers, prompts):
+        scorer.reset(prompt, make_policy("greedy"), SamplingParams())
+    scorers[2].start(long_prompt, make_policy("greedy"), SamplingParams())
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = lambda *a, **k: calls.append(a[0].shape) or original(*a, **k)
+    try:
+        chunk = Row(scorers[2], long_prompt[:-1], prefill=True)
+        got = forward_rows([Row(scorers[0], blocks[0]), chunk, Row(scorers[1], blocks[1])])
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+    assert len(calls) == 2 * model.config.num_hidden_layers and {shape[2] for shape in calls} == {5, LONG_ROW + 39}
+    for block, logits in zip((got[0], got[2]), alone):
+        torch.testing.assert_close(block.logits, logits, atol=1e-5, rtol=0)
+    last = scorers[2].score(long_prompt[-1:]).logits
+    torch.testing.assert_close(last, plain_logits(model, long_prompt)[-1:], atol=1e-5, rtol=0)
+
+
 def test_proposals_in_lockstep_equal_each_proposal_alone():
     """Draft proposals of sessions with different prompts, drafters, block lengths and sampling
     run together (one ragged forward per round, rows of one int4 draft on different kernels by

@@ -35,3 +35,12 @@ def test_step_ops_command_prints_json(tmp_path):
     assert result.exit_code == 0, result.output
     counts = json.loads(result.output.strip().splitlines()[-1])
     assert [count["rows"] for count in counts] == [1, 2] and counts[0]["attention_ops"] == 2
+
+
+def test_compile_check_names_where_the_step_breaks_its_graph():
+    """On the CPU kernels the step breaks (the packed linears' checks); the report says where."""
+    from specdec_core.tools.compile_check import explain_step
+
+    report = explain_step(tiny_llama(num_layers=2), rows=3)
+    assert report["graphs"] == report["graph_breaks"] + 1 and report["graph_breaks"] > 0
+    assert any(line.startswith("linear.py:") for line in report["breaks_by_line"])
