@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import typer
 
-from ..batching import pool_of, step_layout, use_ragged_attention
+from ..batching import forward_ragged, pool_of, step_layout, use_ragged_attention
 from ..kv_pool import PagedKV
 from .cli_common import EMBEDDED
 from .device_clock import seconds_per_call
@@ -35,8 +35,6 @@ def explain_step(
     after `history` cached ones: graphs, breaks, and the breaks per source line; `timed`: also
     the step's ms eager and compiled (mode reduce-overhead: CUDA graphs where it can), on these
     fixed shapes, and how long compiling took."""
-    from ..batching import forward_ragged
-
     generator = torch.Generator().manual_seed(0)
     vocab_size = model.config.vocab_size
     caches = [PagedKV() for _ in range(rows)]
