@@ -31,6 +31,7 @@ class SpecdecHttpClient:
             "policy": request.policy.model_dump() if request.policy else None,
             "drafter": request.drafter.model_dump() if request.drafter else None,
             "num_draft_tokens": request.num_draft_tokens,
+            "run_ahead": request.run_ahead,
         }
         if request.messages is not None:
             return "/v1/chat/completions", {**body, "messages": request.messages}
@@ -80,6 +81,7 @@ class SpecdecGrpcClient:
             policy=component_to_proto(request.policy) if request.policy else None,
             drafter=component_to_proto(request.drafter) if request.drafter else None,
             num_draft_tokens=request.num_draft_tokens or 0,
+            run_ahead=request.run_ahead,
         )
 
     @staticmethod

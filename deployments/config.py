@@ -7,6 +7,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec_core.heads import AUTO
+from specdec_core.kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION
 from specdec_core.loader import DEFAULT_DRAFT, ModelSpec
 from specdec_core.profile import CalibrationSettings
 from specdec_core.request import RequestDefaults
@@ -34,8 +35,21 @@ class WorkerConfig(BaseModel):
     kv_budget_mb: Optional[float] = Field(
         None, gt=0, description="KV memory the worker's sessions may reserve (rank 0's share); None: no limit"
     )
+    gpu_memory_utilization: Optional[float] = Field(
+        None,
+        gt=0,
+        le=1,
+        description="on CUDA without kv_budget_mb: the fraction of the card a rank may use for weights, "
+        "activations and KV (vLLM's knob); the KV pool gets the rest after a profiled step. Default: "
+        "0.9 of the rank's num_gpus share, so workers sharing a card split it",
+    )
     max_waiting_sessions: int = Field(64, ge=0, description="sessions that wait for KV memory before 503s")
     admission_wait_s: float = Field(10.0, ge=0, description="how long one of them waits at most")
+
+    @property
+    def kv_fraction(self) -> float:
+        """`gpu_memory_utilization`, or its default for this rank's share of a card."""
+        return self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION * min(1.0, self.num_gpus or 1.0)
 
     @model_validator(mode="after")
     def _asks_for_something(self):

@@ -3,7 +3,7 @@ proposals of one step run their draft-model forwards in lockstep (`propose_toget
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -61,18 +61,33 @@ class DraftService(WorkerService):
         self.table.put(op.session_id, (drafter_session, op.with_logits))
 
     def propose(
-        self, session_id: str, max_tokens: int, commit_tokens: list[int], batch_rows: int
+        self,
+        session_id: str,
+        max_tokens: int,
+        commit_tokens: list[int],
+        batch_rows: int,
+        after_tokens: Sequence[int] = (),
     ) -> tuple[DraftBlock, bool]:
-        """Commit what the verifier kept, then propose up to `max_tokens` (in the next step);
-        returns the block and whether the session's caller asked for its logits."""
-        self.session(session_id)
+        """Commit what the verifier kept, then propose up to `max_tokens` (in the next step), after
+        `after_tokens` where run-ahead gives them; returns the block and whether the session's
+        caller asked for its logits."""
+        drafter_session, _ = self.session(session_id)
+        if after_tokens and not isinstance(drafter_session, ModelDrafter):
+            raise SpecdecError(f"after_tokens: drafter {drafter_session.name!r} drafts inline, never ahead")
+        after_tokens = self.check_tokens(after_tokens, "after_tokens", 0, MAX_DRAFT_TOKENS)
         if not 0 <= max_tokens <= MAX_DRAFT_TOKENS:
             raise SpecdecError(f"max_tokens must lie in [0, {MAX_DRAFT_TOKENS}]")
         commit_tokens = self.check_tokens(commit_tokens, "commit_tokens", 0, MAX_DRAFT_TOKENS + 1)
         if not 0 <= batch_rows <= MAX_BATCH_ROWS:
             raise SpecdecError(f"batch_rows must lie in [0, {MAX_BATCH_ROWS}]")
         batch_rows = max(1, batch_rows)
-        row = DraftRow(session_id=session_id, max_tokens=max_tokens, commit_tokens=commit_tokens, batch_rows=batch_rows)
+        row = DraftRow(
+            session_id=session_id,
+            max_tokens=max_tokens,
+            commit_tokens=commit_tokens,
+            batch_rows=batch_rows,
+            after_tokens=after_tokens,
+        )
         return self.batcher.submit(row).result()
 
     def sessions_in_steps(self) -> int:
@@ -94,5 +109,5 @@ class DraftService(WorkerService):
             drafter_session, _ = self.session(row.session_id)
             if row.commit_tokens:
                 drafter_session.commit(row.commit_tokens)
-            proposals.append((drafter_session, row.max_tokens, row.batch_rows))
+            proposals.append((drafter_session, row.max_tokens, row.batch_rows, row.after_tokens))
         return propose_step(self.draft_model, proposals)

@@ -58,6 +58,7 @@ def request_from_message(message: pb.GenerateRequest) -> GenerationRequest:
         policy=component_or_none(message.policy),
         drafter=component_or_none(message.drafter),
         num_draft_tokens=message.num_draft_tokens or None,
+        run_ahead=message.run_ahead if message.HasField("run_ahead") else None,
     )
 
 

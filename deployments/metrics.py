@@ -35,6 +35,14 @@ class ServeMetrics:
             name: Counter(f"specdec_{name}", description=f"prompt tokens: {name} of the target's prefix cache")
             for name in ("prefix_cache_queries", "prefix_cache_hits")
         }
+        self.run_ahead = {
+            name: Counter(f"specdec_run_ahead_{name}", description=f"run-ahead drafting: {description}")
+            for name, description in (
+                ("used", "proposals drafted ahead and verified next"),
+                ("discarded", "proposals drafted ahead and dropped (another verdict)"),
+                ("draft_ms_hidden", "draft milliseconds spent while the target verified"),
+            )
+        }
         self.tokens = {
             kind: Counter(f"specdec_{kind}_tokens", description=f"{kind} tokens of finished requests")
             for kind in ("prompt", "generation")
@@ -70,6 +78,9 @@ class ServeMetrics:
         for name, counter in self.prefix_cache.items():
             if metrics[name] > 0:
                 counter.inc(metrics[name])
+        for name, value in metrics.get("run_ahead", {}).items():
+            if value > 0:
+                self.run_ahead[name].inc(value)
         for kind, key in (("prompt", "prompt_tokens"), ("generation", "completion_tokens")):
             if metrics[key] > 0:
                 self.tokens[kind].inc(metrics[key])

@@ -2,7 +2,7 @@
 semantics, and vLLM's where the two differ, with the sampling extensions clients of vLLM send
 (`top_k`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
 `skip_special_tokens`). Extra body fields select the speculative setup per request: `policy`
-and `drafter` (a registry name, or `{name, params}`) and `num_draft_tokens`.
+and `drafter` (a registry name, or `{name, params}`), `num_draft_tokens` and `run_ahead`.
 
 A field is either implemented, or metadata that cannot change the output (accepted, ignored),
 or unsupported: accepted only at the value that means "not used", else a 400 naming it. Any
@@ -115,6 +115,7 @@ class OpenAIRequest(BaseModel):
     policy: Optional[Union[str, ComponentSpec]] = None
     drafter: Optional[Union[str, ComponentSpec]] = None
     num_draft_tokens: Optional[int] = Field(None, ge=1)
+    run_ahead: Optional[StrictBool] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -174,6 +175,7 @@ class OpenAIRequest(BaseModel):
             policy=component(self.policy),
             drafter=component(self.drafter),
             num_draft_tokens=self.num_draft_tokens,
+            run_ahead=self.run_ahead,
         )
 
 

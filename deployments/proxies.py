@@ -199,18 +199,23 @@ class RemoteDrafter:
         except grpc.RpcError as error:
             self._fall_back(error)
 
-    async def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+    async def propose(self, max_tokens: int, batch_rows: int = 1, after: Sequence[int] = ()) -> DraftBlock:
         if self.failed or not self.remote or max_tokens <= 0:
             return DraftBlock.empty()
+        # sent now: a commit made while this call is out (run-ahead) rides on the next one
+        sent, self.pending_tokens = self.pending_tokens, []
         request = pb.ProposeRequest(
-            session_id=self.session_id, max_tokens=max_tokens, commit_tokens=self.pending_tokens, batch_rows=batch_rows
+            session_id=self.session_id,
+            max_tokens=max_tokens,
+            commit_tokens=sent,
+            batch_rows=batch_rows,
+            after_tokens=list(after),
         )
         try:
             reply = await self.stub.Propose(request, timeout=self.deadline_s)
         except grpc.RpcError as error:
             self._fall_back(error)
             return DraftBlock.empty()
-        self.pending_tokens = []
         self.bytes_received += reply.ByteSize()
         logits = tensor_from_proto(reply.logits) if reply.HasField("logits") else None
         token_probs = torch.tensor(list(reply.token_probs)) if reply.token_probs else None

@@ -11,6 +11,7 @@ thread and never serialize. The ingresses reach it with `open` (from an event lo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import time
@@ -28,6 +29,7 @@ from specdec_core.engine import speculative_loop
 from specdec_core.frontend import Frontend, PreparedRequest
 from specdec_core.profile import TargetProfile
 from specdec_core.request import GenerationRequest, StreamChunk
+from specdec_core.run_ahead import RunAhead
 
 from .auth import SendSecret
 from .errors import WorkerUnavailable
@@ -159,6 +161,8 @@ class RemoteEngine:
                     remote_drafter.stub = await self.stub("draft")
                 except WorkerUnavailable as error:  # the request goes on target-only
                     remote_drafter.fall_back(str(error))
+            if request.run_ahead:  # the draft worker drafts while the target verifies
+                drafter = RunAhead(remote_drafter, asyncio.ensure_future)
         timings, last_chunk_at = RequestTimings(), arrival
         loop = speculative_loop(request, drafter, target, self.frontend.output(request))
         try:
@@ -184,6 +188,8 @@ class RemoteEngine:
                     yield chunk
         finally:  # also on client disconnect (closed or cancelled): free both sessions
             await target.release()
+            if isinstance(drafter, RunAhead):  # a proposal still out: release the session after it
+                await drafter.settle()
             if remote_drafter is not None:
                 await remote_drafter.release()
 

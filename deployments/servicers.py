@@ -88,7 +88,11 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
     @checked
     def Propose(self, request, context):
         block, with_logits = self.service.propose(
-            request.session_id, request.max_tokens, list(request.commit_tokens), request.batch_rows
+            request.session_id,
+            request.max_tokens,
+            list(request.commit_tokens),
+            request.batch_rows,
+            list(request.after_tokens),
         )
         reply = pb.DraftReply(tokens=block.tokens.tolist(), tree=block.tree.name if block.tree is not None else "")
         if block.sampled:

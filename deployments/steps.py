@@ -64,6 +64,7 @@ class StepBatcher:
         self.scheduled = False
         self.steps = 0
         self.rows = 0
+        self.step_seconds = 0.0  # the steps' time on the torch thread
 
     def submit(self, step_row: Any) -> Future:
         """A row for the next step; its future gives the row's result (`reply(result)` when
@@ -114,12 +115,14 @@ class StepBatcher:
             ops.append(row.row.model_copy(update={"tokens": row.row.tokens[: self.chunk]}) if row.prefill else row.row)
         if not rows:
             return
+        clock = time.perf_counter()
         try:
             results = self.run_step(ops)
         except Exception as error:  # noqa: BLE001 - the forward failed for every row in it
             for row in rows:
                 row.future.set_exception(error)
             return
+        self.step_seconds += time.perf_counter() - clock
         self.steps += 1
         self.rows += len(rows)
         for row, result in zip(rows, results):

@@ -35,6 +35,12 @@ class ControlChannel:
         except (RuntimeError, dist.DistError) as error:
             raise GroupBroken(f"a rank of the group is gone: {error}") from None
 
+    def smallest(self, value: float) -> float:
+        """The smallest of every rank's `value` (every rank calls it at the same point)."""
+        values = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.MIN, group=self.group)
+        return float(values)
+
     def receive(self) -> Message:
         size = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(size, src=0, group=self.group)

@@ -89,6 +89,7 @@ class WorkerRank:
         from specdec_core.batching import pool_of
         from specdec_core.heads import load_heads
         from specdec_core.kernels.cpu import configure_cpu
+        from specdec_core.kv_budget import kv_budget
         from specdec_core.loader import load_configs, load_model
         from specdec_core.parallel import join_group, load_sharded_model
         from specdec_core.topologies import load_tree_bank
@@ -119,10 +120,13 @@ class WorkerRank:
         # rank 0 sends every operation to the others, and releases what expires on all of them
         sending = channel if self.rank == 0 else None
         idle_timeout_s = config.session_idle_timeout_s if self.rank == 0 else float("inf")
-        admission = None
-        if self.rank == 0:
-            budget = worker.kv_budget_mb * 2**20 if worker.kv_budget_mb else None
-            admission = Admission(budget, worker.max_waiting_sessions, worker.admission_wait_s)
+        # every rank sizes its pool alike (the smallest of their budgets); only rank 0 admits
+        budget = None
+        if model is not None:
+            budget = on_torch_thread(kv_budget, model, worker.kv_budget_mb, worker.kv_fraction, worker.prefill_chunk)
+            if budget is not None and channel is not None:
+                budget = on_torch_thread(channel.smallest, budget)
+        admission = Admission(budget, worker.max_waiting_sessions, worker.admission_wait_s)
         if self.role == "draft":
             target_config = load_configs(config.target)[0]
             service = DraftService(

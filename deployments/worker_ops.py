@@ -53,6 +53,7 @@ class DraftRow(Message):
     max_tokens: int
     commit_tokens: list[int]
     batch_rows: int  # the sessions the target's last step held, which prices a block
+    after_tokens: list[int] = []  # run-ahead: propose after these, as if committed
 
 
 class TargetRow(Message):

@@ -61,8 +61,9 @@ class WorkerService:
         prefill_chunk: int = PREFILL_CHUNK,
     ):
         """`target_config`: the target model's config (the ids are the target's); `channel`: rank
-        0's link to the other ranks of its group; `admission`: rank 0's, which reserves the KV
-        bytes of `model` (this rank's shard of it) for every position a session can reach.
+        0's link to the other ranks of its group; `admission`: this rank's KV budget, the size
+        of its pool, allocated once; rank 0 admits by it, reserving the KV bytes of `model` (this
+        rank's shard of it) for every position a session can reach.
         The calls of different sessions share steps (steps.py): rank 0's batcher decides each
         step and sends it to the other ranks as one operation."""
         self.vocab_size = target_config.vocab_size
@@ -160,6 +161,7 @@ class WorkerService:
             "kv_reserved_bytes": reserved,
             "steps": self.batcher.steps,
             "step_rows": self.batcher.rows,
+            "step_seconds": self.batcher.step_seconds,
         }
 
     def step_of(self, rows: list) -> Message:

@@ -80,10 +80,16 @@ def fix_pool(model: torch.nn.Module, budget_bytes: float, bytes_per_token: float
 
 
 def step_layout(
-    pool: KVPool, caches: Sequence[PagedKV], lengths: Sequence[int], trees: Sequence[Optional[Topology]], device
+    pool: KVPool,
+    caches: Sequence[PagedKV],
+    lengths: Sequence[int],
+    trees: Sequence[Optional[Topology]],
+    device,
+    views: bool = True,
 ) -> StepLayout:
     """Reserve each row's blocks for its new tokens and lay out the step (host-side, a few ops
-    per forward, not per layer)."""
+    per forward, not per layer). `views`: a lone row whose blocks are consecutive reads them as a
+    slice (not for a compiled step: its bounds would be constants, a new graph every step)."""
     for cache, length in zip(caches, lengths):
         cache.reserve(pool, cache.length + length)
     history = torch.tensor([cache.length for cache in caches])  # [B]
@@ -100,7 +106,7 @@ def step_layout(
     offsets = torch.cumsum(new, 0) - new  # [B]
     long = new > LONG_ROW
     parts = [members for members in (torch.nonzero(~long)[:, 0], torch.nonzero(long)[:, 0]) if members.numel()]
-    if len(caches) == 1:
+    if len(caches) == 1 and views:
         table = caches[0].table
         if all(block == table[0] + index for index, block in enumerate(table[:num_blocks])):
             read_slots = slice(table[0] * size, table[0] * size + int(total[0]))  # a view, not a gather
@@ -176,7 +182,8 @@ def run_ragged(
             for offset in (range(length) if tree is None else (0, *map(len, tree.paths)))
         ]
     )
-    layout = step_layout(pool_of(base_model), caches, lengths, trees, base_model.device)
+    compiled = getattr(base_model, "compiled_step", False)
+    layout = step_layout(pool_of(base_model), caches, lengths, trees, base_model.device, views=not compiled)
     with attention_backends(base_model.device):
         output = base_model(
             **inputs, position_ids=positions[None].to(base_model.device), use_cache=False, ragged=layout
@@ -184,6 +191,17 @@ def run_ragged(
     for cache, length in zip(caches, lengths):
         cache.advance(length)
     return output.last_hidden_state, offsets
+
+
+def compile_step(model: torch.nn.Module, backend: str = "inductor") -> None:
+    """Compile `model`'s base forward (every layer and the ragged attention: no graph break,
+    `specdec compile-check`). A step's shapes (rows, tokens, history) change every call, so after
+    the first recompile its sizes are symbolic; what stays a guard is the layout's kind (one or
+    two row groups, a mask or none, one row or many): a few graphs in all."""
+    use_ragged_attention(model)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    model.model.forward = torch.compile(model.model.forward, backend=backend)
+    model.model.compiled_step = True
 
 
 def attention_backends(device: torch.device):

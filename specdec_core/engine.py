@@ -19,6 +19,7 @@ from .metrics import SpecMetrics
 from .output import OutputTracker
 from .profile import CalibrationSettings, TargetProfile, calibration_progress, load_profile, measure_profile
 from .request import Completion, GenerationRequest, RequestDefaults, StreamChunk
+from .run_ahead import RunAhead, run_now
 from .sessions import DraftSession, Immediate, TargetSession, run_immediately
 from .target import TargetScorer
 
@@ -77,6 +78,9 @@ async def speculative_loop(
         chunk = output.append(new_tokens, log_probs)
         if output.finish_reason is None and (chunk.token_ids or chunk.text):
             yield chunk
+    if isinstance(drafter, RunAhead):
+        await drafter.settle()
+        metrics.run_ahead = drafter.summary()
     chunk.metrics = {
         "policy": {"name": policy.name, "params": json.loads(policy.params.model_dump_json())},
         **metrics.summary(),
@@ -135,15 +139,24 @@ class SpeculativeEngine:
         return run_immediately(speculative_loop(prepared, drafter, target, self.frontend.output(prepared)))
 
     def sessions(
-        self, prepared: PreparedRequest, target_session: Callable = Immediate, draft_session: Callable = Immediate
+        self,
+        prepared: PreparedRequest,
+        target_session: Callable = Immediate,
+        draft_session: Callable = Immediate,
+        run_ahead: bool = True,
     ) -> tuple[DraftSession, TargetSession]:
         """A request's drafter and target sessions over the local models; `target_session` and
-        `draft_session` put each local object behind the loop's calls (lockstep.py batches them)."""
+        `draft_session` put each local object behind the loop's calls (lockstep.py batches them,
+        with `run_ahead` False: a proposal outside its rounds would hold one up)."""
         target = target_session(TargetScorer(self.target_model, self.heads))
         spec = prepared.drafter
         drafter = make_drafter(spec.name, spec.params, self.draft_model, target)
         # a drafter of the target's heads asks the target session itself: it is a session already
-        return (drafter if drafter.drafts_from is DraftSource.TARGET_HEADS else draft_session(drafter)), target
+        if drafter.drafts_from is DraftSource.TARGET_HEADS:
+            return drafter, target
+        if prepared.run_ahead and run_ahead:  # in process nothing runs beside the target: the same tokens, no gain
+            return RunAhead(draft_session(drafter), run_now), target
+        return draft_session(drafter), target
 
     def complete(self, request: GenerationRequest) -> Completion:
         return Completion.from_chunks(list(self.stream(request)))

@@ -26,6 +26,7 @@ class PreparedRequest:
     policy: AcceptancePolicy
     drafter: ComponentSpec
     num_draft_tokens: int
+    run_ahead: bool = False  # a draft model's chains are drafted ahead (run_ahead.py)
 
 
 class Frontend:
@@ -110,12 +111,16 @@ class Frontend:
         prompt_field = "messages" if request.messages is not None else "prompt"
         if not prompt_ids:
             raise SpecdecError("prompt encodes to zero tokens", prompt_field)
+        drafter_class = DRAFTERS[drafter.name]
+        run_ahead = self.defaults.run_ahead if request.run_ahead is None else request.run_ahead
         return PreparedRequest(
             prompt_ids,
             self.resolve_length(sampling.seeded(), len(prompt_ids), num_draft_tokens, prompt_field),
             policy,
             drafter,
             num_draft_tokens,
+            # lookups are cheap enough to draft inline; trees are not drafted ahead
+            run_ahead and drafter_class.drafts_from is DraftSource.DRAFT_MODEL and not drafter_class.proposes_trees,
         )
 
     def resolve_length(self, sampling: SamplingParams, num_prompt: int, num_draft_tokens: int, prompt_field: str):

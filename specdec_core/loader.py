@@ -21,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm.auto import tqdm
 
+from .batching import compile_step
 from .kernels import prepare_model
 from .kernels.int4 import quantize_int4
 
@@ -48,6 +49,9 @@ class ModelSpec(BaseModel):
     )
     num_layers: Optional[int] = Field(None, ge=1, description="keep only the first N decoder layers")
     device: str = Field("auto", description="auto: CUDA when present (int4 stays on the CPU), else the CPU")
+    compile: bool = Field(
+        False, description="torch.compile the step (batching.compile_step): compiles a few graphs at first use"
+    )
 
     @field_validator("device")
     @classmethod
@@ -220,10 +224,14 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     if spec.num_layers is not None:
         truncate_layers(model, spec.num_layers)
     if device.type != "cpu":
-        return model.eval()
-    if spec.dtype == "int4":
-        quantize_int4(model)
-    return prepare_model(model)
+        model = model.eval()
+    else:
+        if spec.dtype == "int4":
+            quantize_int4(model)
+        model = prepare_model(model)
+    if spec.compile:
+        compile_step(model)
+    return model
 
 
 def random_model(config: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

@@ -108,8 +108,8 @@ class LockstepDraft:
     async def reset(self, prompt_ids: Sequence[int], sampling: Any) -> None:
         self.drafter.reset(prompt_ids, sampling)
 
-    async def propose(self, max_tokens: int, batch_rows: int = 1):
-        return await self.step.wait(self.step.proposals, (self.drafter, max_tokens, batch_rows))
+    async def propose(self, max_tokens: int, batch_rows: int = 1, after: Sequence[int] = ()):
+        return await self.step.wait(self.step.proposals, (self.drafter, max_tokens, batch_rows, after))
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         self.drafter.commit(new_tokens)
@@ -125,7 +125,7 @@ def complete_together(
 
     async def one(request) -> Completion:
         drafter, target = engine.sessions(
-            request, functools.partial(LockstepTarget, step), functools.partial(LockstepDraft, step)
+            request, functools.partial(LockstepTarget, step), functools.partial(LockstepDraft, step), run_ahead=False
         )
         try:
             chunks = [

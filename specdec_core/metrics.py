@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .types import DraftBlock, Verdict
 
@@ -24,6 +25,7 @@ class SpecMetrics:
     prefill_ms: float = 0.0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the target's prefix cache (vLLM's name)
     prefix_cache_hits: int = 0  # and found there
+    run_ahead: Optional[dict] = None  # with run-ahead drafting: its proposals used, discarded, draft time hidden
 
     def record(self, draft: DraftBlock, verdict: Verdict) -> None:
         self.num_steps += 1
@@ -72,10 +74,15 @@ class SpecMetrics:
             ],
             **self.counters,
             **({"tree_steps": dict(self.tree_steps)} if self.tree_steps else {}),
+            **({"run_ahead": self.run_ahead} if self.run_ahead is not None else {}),
             "prefill_ms": round(self.prefill_ms, 3),
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "draft_ms_p50": p50(self.draft_ms),
             "target_ms_p50": p50(self.target_ms),
             "verify_ms_p50": p50(self.verify_ms),
+            # a request's time split: awaiting drafts, awaiting the target's rows, verifying
+            "draft_ms_total": round(sum(self.draft_ms), 3),
+            "target_ms_total": round(sum(self.target_ms), 3),
+            "verify_ms_total": round(sum(self.verify_ms), 3),
         }

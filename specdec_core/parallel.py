@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from .batching import compile_step
 from .loader import DTYPES, ModelSpec, resolve_source, truncate_layers
 from .memory import shard_problem
 
@@ -65,6 +66,8 @@ def load_sharded_model(spec: ModelSpec, backend: TpBackend) -> torch.nn.Module:
         model = deepspeed_autotp(AutoModelForCausalLM.from_pretrained(source, dtype=dtype), tp, dtype)
     if spec.num_layers is not None:
         truncate_layers(model, spec.num_layers)
+    if spec.compile:
+        compile_step(model)
     return model.eval()
 
 

@@ -102,7 +102,12 @@ def profile_path(spec: ModelSpec, settings: CalibrationSettings) -> Path:
     clone, another directory) is not."""
     name, content = source_identity(spec.source)
     key = json.dumps(
-        [content, spec.model_dump(exclude={"source", "device"}), spec.torch_device.type, settings.model_dump()]
+        [
+            content,
+            spec.model_dump(exclude={"source", "device", "compile"}),
+            spec.torch_device.type,
+            settings.model_dump(),
+        ]
     )
     return cache_dir() / "profiles" / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 

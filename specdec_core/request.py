@@ -42,6 +42,9 @@ class RequestDefaults(BaseModel):
     )
     drafter: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="pld"))
     num_draft_tokens: int = Field(8, ge=1, le=MAX_DRAFT_TOKENS)
+    run_ahead: bool = Field(
+        False, description="a draft model drafts the next block while the target verifies (run_ahead.py)"
+    )
 
     def policy_for(self, sampling: SamplingParams) -> ComponentSpec:
         return self.policy if sampling.greedy else self.sampling_policy
@@ -60,6 +63,7 @@ class GenerationRequest(BaseModel):
     policy: Optional[ComponentSpec] = None
     drafter: Optional[ComponentSpec] = None
     num_draft_tokens: Optional[int] = Field(None, ge=1, le=MAX_DRAFT_TOKENS)
+    run_ahead: Optional[bool] = None
 
     @field_validator("messages")
     @classmethod

@@ -47,9 +47,11 @@ class DraftSession(Protocol):
     async def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         """Start a request on this prompt (the drafter draws from `sampling.generator("draft")`)."""
 
-    async def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+    async def propose(self, max_tokens: int, batch_rows: int = 1, after: Sequence[int] = ()) -> DraftBlock:
         """Up to `max_tokens` draft tokens (none: the step is a plain one-token target step);
-        `batch_rows`: the sessions the target's last step held, which prices a block."""
+        `batch_rows`: the sessions the target's last step held, which prices a block; `after`:
+        tokens the target verifies meanwhile, drafted after as if committed (run_ahead.py; a
+        draft model's drafters only)."""
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         """The tokens the verifier committed: accepted drafts, then its correction or bonus."""
@@ -73,7 +75,9 @@ class Immediate:
     def commit_path(self, nodes: Sequence[int]) -> None:
         self.session.commit_path(nodes)
 
-    async def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+    async def propose(self, max_tokens: int, batch_rows: int = 1, after: Sequence[int] = ()) -> DraftBlock:
+        if after:  # a draft model's drafter (the others draft inline, never ahead)
+            return self.session.propose(max_tokens, batch_rows, after)
         return self.session.propose(max_tokens, batch_rows)
 
     async def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:

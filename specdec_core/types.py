@@ -42,6 +42,13 @@ class DraftBlock:
             tree=self.tree,
         )
 
+    def part(self, start: int, stop: int) -> "DraftBlock":
+        """Tokens `start..stop` of a chain, with their rows (a run-ahead proposal past its guess)."""
+        rows = slice(start, stop)
+        return DraftBlock(
+            *(None if tensor is None else tensor[rows] for tensor in (self.tokens, self.logits, self.token_probs))
+        )
+
     def probs(self, sampling: SamplingParams, vocab_size: int, rows=slice(None)) -> torch.Tensor:
         """The distribution the tokens were proposed from, `[K, V]` (or the selected rows)."""
         if self.sampled:

@@ -86,6 +86,7 @@ class ModelDrafter(Drafter):
         self.forwards = 0  # draft forwards in this request
         self.drafted = 0
         self.last_proposal: list[int] = []
+        self.ahead: tuple[Optional[list[int]], list[int]] = (None, [])  # (the tokens it assumed, its proposal)
 
     def block_limit(self, max_tokens: int, batch_rows: int) -> BlockChoice:
         """How many tokens to draft this step: alone at least 1, so the estimate keeps learning;
@@ -99,16 +100,43 @@ class ModelDrafter(Drafter):
         length, value = best_block(rate, max_tokens, curve, cost_per_token, batch_rows)
         return BlockChoice(max(length, 1 if batch_rows == 1 else 0), value)
 
-    def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
-        return propose_together(self.model, [self.drafting(max_tokens, batch_rows)])[0]
+    def propose(self, max_tokens: int, batch_rows: int = 1, after: Sequence[int] = ()) -> DraftBlock:
+        return propose_together(self.model, [self.drafting_after(after, max_tokens, batch_rows)])[0]
 
-    def drafting(self, max_tokens: int, batch_rows: int = 1) -> Generator["DraftForward", torch.Tensor, DraftBlock]:
-        """The proposal: yields each forward it needs and receives that forward's logits."""
+    def drafting_after(
+        self, after: Sequence[int], max_tokens: int, batch_rows: int = 1
+    ) -> Generator["DraftForward", torch.Tensor, DraftBlock]:
+        """`drafting`, as if `after` (tokens the target is verifying now) were committed: a
+        run-ahead proposal (run_ahead.py), the draft's guess of the target's next token and then
+        a block of up to `max_tokens`. What the drafter learns from a proposal waits for the
+        commit that shows whether this one was used."""
+        if not after:
+            return (yield from self.drafting(max_tokens, batch_rows))
+        committed, proposal = len(self.context), self.last_proposal
+        estimate = (self.estimate.accepted, self.estimate.rejected)
+        self.context.extend(after)
+        # its block is priced as if `after` were kept whole, the outcome it assumes
+        self.estimate.update(proposal, [*after, -1])
+        try:  # the plain draft model's chain, even where mla under load would answer by lookup alone
+            block = yield from ModelDrafter.drafting(self, max_tokens, batch_rows, guess=1)
+        finally:
+            del self.context[committed:]
+            self.estimate.accepted, self.estimate.rejected = estimate
+        self.ahead = (list(after), self.last_proposal)
+        self.last_proposal = proposal
+        return block
+
+    def drafting(
+        self, max_tokens: int, batch_rows: int = 1, guess: int = 0
+    ) -> Generator["DraftForward", torch.Tensor, DraftBlock]:
+        """The proposal: yields each forward it needs and receives that forward's logits;
+        `guess` more tokens than its block, the first (run-ahead's guess of the target's next
+        token) the draft's likeliest."""
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         token_probs: list[torch.Tensor] = []  # p_d of sampled tokens, for verification
         sampled = not self.sampling.greedy and not self.deterministic
-        max_tokens = self.block_limit(max_tokens, batch_rows).length
+        max_tokens = self.block_limit(max_tokens, batch_rows).length + guess
         path_value = 1.0
         while len(tokens) < max_tokens:
             sequence = self.context + tokens
@@ -120,7 +148,8 @@ class ModelDrafter(Drafter):
             self.cached_tokens.extend(pending + guess)
             if sampled:
                 probs = sampling_probs(logits, self.sampling)
-                predicted_ids = sample(probs, self.generator)
+                # the guess of the target's next token is never verified as a draft: the likeliest
+                predicted_ids = argmax(logits) if guess and not tokens else sample(probs, self.generator)
             else:
                 predicted_ids = argmax(logits)
             predicted = predicted_ids.tolist()
@@ -152,6 +181,10 @@ class ModelDrafter(Drafter):
     def commit(self, new_tokens: Sequence[int]) -> None:
         if self.last_proposal:
             self.estimate.update(self.last_proposal, new_tokens)
+        # a run-ahead proposal was used when the verdict is the outcome it assumed: its tail is
+        # the block proposed next
+        (after, proposal), self.ahead = self.ahead, (None, [])
+        self.last_proposal = proposal[1:] if after is not None and list(new_tokens) == [*after, *proposal[:1]] else []
         super().commit(new_tokens)
 
 
@@ -224,12 +257,19 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
     return blocks
 
 
-def propose_step(model: Optional[torch.nn.Module], proposals: Sequence[tuple[Drafter, int, int]]) -> list[DraftBlock]:
-    """One draft step over drafter sessions, each with its `(max_tokens, batch_rows)`: the model
-    drafters' forwards (sessions of `model`) in lockstep, the others propose on their own."""
-    together = [drafter.drafting(*limits) for drafter, *limits in proposals if isinstance(drafter, ModelDrafter)]
+def propose_step(
+    model: Optional[torch.nn.Module], proposals: Sequence[tuple[Drafter, int, int, Sequence[int]]]
+) -> list[DraftBlock]:
+    """One draft step over drafter sessions, each with its `(max_tokens, batch_rows, after)`
+    (`after`: run-ahead's assumed tokens, model drafters only): the model drafters' forwards
+    (sessions of `model`) in lockstep, the others propose on their own."""
+    together = [
+        drafter.drafting_after(after, *limits)
+        for drafter, *limits, after in proposals
+        if isinstance(drafter, ModelDrafter)
+    ]
     blocks = iter(propose_together(model, together) if together else ())
     return [
         next(blocks) if isinstance(drafter, ModelDrafter) else drafter.propose(*limits)
-        for drafter, *limits in proposals
+        for drafter, *limits, _ in proposals
     ]

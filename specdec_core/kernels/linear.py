@@ -36,6 +36,8 @@ class PackedLinear(torch.nn.Linear):
     min_rows = 4
 
     def _packed_weight(self) -> Optional[torch.Tensor]:
+        if torch.compiler.is_compiling():  # inductor cannot lower oneDNN's packed op: its own linears
+            return None
         weight = self.weight
         if weight.dtype not in packable_dtypes() or weight.device.type != "cpu":
             return None

@@ -77,7 +77,9 @@ def build_engine(
     draft_layers: Optional[int],
     heads: Optional[str] = "auto",
     trees: Iterable[Path] = (),
+    compiled: bool = False,
 ):
+    """`compiled`: both models' steps under torch.compile (ModelSpec.compile)."""
     from ..engine import SpeculativeEngine
     from ..kernels.cpu import configure_cpu
     from ..topologies import load_tree_bank
@@ -85,8 +87,10 @@ def build_engine(
     configure_cpu(os.cpu_count() or 1)
     for bank in trees:
         load_tree_bank(bank)
-    target_spec = ModelSpec(source=target, dtype=target_dtype)
-    draft_spec = None if draft == "none" else ModelSpec(source=draft, dtype=draft_dtype, num_layers=draft_layers)
+    target_spec = ModelSpec(source=target, dtype=target_dtype, compile=compiled)
+    draft_spec = None
+    if draft != "none":
+        draft_spec = ModelSpec(source=draft, dtype=draft_dtype, num_layers=draft_layers, compile=compiled)
     return SpeculativeEngine.from_specs(target_spec, draft_spec, None if heads == "none" else heads)
 
 

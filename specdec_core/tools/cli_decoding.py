@@ -132,6 +132,7 @@ def bench(
     draft_layers: Optional[int] = DraftLayersOpt,
     heads: str = HeadsOpt,
     trees: list[Path] = TreesOpt,
+    compiled: bool = typer.Option(False, "--compile", help="torch.compile both models' steps (a model's `compile`)"),
 ):
     """Benchmark decoding methods on Spec-Bench; writes OUT/bench.json, OUT/bench.png and
     OUT/outputs.jsonl (every method's output per question)."""
@@ -167,14 +168,17 @@ def bench(
         load_sweep(config, [int(level) for level in levels], lambda: connect(endpoint), target, out)
         return
     endpoint_client = connect(endpoint) if endpoint else None
-    engine = build_engine(target, target_dtype, draft, draft_dtype, draft_layers, heads, trees)
+    engine = build_engine(target, target_dtype, draft, draft_dtype, draft_layers, heads, trees, compiled)
     try:
         rows, outputs = run_bench(engine, config, lambda items: tqdm(items, desc="questions"), endpoint_client)
     except (SpecdecError, ValueError, FileNotFoundError) as error:
         fail(str(error))
-    extra = {"target": ModelSpec(source=target, dtype=target_dtype).model_dump(), "threads": os.cpu_count()}
+    extra = {"target": ModelSpec(source=target, dtype=target_dtype, compile=compiled).model_dump()}
+    extra["threads"] = os.cpu_count()
     if draft != "none":
-        extra["draft"] = ModelSpec(source=draft, dtype=draft_dtype, num_layers=draft_layers).model_dump()
+        extra["draft"] = ModelSpec(
+            source=draft, dtype=draft_dtype, num_layers=draft_layers, compile=compiled
+        ).model_dump()
     path = write_report(rows, outputs, config, out, extra)
     print_table(rows, TABLE_COLUMNS)
     console.print(f"wrote {path} and {out / 'bench.png'}")

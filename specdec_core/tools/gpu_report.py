@@ -20,13 +20,14 @@ import torch
 import typer
 
 from ..engine import SpeculativeEngine
+from ..kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION, kv_budget
 from ..loader import ModelSpec, load_model
 from ..lockstep import StepTimes, complete_together
 from ..memory import kv_bytes_per_token
 from ..policies import make_policy
 from ..request import GenerationRequest
 from ..sampling import SamplingParams
-from ..target import TargetScorer
+from ..target import PREFILL_CHUNK, TargetScorer
 from .attention_calls import attention_calls
 from .device_clock import seconds_per_call
 from .step_ops import count_step_ops
@@ -137,6 +138,16 @@ def prefix_cache_line(model: torch.nn.Module, shared_tokens: int = 1500, questio
     )
 
 
+def kv_pool_line(model: torch.nn.Module) -> str:
+    """What a worker's pool would get from the default gpu_memory_utilization beside this draft."""
+    budget = kv_budget(model, None, DEFAULT_GPU_MEMORY_UTILIZATION, PREFILL_CHUNK)
+    per_token = kv_bytes_per_token(model.config, 1, model.get_input_embeddings().weight.element_size())
+    return (
+        f"KV pool at gpu_memory_utilization {DEFAULT_GPU_MEMORY_UTILIZATION} (after the weights of both models and "
+        f"a {PREFILL_CHUNK}-token step): {budget / 2**30:.1f} GiB, {budget / per_token:,.0f} positions of the target"
+    )
+
+
 def table(rows: list[dict], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return "\n".join([*lines, *("| " + " | ".join(str(row[column]) for column in columns) + " |" for row in rows)])
@@ -153,6 +164,8 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
     loaded_s = time.perf_counter() - clock
     out += [f"models: target {target.source}, draft {draft.source}, {target.dtype}, loaded in {loaded_s:.1f} s", ""]
     args = {**args, "vocab": engine.target_model.config.vocab_size}
+    if on_cuda:
+        out += [kv_pool_line(engine.target_model), ""]
     out += decode_section(engine, concurrency, methods, args, facts.get("copy_gb_s", 0) * 1e9)
     out += [prefix_cache_line(engine.target_model), ""]
     ops = [count_step_ops(engine.target_model, n, args["num_draft"] + 1, args["prompt_tokens"]) for n in concurrency]

@@ -70,8 +70,10 @@ def sweep(
     levels: list[int],
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[dict]:
-    """One row per method and concurrency level. `methods`: name -> request for a prompt."""
-    rows = []
+    """One row per method and concurrency level. `methods`: name -> request for a prompt; the
+    outputs are compared with the same method's at the first level and with the first method's
+    (target-only, where it comes first)."""
+    rows, baseline = [], None
     for name, make_request in methods.items():
         requests = [make_request(prompt) for prompt in prompts]
         first_outputs = None
@@ -80,6 +82,9 @@ def sweep(
             results, seconds = run_level(connect, requests, concurrency)
             outputs = [sent.token_ids for sent in results]
             first_outputs = first_outputs or outputs
+            baseline = baseline or outputs
+            ahead = [sent.metrics["run_ahead"] for sent in results if "run_ahead" in sent.metrics]
+            ahead_proposals = sum(counts["used"] + counts["discarded"] for counts in ahead)
             latencies = [sent.latency_s for sent in results]
             firsts = [sent.time_to_first_token_s for sent in results if sent.time_to_first_token_s is not None]
             drafts = sum(sent.metrics.get("spec_decode_num_drafts", 0) for sent in results)
@@ -96,6 +101,10 @@ def sweep(
                     "ttft_p95_s": round(percentile(firsts, 0.95), 3) if firsts else None,
                     "mean_accept_len": round(1 + accepted / drafts, 3) if drafts else None,
                     "identical_to_first_level": sum(a == b for a, b in zip(outputs, first_outputs)),
+                    "identical_to_first_method": sum(a == b for a, b in zip(outputs, baseline)),
+                    "ahead_used": round(sum(counts["used"] for counts in ahead) / ahead_proposals, 3)
+                    if ahead_proposals
+                    else None,
                 }
             )
     return rows

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import tiny_llama
 
+from deployments.tensor_parallel import ControlChannel
 from specdec_core.loader import ModelSpec
 from specdec_core.parallel import join_group, load_sharded_model, open_store, shard_problem
 from specdec_core.policies import make_policy
@@ -35,11 +36,12 @@ def steps(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def rank_main(rank: int, world_size: int, port: int, checkpoint: str, backend: str, results) -> None:
     torch.set_num_threads(1)
-    join_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
+    group = join_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
     model = load_sharded_model(ModelSpec(source=checkpoint), backend)
+    smallest_budget = ControlChannel(group).smallest(10.0 * (rank + 1))  # how the ranks size their pools
     with torch.no_grad():
         # numpy arrays travel by value (a tensor's shared memory would die with this process)
-        results.put((rank, [(logits.numpy(), paths.numpy()) for logits, paths in steps(model)]))
+        results.put((rank, ([(logits.numpy(), paths.numpy()) for logits, paths in steps(model)], smallest_budget)))
     dist.destroy_process_group()
 
 
@@ -74,7 +76,9 @@ def test_every_rank_of_a_sharded_target_scores_as_one_process(checkpoint, backen
         process.join(timeout=60)
         assert process.exitcode == 0
     for rank in range(world_size):
-        for (logits, paths), (want_logits, want_paths) in zip(outputs[rank], reference):
+        rank_steps, smallest_budget = outputs[rank]
+        assert smallest_budget == 10.0
+        for (logits, paths), (want_logits, want_paths) in zip(rank_steps, reference):
             assert (torch.from_numpy(logits) - want_logits).abs().max() < 1e-5, (rank, backend)
             assert torch.equal(torch.from_numpy(paths), want_paths)  # the same seeded masks on every rank
 

@@ -5,7 +5,7 @@ lengths in the same step."""
 from __future__ import annotations
 
 import torch
-from conftest import tiny_llama
+from conftest import repeating_prompt, tiny_llama, tiny_profile
 
 from specdec_core.policies import make_policy
 from specdec_core.sampling import SamplingParams
@@ -156,3 +156,38 @@ def test_proposals_in_lockstep_equal_each_proposal_alone():
                 drafter.commit(committed)
     # some forward ran rows on both kernels (a prompt beside draft steps)
     assert any(isinstance(choice, torch.Tensor) and choice.any() and not choice.all() for choice in kernel_choices)
+
+
+def test_a_compiled_step_captures_without_breaks_and_decodes_as_eager():
+    """compile_step: every step of target-only and speculative decoding, one session or three
+    (one with a prompt longer than LONG_ROW: two row groups), runs in dynamo's graphs with no
+    break, in a few graphs, and gives the eager model's tokens (dynamo's capture alone, backend
+    "eager", so the numbers are the same; inductor's code is what `specdec compile-check --time`
+    measures)."""
+    from torch._dynamo.utils import counters
+
+    from specdec_core import GenerationRequest, SpeculativeEngine
+    from specdec_core.batching import LONG_ROW, compile_step
+    from specdec_core.lockstep import complete_together
+
+    def requests(drafter: str) -> list[GenerationRequest]:
+        prompts = [repeating_prompt(seed, length) for seed, length in ((1, 12), (2, LONG_ROW + 20), (3, 30))]
+        return [
+            GenerationRequest(
+                prompt_ids=prompt, drafter={"name": drafter}, num_draft_tokens=4, sampling={"max_tokens": 12}
+            )
+            for prompt in prompts
+        ]
+
+    eager = SpeculativeEngine(tiny_llama(seed=3), None, None, profile=lambda *_: tiny_profile())
+    compiled_target = tiny_llama(seed=3)
+    compile_step(compiled_target, backend="eager")
+    compiled = SpeculativeEngine(compiled_target, None, None, profile=lambda *_: tiny_profile())
+    torch._dynamo.reset()
+    counters.clear()
+    for drafter in ("none", "pld"):
+        expected = [completion.token_ids for completion in complete_together(eager, requests(drafter))]
+        assert [completion.token_ids for completion in complete_together(compiled, requests(drafter))] == expected
+        assert compiled.complete(requests(drafter)[0]).token_ids == expected[0]
+    assert not counters["graph_break"]
+    assert 1 <= counters["stats"]["unique_graphs"] <= 12

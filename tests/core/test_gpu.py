@@ -56,3 +56,24 @@ def test_cuda_logits_match_the_cpu_in_fp32():
         scorer.reset(repeating_prompt(2), POLICIES["greedy"](), request("greedy", "none").sampling)
         blocks.append(scorer.score([1, 2, 3, 4]).logits.cpu())
     assert (blocks[0] - blocks[1]).abs().max() < 1e-4
+
+
+def test_a_fraction_of_the_card_sizes_the_pool_once():
+    """gpu_memory_utilization: the pool gets the fraction less the weights and a profiled step,
+    is allocated at the first forward and never grows."""
+    from specdec_core.batching import fix_pool, forward_ragged
+    from specdec_core.kv_budget import kv_budget
+    from specdec_core.kv_pool import PagedKV
+    from specdec_core.memory import kv_bytes_per_token
+
+    model = tiny_llama(seed=0, prepared=False).to("cuda")
+    total = torch.cuda.mem_get_info()[1]
+    budget = kv_budget(model, None, utilization=0.25, profile_tokens=512)
+    assert 0 < budget < 0.25 * total
+    bytes_per_token = kv_bytes_per_token(model.config, 1, 4)
+    pool = fix_pool(model, budget, bytes_per_token)
+    forward_ragged(model, [PagedKV()], [repeating_prompt(5)])
+    stored = pool.keys.numel() * pool.keys.element_size() * 2
+    assert not pool.growable and budget - bytes_per_token * pool.block_size < stored <= budget
+    del pool, model
+    torch.cuda.empty_cache()

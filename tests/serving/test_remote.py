@@ -76,6 +76,24 @@ def test_remote_output_equals_in_process_engine(cluster, tiny_engine, policy, te
         assert not metrics["draft_fallback"]
 
 
+@pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("rejection", 0.8)])
+@pytest.mark.parametrize("drafter", ["model", "mla"])
+def test_run_ahead_serves_the_in_process_tokens(cluster, tiny_engine, policy, temperature, drafter):
+    """Served, the ahead proposal runs on the draft worker while the target worker verifies;
+    the tokens and the proposals used and dropped are the in-process engine's (where they run
+    one after the other), and at T = 0 target-only's."""
+    req = request(policy, drafter, temperature).model_copy(update={"run_ahead": True})
+    tokens, metrics = remote_complete(cluster, req)
+    local = tiny_engine.complete(req)
+    assert tokens == local.token_ids
+    for count in ("used", "discarded"):
+        assert metrics["run_ahead"][count] == local.metrics["run_ahead"][count]
+    assert not metrics["draft_fallback"]
+    if temperature == 0:  # (sampled from the random tiny target, a bonus is seldom the guess)
+        assert tokens == tiny_engine.complete(request(policy, "none")).token_ids
+        assert metrics["run_ahead"]["used"] > 0
+
+
 @pytest.mark.parametrize(
     ("policy", "temperature", "drafter", "tree"),
     [("greedy", 0.0, "model_tree", "mc_sim_7b_63"), ("typical", 0.8, "model_tree", "mc_sim_7b_63")]
@@ -219,7 +237,8 @@ def test_concurrent_sessions_share_forwards_and_decode_as_they_would_alone(tiny_
 
 def test_the_load_sweep_streams_from_concurrent_clients_and_compares_outputs_across_levels(tiny_engine, cluster):
     """`bench --concurrency` (tools/load.py) over the HTTP API: every request of every level
-    answered, outputs equal across levels, sessions freed."""
+    answered, outputs equal across levels and to target-only's (run-ahead drafting as well),
+    sessions freed."""
     from deployments.client import SpecdecHttpClient
     from specdec_core.tools.load import sweep
 
@@ -230,17 +249,25 @@ def test_the_load_sweep_streams_from_concurrent_clients_and_compares_outputs_acr
         client.http = TestClient(app)  # an httpx.Client that calls the app in-process
         return client
 
-    def method(drafter: str):
+    def method(drafter: str, run_ahead: bool = False):
         return lambda prompt: GenerationRequest(
-            prompt_ids=prompt, drafter={"name": drafter}, num_draft_tokens=4, sampling={"max_tokens": 10}
+            prompt_ids=prompt,
+            drafter={"name": drafter},
+            num_draft_tokens=4,
+            run_ahead=run_ahead,
+            sampling={"max_tokens": 10},
         )
 
     prompts = [repeating_prompt(seed, length=10 + 2 * seed) for seed in range(6)]
-    rows = sweep(connect, {"target": method("none"), "pld": method("pld")}, prompts, [1, 3])
+    methods = {"target": method("none"), "pld": method("pld"), "ahead": method("model", run_ahead=True)}
+    rows = sweep(connect, methods, prompts, [1, 3])
     levels = [(row["method"], row["concurrency"]) for row in rows]
-    assert levels == [("target", 1), ("target", 3), ("pld", 1), ("pld", 3)]
-    assert all(row["requests"] == row["identical_to_first_level"] == 6 for row in rows)
+    assert levels == [(name, level) for name in methods for level in (1, 3)]
+    assert all(
+        row["requests"] == row["identical_to_first_level"] == row["identical_to_first_method"] == 6 for row in rows
+    )
     assert rows[0]["mean_accept_len"] is None and rows[2]["mean_accept_len"] >= 1
+    assert rows[2]["ahead_used"] is None and 0 < rows[4]["ahead_used"] <= 1
     assert cluster.session_counts() == {"draft": 0, "target": 0}
 
 
@@ -796,6 +823,21 @@ def test_workers_check_the_secret_and_everything_they_receive(tiny_engine):
             assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
         reply = stubs["target"].Score(pb.ScoreRequest(session_id="s", tokens=[3, 4]), metadata=secret, timeout=10)
         assert reply.vocab_size == tiny_engine.target_model.config.vocab_size
+        model = component_to_proto(ComponentSpec(name="model"))
+        for session_id, drafter in (("lookup", pld), ("drafted", model)):
+            draft_reset = pb.DraftReset(session_id=session_id, prompt_ids=[1, 2, 3], sampling=sampling, drafter=drafter)
+            stubs["draft"].Reset(draft_reset, metadata=secret, timeout=10)
+        for propose in (
+            pb.ProposeRequest(session_id="lookup", max_tokens=3, after_tokens=[4]),  # lookups never draft ahead
+            pb.ProposeRequest(session_id="drafted", max_tokens=3, after_tokens=[999_999]),
+            pb.ProposeRequest(session_id="drafted", max_tokens=3, after_tokens=[4] * 100),
+            pb.ProposeRequest(session_id="drafted", max_tokens=65),
+        ):
+            with pytest.raises(grpc.RpcError) as failure:
+                stubs["draft"].Propose(propose, metadata=secret, timeout=10)
+            assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
+        ahead = pb.ProposeRequest(session_id="drafted", max_tokens=3, after_tokens=[4, 5])
+        assert len(stubs["draft"].Propose(ahead, metadata=secret, timeout=10).tokens) == 1 + 3  # the guess, a block
     finally:
         for server in servers:
             server.stop(None)

@@ -1,0 +1,115 @@
+"""Run-ahead drafting: the draft drafts block t+1 while the target verifies block t.
+
+When a draft model proposes block t (d_1..d_K), the next proposal starts at once, before the
+verdict, from the outcome the draft expects: all of d_1..d_K accepted, then the target's next
+token guessed by the draft itself. That ahead proposal is `[g, e_1..e_K']`, g the guess (the
+draft's likeliest token). When the verdict commits exactly `d_1..d_K, g`, `e_1..e_K'` is block
+t+1 and goes to the target with no draft call in between; otherwise it is dropped and the draft
+proposes anew from the verdict.
+
+Only that one outcome is pre-drafted. A draft that proposes K tokens for a target that keeps
+them all is the case worth hiding (it is when speculation pays most, and mla's blocks are
+accepted whole most of the time at low load), while each other outcome (every shorter accept
+length, SGLang's decoupled drafter) costs draft forwards that compete with the target for the
+same cores here, and a miss costs only the proposal the sequential loop would have made anyway.
+
+Exactness: a block is verified by the target whether or not it was drafted ahead, so greedy
+output is target-only output. Sampled drafts of an ahead proposal are drawn from the draft's
+distribution after `d_1..d_K, g`, which is where they are used, so the lossless policies keep
+the target's distribution; a request's draws follow its own tokens only (the ahead proposal
+always runs, and is always awaited before the next call), so a seed reproduces its output,
+though not the output without run-ahead (the draft's generator is also drawn by dropped ones)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Coroutine, Optional, Sequence
+
+from .sampling import SamplingParams
+from .sessions import DraftSession
+from .types import DraftBlock
+
+
+@dataclass
+class Ahead:
+    block: list[int]  # block t's tokens, which it assumed accepted
+    proposal: Awaitable[tuple[DraftBlock, float, float]]  # [g, e_1..], and when the draft began and ended
+    launched: float  # when the loop went on (a local proposal has run by then: nothing of it hidden)
+
+
+async def timed(proposal: Coroutine[Any, Any, DraftBlock]) -> tuple[DraftBlock, float, float]:
+    began = time.perf_counter()
+    block = await proposal
+    return block, began, time.perf_counter()
+
+
+class RunAhead:
+    """A `DraftSession` over a draft model's session (local or remote) that drafts ahead.
+    `start(coroutine)` runs a proposal beside the loop's next awaits and returns an awaitable of
+    its result (served: an asyncio task, so the draft works while the target verifies)."""
+
+    def __init__(self, session: DraftSession, start: Callable[[Coroutine], Awaitable]):
+        self.session, self.start = session, start
+        self.ahead: Optional[Ahead] = None
+        self.committed: list[int] = []  # the last verdict's tokens
+        self.used = self.discarded = 0  # ahead proposals
+        self.hidden_s = 0.0  # draft time the target's verify covered
+
+    async def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+        await self.session.reset(prompt_ids, sampling)
+
+    async def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+        block = await self.pre_drafted(max_tokens)
+        if block is None:
+            block = await self.session.propose(max_tokens, batch_rows)
+        if block.num_tokens and block.tree is None:
+            tokens = block.tokens.tolist()
+            proposal = self.start(timed(self.session.propose(max_tokens, batch_rows, tokens)))
+            self.ahead = Ahead(tokens, proposal, time.perf_counter())
+        return block
+
+    async def pre_drafted(self, max_tokens: int) -> Optional[DraftBlock]:
+        """The ahead proposal's block when the last verdict was the outcome it assumed."""
+        if self.ahead is None:
+            return None
+        ahead, self.ahead = self.ahead, None
+        waited = time.perf_counter()
+        proposal, began, ended = await ahead.proposal
+        self.hidden_s += max(0.0, min(ended, waited) - max(began, ahead.launched))
+        if proposal.num_tokens > 1 and self.committed == [*ahead.block, int(proposal.tokens[0])]:
+            self.used += 1
+            return proposal.part(1, 1 + max_tokens)
+        self.discarded += 1
+        return None
+
+    def commit(self, new_tokens: Sequence[int]) -> None:
+        self.committed = list(new_tokens)
+        self.session.commit(new_tokens)
+
+    async def settle(self) -> None:
+        """Wait for a proposal still running (the request ended first): the session is released
+        after it, and its errors are not lost."""
+        if self.ahead is not None:
+            ahead, self.ahead = self.ahead, None
+            await ahead.proposal
+
+    def summary(self) -> dict:
+        return {"used": self.used, "discarded": self.discarded, "draft_ms_hidden": round(self.hidden_s * 1e3, 1)}
+
+
+def run_now(coroutine: Coroutine) -> Awaitable:
+    """Run a local session's call to its end now (it never waits); returns an awaitable of its
+    result: in process, `RunAhead`'s `start`, for the same tokens with no concurrency."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        value = done.value
+    else:
+        coroutine.close()
+        raise RuntimeError("a local session's call waited: run it on an event loop")
+
+    async def result():
+        return value
+
+    return result()

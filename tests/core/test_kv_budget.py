@@ -1,0 +1,49 @@
+"""kv_budget.py: a rank's KV bytes from kv_budget_mb or from a fraction of its GPU (CUDA parts in
+test_gpu.py); the serving config's default fraction per share of a card."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from conftest import tiny_llama
+
+from deployments.config import WorkerConfig
+from specdec_core.batching import pool_of
+from specdec_core.errors import SpecdecError
+from specdec_core.kv_budget import GIB, kv_budget, kv_budget_from_fraction, profile_step
+
+
+def test_the_pool_gets_the_fraction_less_the_step_peak_and_what_others_hold():
+    assert kv_budget_from_fraction(80 * GIB, 0.9, peak_reserved=20 * GIB, others=1 * GIB) == pytest.approx(51 * GIB)
+
+
+def test_a_fraction_that_leaves_nothing_for_the_kv_cache_is_refused_with_the_numbers():
+    with pytest.raises(SpecdecError, match=r"gpu_memory_utilization 0.3 of 80.0 GiB .* take 30.0 GiB"):
+        kv_budget_from_fraction(80 * GIB, 0.3, peak_reserved=30 * GIB, others=0.5 * GIB)
+
+
+def test_a_byte_budget_wins_and_a_cpu_pool_without_one_grows():
+    model = tiny_llama(seed=0)
+    assert kv_budget(model, 3.0, utilization=0.9, profile_tokens=64) == 3 * 2**20
+    assert kv_budget(model, None, utilization=0.9, profile_tokens=64) is None
+
+
+def test_the_profiled_step_gives_its_blocks_back():
+    model = tiny_llama(seed=0)
+    profile_step(model, 40)
+    gc.collect()
+    assert pool_of(model.model).num_used == 0
+
+
+@pytest.mark.parametrize(
+    "settings, fraction",
+    [
+        ({}, 0.9),
+        ({"num_gpus": 1}, 0.9),
+        ({"num_gpus": 0.5}, 0.45),
+        ({"num_gpus": 0.5, "gpu_memory_utilization": 0.7}, 0.7),
+    ],
+)
+def test_workers_sharing_a_card_split_the_default_fraction(settings, fraction):
+    assert WorkerConfig(**settings).kv_fraction == pytest.approx(fraction)
