@@ -56,6 +56,11 @@ def run_level(connect: Callable[[], StreamingClient], requests: list[GenerationR
     return [sent for _, sent in sorted(done, key=lambda pair: pair[0])], seconds
 
 
+def total(results: list, key: str) -> float:
+    """A metric summed over the requests' responses (0 where a response has none)."""
+    return sum(sent.metrics.get(key, 0) for sent in results)
+
+
 def percentile(values: list[float], fraction: float) -> Optional[float]:
     if not values:
         return None
@@ -83,12 +88,18 @@ def sweep(
             outputs = [sent.token_ids for sent in results]
             first_outputs = first_outputs or outputs
             baseline = baseline or outputs
+            steps = total(results, "num_steps") or 1
+            # where a step's time went, as the coordinator saw it: awaiting each worker, verifying
+            split = {
+                f"{part}_ms_per_step": round(total(results, f"{part}_ms_total") / steps, 2)
+                for part in ("draft", "target", "verify")
+            }
             ahead = [sent.metrics["run_ahead"] for sent in results if "run_ahead" in sent.metrics]
             ahead_proposals = sum(counts["used"] + counts["discarded"] for counts in ahead)
             latencies = [sent.latency_s for sent in results]
             firsts = [sent.time_to_first_token_s for sent in results if sent.time_to_first_token_s is not None]
-            drafts = sum(sent.metrics.get("spec_decode_num_drafts", 0) for sent in results)
-            accepted = sum(sent.metrics.get("spec_decode_num_accepted_tokens", 0) for sent in results)
+            drafts = total(results, "spec_decode_num_drafts")
+            accepted = total(results, "spec_decode_num_accepted_tokens")
             rows.append(
                 {
                     "method": name,
@@ -100,6 +111,7 @@ def sweep(
                     "ttft_p50_s": round(percentile(firsts, 0.5), 3) if firsts else None,
                     "ttft_p95_s": round(percentile(firsts, 0.95), 3) if firsts else None,
                     "mean_accept_len": round(1 + accepted / drafts, 3) if drafts else None,
+                    **split,
                     "identical_to_first_level": sum(a == b for a, b in zip(outputs, first_outputs)),
                     "identical_to_first_method": sum(a == b for a, b in zip(outputs, baseline)),
                     "ahead_used": round(sum(counts["used"] for counts in ahead) / ahead_proposals, 3)

@@ -268,6 +268,8 @@ def test_the_load_sweep_streams_from_concurrent_clients_and_compares_outputs_acr
     )
     assert rows[0]["mean_accept_len"] is None and rows[2]["mean_accept_len"] >= 1
     assert rows[2]["ahead_used"] is None and 0 < rows[4]["ahead_used"] <= 1
+    assert all(row["target_ms_per_step"] > 0 and row["verify_ms_per_step"] > 0 for row in rows)
+    assert rows[0]["draft_ms_per_step"] < rows[4]["draft_ms_per_step"]  # target-only awaits no draft
     assert cluster.session_counts() == {"draft": 0, "target": 0}
 
 
