@@ -92,7 +92,7 @@ def test_an_ahead_block_carries_the_draft_rows_of_the_positions_it_is_verified_a
 def test_tokens_verified_from_ahead_proposals_follow_the_target(engine, sharp_target):
     """rejection, K = 1, 4 tokens, 1,500 seeds: the third token is verified from the ahead
     proposal whenever the first step kept its draft and the target's bonus was the draft's guess
-    (about 40% of the runs here). Each third token's randomized probability integral transform
+    (about a third of the runs here). Each third token's randomized probability integral transform
     under the target's warped distribution after its own first two tokens is uniform when the
     tokens follow the target (chi-square over 10 bins, fixed seeds, fails if p < 1e-3)."""
     sampling = {"temperature": 0.7, "top_k": 60, "max_tokens": 4}
