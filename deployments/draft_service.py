@@ -72,7 +72,7 @@ class DraftService(WorkerService):
         `after_tokens` where run-ahead gives them; returns the block and whether the session's
         caller asked for its logits."""
         drafter_session, _ = self.session(session_id)
-        if after_tokens and not isinstance(drafter_session, ModelDrafter):
+        if after_tokens and not drafter_session.drafts_ahead:
             raise SpecdecError(f"after_tokens: drafter {drafter_session.name!r} drafts inline, never ahead")
         after_tokens = self.check_tokens(after_tokens, "after_tokens", 0, MAX_DRAFT_TOKENS)
         if not 0 <= max_tokens <= MAX_DRAFT_TOKENS:

@@ -111,7 +111,6 @@ class Frontend:
         prompt_field = "messages" if request.messages is not None else "prompt"
         if not prompt_ids:
             raise SpecdecError("prompt encodes to zero tokens", prompt_field)
-        drafter_class = DRAFTERS[drafter.name]
         run_ahead = self.defaults.run_ahead if request.run_ahead is None else request.run_ahead
         return PreparedRequest(
             prompt_ids,
@@ -119,8 +118,7 @@ class Frontend:
             policy,
             drafter,
             num_draft_tokens,
-            # lookups are cheap enough to draft inline; trees are not drafted ahead
-            run_ahead and drafter_class.drafts_from is DraftSource.DRAFT_MODEL and not drafter_class.proposes_trees,
+            run_ahead and DRAFTERS[drafter.name].drafts_ahead,
         )
 
     def resolve_length(self, sampling: SamplingParams, num_prompt: int, num_draft_tokens: int, prompt_field: str):

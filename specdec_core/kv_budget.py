@@ -15,8 +15,8 @@ import torch
 from .batching import forward_ragged
 from .errors import SpecdecError
 from .kv_pool import PagedKV
+from .memory import GIB
 
-GIB = 1 << 30
 # a rank asking for a whole card leaves some of it for the allocator's fragments, as vLLM's default
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Coroutine, Optional, Sequence
 
+from .drafters.base import ahead_outcome
 from .sampling import SamplingParams
 from .sessions import DraftSession
 from .types import DraftBlock
@@ -77,7 +78,7 @@ class RunAhead:
         waited = time.perf_counter()
         proposal, began, ended = await ahead.proposal
         self.hidden_s += max(0.0, min(ended, waited) - max(began, ahead.launched))
-        if proposal.num_tokens > 1 and self.committed == [*ahead.block, int(proposal.tokens[0])]:
+        if proposal.num_tokens > 1 and self.committed == ahead_outcome(ahead.block, proposal.tokens.tolist()):
             self.used += 1
             return proposal.part(1, 1 + max_tokens)
         self.discarded += 1

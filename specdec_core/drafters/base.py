@@ -31,6 +31,13 @@ def common_prefix_length(first: Sequence[int], second: Sequence[int], limit: int
     return length
 
 
+def ahead_outcome(after: Sequence[int], proposal: Sequence[int]) -> list[int]:
+    """The verdict under which a proposal drafted after `after` is used: `after` kept whole,
+    then the proposal's first token (its guess of the target's next one); its tail is then the
+    next block."""
+    return [*after, *proposal[:1]]
+
+
 def sync_cache(cache: PagedKV, cached: list[int], sequence: Sequence[int]) -> None:
     """Crop a draft cache (holding the tokens `cached`, kept in step) to its longest prefix
     shared with `sequence`, leaving >= 1 token of it to feed."""
@@ -52,6 +59,9 @@ class Drafter(ABC):
     Params: ClassVar[type[DrafterParams]] = DrafterParams
     drafts_from: ClassVar[DraftSource] = DraftSource.CONTEXT
     proposes_trees: ClassVar[bool] = False  # True: its blocks are candidate trees (DraftBlock.tree)
+    # True: proposes after tokens not yet committed (`after`, run_ahead.py); lookups are cheap
+    # enough to draft inline, and trees are not drafted ahead
+    drafts_ahead: ClassVar[bool] = False
 
     def __init__(self, params: DrafterParams | None = None):
         self.params = params if params is not None else self.Params()

@@ -34,7 +34,7 @@ from ..batching import forward_ragged
 from ..kv_pool import PagedKV
 from ..sampling import argmax, sample, sampling_probs
 from ..types import DraftBlock
-from .base import Drafter, DraftSource, common_prefix_length, sync_cache
+from .base import Drafter, DraftSource, ahead_outcome, common_prefix_length, sync_cache
 from .block_length import AcceptanceEstimate, AdaptiveLengthParams, BlockChoice, best_block
 from .pld import AdaptiveLookupParams, PromptLookupDrafter, PromptLookupParams, lookup_continuation
 
@@ -66,6 +66,7 @@ class ModelDrafter(Drafter):
     Params = ModelDrafterParams
     drafts_from = DraftSource.DRAFT_MODEL
     deterministic: ClassVar[bool] = False  # True: proposals never sampled (one-hot p_d)
+    drafts_ahead = True
 
     def __init__(self, model: torch.nn.Module, params: Optional[ModelDrafterParams] = None):
         super().__init__(params)
@@ -184,7 +185,8 @@ class ModelDrafter(Drafter):
         # a run-ahead proposal was used when the verdict is the outcome it assumed: its tail is
         # the block proposed next
         (after, proposal), self.ahead = self.ahead, (None, [])
-        self.last_proposal = proposal[1:] if after is not None and list(new_tokens) == [*after, *proposal[:1]] else []
+        used = after is not None and list(new_tokens) == ahead_outcome(after, proposal)
+        self.last_proposal = proposal[1:] if used else []
         super().commit(new_tokens)
 
 

@@ -23,7 +23,7 @@ from ..engine import SpeculativeEngine
 from ..kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION, kv_budget
 from ..loader import ModelSpec, load_model
 from ..lockstep import StepTimes, complete_together
-from ..memory import kv_bytes_per_token
+from ..memory import GIB, kv_bytes_per_token
 from ..policies import make_policy
 from ..request import GenerationRequest
 from ..sampling import SamplingParams
@@ -144,7 +144,7 @@ def kv_pool_line(model: torch.nn.Module) -> str:
     per_token = kv_bytes_per_token(model.config, 1, model.get_input_embeddings().weight.element_size())
     return (
         f"KV pool at gpu_memory_utilization {DEFAULT_GPU_MEMORY_UTILIZATION} (after the weights of both models and "
-        f"a {PREFILL_CHUNK}-token step): {budget / 2**30:.1f} GiB, {budget / per_token:,.0f} positions of the target"
+        f"a {PREFILL_CHUNK}-token step): {budget / GIB:.1f} GiB, {budget / per_token:,.0f} positions of the target"
     )
 
 

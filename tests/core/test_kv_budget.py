@@ -11,7 +11,8 @@ from conftest import tiny_llama
 from deployments.config import WorkerConfig
 from specdec_core.batching import pool_of
 from specdec_core.errors import SpecdecError
-from specdec_core.kv_budget import GIB, kv_budget, kv_budget_from_fraction, profile_step
+from specdec_core.kv_budget import kv_budget, kv_budget_from_fraction, profile_step
+from specdec_core.memory import GIB
 
 
 def test_the_pool_gets_the_fraction_less_the_step_peak_and_what_others_hold():
