@@ -38,6 +38,8 @@ RAGGED_ATTENTION = "specdec_ragged"
 # rows with more new tokens than this (prompt chunks) attend in a call of their own: padded to a
 # 512-token chunk's queries, a 5-token verify row's attention would cost 100 times its own
 LONG_ROW = 64
+# a compiled step's sizes round up to powers of two below this, to multiples of it above
+PAD_STEP = 1024
 
 
 @dataclass
@@ -46,8 +48,6 @@ class RowGroup:
 
     read: "torch.Tensor | slice"  # [B, L] each row's slots, padded; or a lone row's consecutive slots
     query_index: Optional[torch.Tensor]  # [B, Q] the packed index of row b's t-th token (None: one row)
-    output_index: Optional[torch.Tensor]  # [N_g] where each of its tokens lies in [B * Q] (None: one row)
-    tokens: Optional[torch.Tensor]  # [N_g] its tokens' packed indices (None: the step's only group)
     mask: Optional[torch.Tensor]  # [B, 1, Q, L] bool, True attends (None: every key, one token a row)
 
 
@@ -59,6 +59,18 @@ class StepLayout:
     pool: KVPool
     write_slots: torch.Tensor  # [N] the slot of each new token
     groups: list[RowGroup]
+    # [N] where each packed token's output lies among the groups' outputs, [B * Q] each, in order
+    # (None: one row, whose outputs are its tokens in order)
+    output_index: Optional[torch.Tensor]
+
+
+def padded_size(size: int) -> int:
+    """What a compiled step pads a size to (its tokens, a group's rows, queries and keys): a power
+    of two up to PAD_STEP, then a multiple of it, so that CUDA graphs are recorded for a few
+    shapes, each at most twice the work below PAD_STEP and PAD_STEP - 1 more above."""
+    if size <= PAD_STEP:
+        return 1 << max(size - 1, 0).bit_length()
+    return blocks_for(size, PAD_STEP) * PAD_STEP
 
 
 def pool_of(base_model: torch.nn.Module) -> KVPool:
@@ -73,8 +85,8 @@ def pool_of(base_model: torch.nn.Module) -> KVPool:
 def fix_pool(model: torch.nn.Module, budget_bytes: float, bytes_per_token: float) -> KVPool:
     """Give `model` a pool of `budget_bytes`, allocated once and never grown: a worker's KV
     budget, within which its admission keeps every session's blocks (`bytes_per_token`: what a
-    position costs in all layers of this rank)."""
-    num_blocks = int(budget_bytes // (bytes_per_token * BLOCK_SIZE))
+    position costs in all layers of this rank; one block of it is the pool's scratch block)."""
+    num_blocks = int(budget_bytes // (bytes_per_token * BLOCK_SIZE)) - 1
     model.model.kv_pool = KVPool(len(model.model.layers), num_blocks=num_blocks, growable=False)
     return model.model.kv_pool
 
@@ -85,55 +97,73 @@ def step_layout(
     lengths: Sequence[int],
     trees: Sequence[Optional[Topology]],
     device,
-    views: bool = True,
+    padded: bool = False,
 ) -> StepLayout:
     """Reserve each row's blocks for its new tokens and lay out the step (host-side, a few ops
-    per forward, not per layer). `views`: a lone row whose blocks are consecutive reads them as a
-    slice (not for a compiled step: its bounds would be constants, a new graph every step)."""
+    per forward, not per layer). A lone row whose blocks are consecutive reads them as a slice.
+    `padded` (a compiled step): every size rounds up to `padded_size`, so that a step's tensors
+    take a few shapes; the padding tokens write to the pool's scratch block, padding rows and
+    queries see key 0 only, and no view (a slice's bounds would be a new graph every step)."""
     for cache, length in zip(caches, lengths):
         cache.reserve(pool, cache.length + length)
     history = torch.tensor([cache.length for cache in caches])  # [B]
     new = torch.tensor(list(lengths))  # [B]
     total, size = history + new, pool.block_size
-    num_blocks = blocks_for(int(total.max()), size)
+    pad = padded_size if padded else int
+    num_tokens, width = int(new.sum()), pad(int(total.max()))
+    num_blocks = blocks_for(width, size)
     # [B, blocks]; a shorter row's padding names block 0, whose slots its mask hides
     tables = torch.tensor([cache.table[:num_blocks] + [0] * (num_blocks - len(cache.table)) for cache in caches])
-    keys = torch.arange(int(total.max()))  # [L]
+    keys = torch.arange(width)  # [L]
     read_slots = tables[:, keys // size] * size + keys % size  # [B, L]; past a row's end: some slot, masked
     queries = torch.arange(int(new.max()))  # [Q]
     real = queries[None] < new[:, None]  # [B, Q]
-    write_slots = read_slots.gather(1, (history[:, None] + queries[None]).clamp(max=keys.numel() - 1))[real]  # [N]
+    write_slots = read_slots.gather(1, (history[:, None] + queries[None]).clamp(max=width - 1))[real]  # [N]
+    scratch = pool.scratch_slot + torch.arange(pad(num_tokens) - num_tokens) % size  # [padding]
     offsets = torch.cumsum(new, 0) - new  # [B]
     long = new > LONG_ROW
     parts = [members for members in (torch.nonzero(~long)[:, 0], torch.nonzero(long)[:, 0]) if members.numel()]
-    if len(caches) == 1 and views:
+    if len(caches) == 1 and not padded:
         table = caches[0].table
         if all(block == table[0] + index for index, block in enumerate(table[:num_blocks])):
             read_slots = slice(table[0] * size, table[0] * size + int(total[0]))  # a view, not a gather
-    groups = [
-        row_group(members, history, new, offsets, read_slots, trees, len(parts) == 1, device) for members in parts
-    ]
-    return StepLayout(pool, write_slots.to(device), groups)
+        group = row_group(torch.tensor([0]), history, new, read_slots, trees, pad, device)
+        return StepLayout(pool, write_slots.to(device), [RowGroup(group.read, None, group.mask)], None)
+    groups, output_index, start = [], torch.zeros(pad(num_tokens), dtype=torch.long), 0  # [N]
+    for members in parts:
+        group = row_group(members, history, new, read_slots, trees, pad, device)
+        rows, most = group.query_index.shape  # B_g, Q_g, padded where the step is
+        packed = offsets[members, None] + torch.arange(most)[None]  # [B_g, Q_g] of its real rows
+        mine = torch.arange(most)[None] < new[members, None]  # [B_g, Q_g]
+        # where row b's t-th output lies among the groups' outputs
+        output_index[packed[mine]] = (start + torch.arange(rows * most).view(rows, most)[: len(members)])[mine]
+        padding_rows = packed.new_zeros(rows - len(members), most)
+        group.query_index = torch.cat([packed.clamp(max=num_tokens - 1), padding_rows]).to(device)
+        groups.append(group)
+        start += rows * most
+    write_slots = torch.cat([write_slots, scratch])
+    return StepLayout(pool, write_slots.to(device), groups, output_index.to(device))
 
 
-def row_group(members, history, new, offsets, read_slots, trees, only, device) -> RowGroup:
-    """The rows `members` (indices `[B_g]` into the step's `[B]` rows) as one attention call;
-    `only`: the step has no other group (its output is the packed one, in order)."""
-    num_tokens = int(new.sum())
-    history, new, offsets = history[members], new[members], offsets[members]  # [B_g]
+def row_group(members, history, new, read_slots, trees, pad, device) -> RowGroup:
+    """The rows `members` (indices `[B_g]` into the step's `[B]` rows) as one attention call,
+    `pad`ded to `pad(B_g)` rows of `pad(Q_g)` queries over `pad(L_g)` keys (a padding row has no
+    history and no new token). `query_index` here is a placeholder of that shape."""
+    history, new = history[members], new[members]  # [B_g]
     total = history + new
-    keys, queries = torch.arange(int(total.max())), torch.arange(int(new.max()))  # [L], [Q]
+    rows = pad(len(members))
+    history = torch.cat([history, history.new_zeros(rows - len(members))])  # [B_g], padded
+    new = torch.cat([new, new.new_zeros(rows - len(members))])
+    keys, queries = torch.arange(pad(int(total.max()))), torch.arange(pad(int(new.max())))  # [L], [Q]
     real = queries[None] < new[:, None]  # [B_g, Q]
-    read, query_index, output_index, tokens = read_slots, None, None, None
-    if not isinstance(read_slots, slice):  # else the step is one row, read as a view
-        read = read_slots[members, : keys.numel()].to(device)
-        packed = offsets[:, None] + queries[None]  # [B_g, Q]
-        query_index = packed.clamp(max=num_tokens - 1).to(device)
-        output_index = (torch.arange(len(members))[:, None] * queries.numel() + queries[None])[real].to(device)
-        tokens = None if only else packed[real].to(device)
+    read = read_slots
+    if not isinstance(read_slots, slice):
+        read = read_slots[members, : keys.numel()]
+        read = torch.cat([read, read.new_zeros(rows - len(members), keys.numel())]).to(device)
     mask = None
     row_trees = [trees[row] for row in members.tolist()]
-    if queries.numel() > 1 or any(tree is not None for tree in row_trees) or total.unique().numel() > 1:
+    padded = pad is not int
+    if padded or queries.numel() > 1 or any(tree is not None for tree in row_trees) or total.unique().numel() > 1:
         # query t of row b sees the history and new tokens 0..t (a causal mask shifted by the
         # history), or in a tree the history and its own ancestors; a padded query sees key 0
         mask = keys[None, None] <= (history[:, None, None] + queries[None, :, None])  # [B_g, Q, L]
@@ -142,7 +172,7 @@ def row_group(members, history, new, offsets, read_slots, trees, only, device) -
                 start, width = int(history[index]), tree.num_nodes + 1
                 mask[index, :width, start : start + width] = tree.attention_mask
         mask = torch.where(real[:, :, None], mask, keys[None, None] == 0)[:, None].to(device)  # [B_g, 1, Q, L]
-    return RowGroup(read, query_index, output_index, tokens, mask)
+    return RowGroup(read, torch.empty(rows, queries.numel(), dtype=torch.long), mask)
 
 
 def forward_ragged(
@@ -182,26 +212,30 @@ def run_ragged(
             for offset in (range(length) if tree is None else (0, *map(len, tree.paths)))
         ]
     )
-    compiled = getattr(base_model, "compiled_step", False)
-    layout = step_layout(pool_of(base_model), caches, lengths, trees, base_model.device, views=not compiled)
+    padded = getattr(base_model, "padded_step", False)
+    pool = pool_of(base_model)
+    layout = step_layout(pool, caches, lengths, trees, base_model.device, padded=padded)
+    padding = layout.write_slots.numel() - offsets[-1]
+    inputs = {name: pad_tokens(tensor, padding) for name, tensor in inputs.items()}
     with attention_backends(base_model.device):
         output = base_model(
-            **inputs, position_ids=positions[None].to(base_model.device), use_cache=False, ragged=layout
+            **inputs,
+            position_ids=pad_tokens(positions[None], padding).to(base_model.device),
+            use_cache=False,
+            ragged=layout,
         )
+    if padded:
+        pool.mark_static()
     for cache, length in zip(caches, lengths):
         cache.advance(length)
-    return output.last_hidden_state, offsets
+    return output.last_hidden_state[:, : offsets[-1]], offsets
 
 
-def compile_step(model: torch.nn.Module, backend: str = "inductor") -> None:
-    """Compile `model`'s base forward (every layer and the ragged attention: no graph break,
-    `specdec compile-check`). A step's shapes (rows, tokens, history) change every call, so after
-    the first recompile its sizes are symbolic; what stays a guard is the layout's kind (one or
-    two row groups, a mask or none, one row or many): a few graphs in all."""
-    use_ragged_attention(model)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    model.model.forward = torch.compile(model.model.forward, backend=backend)
-    model.model.compiled_step = True
+def pad_tokens(tensor: torch.Tensor, count: int) -> torch.Tensor:
+    """`tensor` `[1, N, ..]` followed by `count` zero tokens (a padded step's; position 0, id 0)."""
+    if not count:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(tensor.shape[0], count, *tensor.shape[2:])], 1)
 
 
 def attention_backends(device: torch.device):
@@ -223,16 +257,13 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     pool_keys, pool_values = ragged.pool.storage(module.layer_idx, key)  # [slots, kv_heads, head_dim] each
     pool_keys.index_copy_(0, ragged.write_slots, key[0].transpose(0, 1))
     pool_values.index_copy_(0, ragged.write_slots, value[0].transpose(0, 1))
-    if len(ragged.groups) == 1:
-        return attend(ragged.groups[0], query, pool_keys, pool_values, scaling), None
-    output = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [N, heads, head_dim]
-    for group in ragged.groups:
-        output[group.tokens] = attend(group, query, pool_keys, pool_values, scaling)[0]
-    return output[None], None
+    outputs = [attend(group, query, pool_keys, pool_values, scaling).flatten(0, 1) for group in ragged.groups]
+    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [sum of B * Q, heads, head_dim]
+    return (output if ragged.output_index is None else output[ragged.output_index])[None], None
 
 
 def attend(group: RowGroup, query, pool_keys, pool_values, scaling) -> torch.Tensor:
-    """One group's attention: `[1, N_g, heads, head_dim]` (its tokens in packed order)."""
+    """One group's attention: `[B, Q, heads, head_dim]`."""
     if isinstance(group.read, slice):
         keys, values = pool_keys[group.read][None], pool_values[group.read][None]  # [1, L, kv_heads, head_dim]
     else:
@@ -240,19 +271,15 @@ def attend(group: RowGroup, query, pool_keys, pool_values, scaling) -> torch.Ten
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, kv_heads, L, head_dim]
     queries = query if group.query_index is None else query[0].transpose(0, 1)[group.query_index].transpose(1, 2)
     if queries.dtype in (torch.bfloat16, torch.float16) and queries.device.type == "cpu":
-        output = grouped_low_precision_attention(queries, keys, values, group.mask, scaling)  # [B, Q, heads, head_dim]
-    else:
-        if group.mask is not None and queries.device.type == "cuda":
-            # CUDA's efficient kernel takes a mask but not grouped K/V heads: without this the math
-            # one runs, 302 against 64 us a call on an H100 (docs/performance.md)
-            groups = queries.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-        output = torch.nn.functional.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=group.mask, scale=scaling, enable_gqa=True
-        ).transpose(1, 2)  # [B, Q, heads, head_dim]
-    if group.output_index is None:
-        return output
-    return output.reshape(-1, *output.shape[2:])[group.output_index][None]
+        return grouped_low_precision_attention(queries, keys, values, group.mask, scaling)  # [B, Q, heads, head_dim]
+    if group.mask is not None and queries.device.type == "cuda":
+        # CUDA's efficient kernel takes a mask but not grouped K/V heads: without this the math
+        # one runs, 302 against 64 us a call on an H100 (docs/performance.md)
+        groups = queries.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=group.mask, scale=scaling, enable_gqa=True
+    ).transpose(1, 2)  # [B, Q, heads, head_dim]
 
 
 def use_ragged_attention(model: torch.nn.Module) -> None:

@@ -45,10 +45,11 @@ def prefix_keys(tokens: Sequence[int], block_size: int, parent: bytes = b"") -> 
 
 
 class KVPool:
-    """`keys`, `values`: `[layers, num_blocks * block_size, kv_heads, head_dim]`, allocated at the
-    first write (its shape, dtype and device are the model's). A block is held (`holders`: how
-    many sessions hold it), cached (no holder, published: `idle`, least recently used first) or
-    `free` (lowest first, so that a session's blocks tend to be consecutive: read as a view)."""
+    """`keys`, `values`: `[layers, (num_blocks + 1) * block_size, kv_heads, head_dim]`, the last
+    block a scratch block, allocated at the first write (its shape, dtype and device are the
+    model's). A block is held (`holders`: how many sessions hold it), cached (no holder,
+    published: `idle`, least recently used first) or `free` (lowest first, so that a session's
+    blocks tend to be consecutive: read as a view)."""
 
     def __init__(
         self,
@@ -122,20 +123,33 @@ class KVPool:
     def grow(self, extra_blocks: int) -> None:
         if self.keys is not None:
             extra = (self.num_layers, extra_blocks * self.block_size, *self.keys.shape[2:])
-            self.keys = torch.cat([self.keys, self.keys.new_zeros(extra)], 1)
-            self.values = torch.cat([self.values, self.values.new_zeros(extra)], 1)
+            held = self.scratch_slot  # the new blocks go before the scratch block
+            self.keys = torch.cat([self.keys[:, :held], self.keys.new_zeros(extra), self.keys[:, held:]], 1)
+            self.values = torch.cat([self.values[:, :held], self.values.new_zeros(extra), self.values[:, held:]], 1)
         self.free += range(self.num_blocks, self.num_blocks + extra_blocks)
         self.holders += [0] * extra_blocks
         self.num_blocks += extra_blocks
+
+    @property
+    def scratch_slot(self) -> int:
+        """The first slot of the scratch block, past the others: a padded step's padding tokens
+        write there (batching.step_layout), and nothing reads it unmasked."""
+        return self.num_blocks * self.block_size
 
     def storage(self, layer: int, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s keys and values `[slots, kv_heads, head_dim]`; `key` `[1, kv_heads, N,
         head_dim]`, a forward's new keys, tells the first call what to allocate."""
         if self.keys is None:
-            shape = (self.num_layers, self.num_blocks * self.block_size, key.shape[1], key.shape[3])
+            shape = (self.num_layers, (self.num_blocks + 1) * self.block_size, key.shape[1], key.shape[3])
             self.keys = torch.zeros(shape, dtype=key.dtype, device=key.device)
             self.values = torch.zeros(shape, dtype=key.dtype, device=key.device)
         return self.keys[layer], self.values[layer]
+
+    def mark_static(self) -> None:
+        """Tell torch.compile that the storage stays where it is (until the pool grows), so that a
+        CUDA graph may write into it in place rather than being skipped for mutating an input."""
+        for held in (self.keys, self.values):
+            torch._dynamo.mark_static_address(held)
 
     def slots(self, table: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """`[len(positions)]`: the slots of a session's positions, given its block table."""

@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm.auto import tqdm
 
-from .batching import compile_step
+from .compiled_step import compile_step
 from .kernels import prepare_model
 from .kernels.int4 import quantize_int4
 
@@ -50,7 +50,7 @@ class ModelSpec(BaseModel):
     num_layers: Optional[int] = Field(None, ge=1, description="keep only the first N decoder layers")
     device: str = Field("auto", description="auto: CUDA when present (int4 stays on the CPU), else the CPU")
     compile: bool = Field(
-        False, description="torch.compile the step (batching.compile_step): compiles a few graphs at first use"
+        False, description="torch.compile the step (compiled_step.compile_step): compiles a few graphs at first use"
     )
 
     @field_validator("device")

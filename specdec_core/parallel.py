@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from .batching import compile_step
+from .compiled_step import compile_step
 from .loader import DTYPES, ModelSpec, resolve_source, truncate_layers
 from .memory import shard_problem
 

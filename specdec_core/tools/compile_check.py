@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import typer
 
-from ..batching import forward_ragged, pool_of, step_layout, use_ragged_attention
+from ..batching import forward_ragged, pad_tokens, pool_of, step_layout, use_ragged_attention
 from ..kv_pool import PagedKV
 from .cli_common import EMBEDDED
 from .device_clock import seconds_per_call
@@ -32,24 +32,28 @@ def explain_step(
     model: torch.nn.Module, rows: int, tokens_per_row: int = 5, history: int = 16, timed: bool = False
 ) -> dict:
     """Dynamo's account of one step of `rows` sessions, each scoring `tokens_per_row` tokens
-    after `history` cached ones: graphs, breaks, and the breaks per source line; `timed`: also
-    the step's ms eager and compiled (mode reduce-overhead: CUDA graphs where it can), on these
-    fixed shapes, and how long compiling took."""
+    after `history` cached ones, padded as a compiled step is: graphs, breaks, and the breaks
+    per source line; `timed`: also the step's ms eager and compiled (mode reduce-overhead: CUDA
+    graphs where it can), on these fixed shapes, and how long compiling took."""
     generator = torch.Generator().manual_seed(0)
     vocab_size = model.config.vocab_size
     caches = [PagedKV() for _ in range(rows)]
     forward_ragged(model, caches, [torch.randint(0, vocab_size, (history,), generator=generator).tolist()] * rows)
     use_ragged_attention(model)
     lengths = [tokens_per_row] * rows
-    layout = step_layout(pool_of(model.model), caches, lengths, [None] * rows, model.device)
-    input_ids = torch.randint(0, vocab_size, (1, rows * tokens_per_row), generator=generator).to(model.device)
+    pool = pool_of(model.model)
+    layout = step_layout(pool, caches, lengths, [None] * rows, model.device, padded=True)
+    pool.mark_static()  # as a compiled step's: CUDA graphs write it in place
+    padding = layout.write_slots.numel() - rows * tokens_per_row
+    input_ids = torch.randint(0, vocab_size, (1, rows * tokens_per_row), generator=generator)
     positions = torch.tensor([[history + offset for _ in range(rows) for offset in range(tokens_per_row)]])
+    input_ids, positions = (pad_tokens(tensor, padding).to(model.device) for tensor in (input_ids, positions))
 
     def step(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, ragged=layout)[0]
 
     torch._dynamo.reset()
-    explanation = torch._dynamo.explain(step)(input_ids, positions.to(model.device))
+    explanation = torch._dynamo.explain(step)(input_ids, positions)
     where = collections.Counter(
         f"{source_line(reason.user_stack)}: {reason.reason.splitlines()[0]}" for reason in explanation.break_reasons
     )
@@ -61,7 +65,7 @@ def explain_step(
         "breaks_by_line": dict(where.most_common()),
     }
     if timed:
-        inputs = (input_ids, positions.to(model.device))
+        inputs = (input_ids, positions)
         report["eager_ms"] = seconds_per_call(lambda: step(*inputs), repeats=10) * 1e3
         torch._dynamo.reset()
         compiled = torch.compile(step, mode="reduce-overhead")

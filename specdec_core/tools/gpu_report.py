@@ -162,7 +162,9 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
     clock = time.perf_counter()
     engine = SpeculativeEngine(load_model(target), None, load_model(draft), profile=lambda *_: None)
     loaded_s = time.perf_counter() - clock
-    out += [f"models: target {target.source}, draft {draft.source}, {target.dtype}, loaded in {loaded_s:.1f} s", ""]
+    compiled = ", steps compiled" if target.compile else ""
+    models = f"models: target {target.source}, draft {draft.source}, {target.dtype}{compiled}"
+    out += [f"{models}, loaded in {loaded_s:.1f} s", ""]
     args = {**args, "vocab": engine.target_model.config.vocab_size}
     if on_cuda:
         out += [kv_pool_line(engine.target_model), ""]
@@ -208,10 +210,11 @@ def gpu_report(
     max_tokens: int = typer.Option(96, min=1),
     num_draft_tokens: int = typer.Option(4, min=1, help="K, fixed (no adaptive length)"),
     tests: bool = typer.Option(True, help="run tests/core/test_gpu.py first"),
+    compiled: bool = typer.Option(False, "--compile", help="both models' steps compiled (CUDA graphs on CUDA)"),
     out: Optional[Path] = typer.Option(None, help="also write the markdown here"),
 ):
     """Device facts, GPU tests and the engine at real shapes on random weights, as markdown."""
-    target_spec = ModelSpec(source=target, dtype=dtype, device=device)
+    target_spec = ModelSpec(source=target, dtype=dtype, device=device, compile=compiled)
     if target_spec.torch_device.type != "cuda" and device == "auto":
         facts = device_facts(target_spec.torch_device)
         print(table([facts], list(facts)))
@@ -222,7 +225,8 @@ def gpu_report(
         return
     args = {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "num_draft": num_draft_tokens, "tests": tests}
     levels = [int(level) for level in concurrency.split(",")]
-    text = report(target_spec, ModelSpec(source=draft, dtype=dtype, device=device), levels, methods.split(","), args)
+    draft_spec = ModelSpec(source=draft, dtype=dtype, device=device, compile=compiled)
+    text = report(target_spec, draft_spec, levels, methods.split(","), args)
     print(text)
     if out is not None:
         out.write_text(text + "\n")

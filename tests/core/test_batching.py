@@ -4,9 +4,12 @@ lengths in the same step."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import repeating_prompt, tiny_llama, tiny_profile
 
+from specdec_core.batching import padded_size
+from specdec_core.compiled_step import pad_steps
 from specdec_core.policies import make_policy
 from specdec_core.sampling import SamplingParams
 from specdec_core.target import Row, TargetScorer, forward_rows
@@ -24,8 +27,13 @@ def started(model, prompt: list[int]) -> TargetScorer:
     return scorer
 
 
-def test_each_row_of_a_ragged_step_scores_as_it_would_alone():
+@pytest.mark.parametrize("padded", [False, True])
+def test_each_row_of_a_ragged_step_scores_as_it_would_alone(padded: bool):
+    """`padded`: every size of the step padded (pad_steps, as a compiled step is): the padding
+    rows, queries, keys and tokens change no real row's logits."""
     model = tiny_llama(seed=3)
+    if padded:
+        pad_steps(model)
     generator = torch.Generator().manual_seed(0)
 
     def random_tokens(count: int) -> list[int]:
@@ -70,13 +78,17 @@ def test_each_row_of_a_ragged_step_scores_as_it_would_alone():
     assert torch.equal(by_itself.logits, beside.logits)
 
 
-def test_a_long_prompt_chunk_attends_apart_and_every_row_scores_as_alone():
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_long_prompt_chunk_attends_apart_and_every_row_scores_as_alone(padded: bool):
     """A step holding a prompt chunk longer than LONG_ROW beside short verify rows makes two
     attention calls per layer (the short rows are not padded to the chunk); each verify row's
-    logits are those of its step alone, and the chunk's prompt continues as unbatched."""
+    logits are those of its step alone, and the chunk's prompt continues as unbatched; the same
+    with the step's sizes padded (its calls then have 8 and 128 queries)."""
     from specdec_core.batching import LONG_ROW
 
     model = tiny_llama(seed=4)
+    if padded:
+        pad_steps(model)
     generator = torch.Generator().manual_seed(3)
     long_prompt = torch.randint(0, 512, (LONG_ROW + 40,), generator=generator).tolist()
     prompts = [torch.randint(0, 512, (length,), generator=generator).tolist() for length in (9, 30)]
@@ -98,7 +110,8 @@ def test_a_long_prompt_chunk_attends_apart_and_every_row_scores_as_alone():
         got = forward_rows([Row(scorers[0], blocks[0]), chunk, Row(scorers[1], blocks[1])])
     finally:
         torch.nn.functional.scaled_dot_product_attention = original
-    assert len(calls) == 2 * model.config.num_hidden_layers and {shape[2] for shape in calls} == {5, LONG_ROW + 39}
+    queries = {padded_size(5), padded_size(LONG_ROW + 39)} if padded else {5, LONG_ROW + 39}
+    assert len(calls) == 2 * model.config.num_hidden_layers and {shape[2] for shape in calls} == queries
     for block, logits in zip((got[0], got[2]), alone):
         torch.testing.assert_close(block.logits, logits, atol=1e-5, rtol=0)
     last = scorers[2].score(long_prompt[-1:]).logits
@@ -158,17 +171,30 @@ def test_proposals_in_lockstep_equal_each_proposal_alone():
     assert any(isinstance(choice, torch.Tensor) and choice.any() and not choice.all() for choice in kernel_choices)
 
 
-def test_a_compiled_step_captures_without_breaks_and_decodes_as_eager():
+def test_a_compiled_step_captures_without_breaks_and_decodes_as_eager(monkeypatch):
     """compile_step: every step of target-only and speculative decoding, one session or three
     (one with a prompt longer than LONG_ROW: two row groups), runs in dynamo's graphs with no
     break, in a few graphs, and gives the eager model's tokens (dynamo's capture alone, backend
     "eager", so the numbers are the same; inductor's code is what `specdec compile-check --time`
-    measures)."""
+    measures). Its steps' tensors take a few shapes, each size a padded one (CUDA graphs are
+    recorded per shape), where the eager steps' shapes change nearly every step."""
     from torch._dynamo.utils import counters
 
-    from specdec_core import GenerationRequest, SpeculativeEngine
-    from specdec_core.batching import LONG_ROW, compile_step
+    from specdec_core import GenerationRequest, SpeculativeEngine, batching
+    from specdec_core.batching import LONG_ROW
+    from specdec_core.compiled_step import compile_step
     from specdec_core.lockstep import complete_together
+
+    shapes = {False: [], True: []}  # padded or not: each step's tensor sizes
+
+    def recording_layout(*args, padded=False):
+        layout = laid_out(*args, padded=padded)
+        tensors = [layout.write_slots, *(t for group in layout.groups for t in (group.read, group.mask))]
+        shapes[padded].append(tuple(size for tensor in tensors if torch.is_tensor(tensor) for size in tensor.shape))
+        return layout
+
+    laid_out = batching.step_layout
+    monkeypatch.setattr(batching, "step_layout", recording_layout)
 
     def requests(drafter: str) -> list[GenerationRequest]:
         prompts = [repeating_prompt(seed, length) for seed, length in ((1, 12), (2, LONG_ROW + 20), (3, 30))]
@@ -191,3 +217,12 @@ def test_a_compiled_step_captures_without_breaks_and_decodes_as_eager():
         assert compiled.complete(requests(drafter)[0]).token_ids == expected[0]
     assert not counters["graph_break"]
     assert 1 <= counters["stats"]["unique_graphs"] <= 12
+    assert all(padded_size(size) == size for step in shapes[True] for size in step)
+    assert len(set(shapes[True])) < len(set(shapes[False]))  # 15 against 23 when written
+
+
+def test_sizes_pad_to_powers_of_two_then_to_multiples_of_the_step():
+    from specdec_core.batching import PAD_STEP
+
+    assert [padded_size(size) for size in (1, 2, 3, 5, 64, 65, PAD_STEP)] == [1, 2, 4, 8, 64, 128, PAD_STEP]
+    assert [padded_size(size) for size in (PAD_STEP + 1, 3 * PAD_STEP - 7)] == [2 * PAD_STEP, 3 * PAD_STEP]
