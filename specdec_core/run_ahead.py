@@ -5,7 +5,8 @@ verdict, from the outcome the draft expects: all of d_1..d_K accepted, then the 
 token guessed by the draft itself. That ahead proposal is `[g, e_1..e_K']`, g the guess (the
 draft's likeliest token). When the verdict commits exactly `d_1..d_K, g`, `e_1..e_K'` is block
 t+1 and goes to the target with no draft call in between; otherwise it is dropped and the draft
-proposes anew from the verdict.
+proposes anew from the verdict. A tree drafter's block t assumes its top-1 path kept whole: its
+ahead proposal is `[g, then a tree after g]`.
 
 Only that one outcome is pre-drafted. A draft that proposes K tokens for a target that keeps
 them all is the case worth hiding (it is when speculation pays most, and mla's blocks are
@@ -29,6 +30,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Optional, Sequence
 from .drafters.base import ahead_outcome
 from .sampling import SamplingParams
 from .sessions import DraftSession
+from .topologies import default_bank
 from .types import DraftBlock
 
 
@@ -64,8 +66,8 @@ class RunAhead:
         block = await self.pre_drafted(max_tokens)
         if block is None:
             block = await self.session.propose(max_tokens, batch_rows)
-        if block.num_tokens and block.tree is None:
-            tokens = block.tokens.tolist()
+        if block.num_tokens:
+            tokens = assumed_tokens(block)
             proposal = self.start(timed(self.session.propose(max_tokens, batch_rows, tokens)))
             self.ahead = Ahead(tokens, proposal, time.perf_counter())
         return block
@@ -80,7 +82,7 @@ class RunAhead:
         self.hidden_s += max(0.0, min(ended, waited) - max(began, ahead.launched))
         if proposal.num_tokens > 1 and self.committed == ahead_outcome(ahead.block, proposal.tokens.tolist()):
             self.used += 1
-            return proposal.part(1, 1 + max_tokens)
+            return next_block(proposal, max_tokens)
         self.discarded += 1
         return None
 
@@ -97,6 +99,22 @@ class RunAhead:
 
     def summary(self) -> dict:
         return {"used": self.used, "discarded": self.discarded, "draft_ms_hidden": round(self.hidden_s * 1e3, 1)}
+
+
+def assumed_tokens(block: DraftBlock) -> list[int]:
+    """What a block's ahead proposal assumes the target keeps: a chain whole, a tree's top-1 path."""
+    if block.tree is None:
+        return block.tokens.tolist()
+    return block.tokens[[node - 1 for node in block.tree.top1_path[1:]]].tolist()
+
+
+def next_block(proposal: DraftBlock, max_tokens: int) -> DraftBlock:
+    """A used ahead proposal past its guess, at most `max_tokens` (a tree: that deep)."""
+    if proposal.tree is None:
+        return proposal.part(1, 1 + max_tokens)
+    tree = default_bank().limited(proposal.tree.name, max_tokens)
+    nodes = default_bank().node_index(tree.name, proposal.tree.name).to(proposal.tokens.device)
+    return DraftBlock(tokens=proposal.tokens[1:][nodes], tree=tree)
 
 
 def run_now(coroutine: Coroutine) -> Awaitable:

@@ -59,8 +59,8 @@ class Drafter(ABC):
     Params: ClassVar[type[DrafterParams]] = DrafterParams
     drafts_from: ClassVar[DraftSource] = DraftSource.CONTEXT
     proposes_trees: ClassVar[bool] = False  # True: its blocks are candidate trees (DraftBlock.tree)
-    # True: proposes after tokens not yet committed (`after`, run_ahead.py); lookups are cheap
-    # enough to draft inline, and trees are not drafted ahead
+    # True: proposes after tokens not yet committed (`after`, run_ahead.py): a draft model's
+    # drafters; lookups are cheap enough to draft inline
     drafts_ahead: ClassVar[bool] = False
 
     def __init__(self, params: DrafterParams | None = None):

@@ -263,8 +263,8 @@ def propose_step(
     model: Optional[torch.nn.Module], proposals: Sequence[tuple[Drafter, int, int, Sequence[int]]]
 ) -> list[DraftBlock]:
     """One draft step over drafter sessions, each with its `(max_tokens, batch_rows, after)`
-    (`after`: run-ahead's assumed tokens, model drafters only): the model drafters' forwards
-    (sessions of `model`) in lockstep, the others propose on their own."""
+    (`after`: run-ahead's assumed tokens, drafters that draft ahead only): the chain model
+    drafters' forwards (sessions of `model`) in lockstep, the others propose on their own."""
     together = [
         drafter.drafting_after(after, *limits)
         for drafter, *limits, after in proposals
@@ -272,6 +272,6 @@ def propose_step(
     ]
     blocks = iter(propose_together(model, together) if together else ())
     return [
-        next(blocks) if isinstance(drafter, ModelDrafter) else drafter.propose(*limits)
-        for drafter, *limits, _ in proposals
+        next(blocks) if isinstance(drafter, ModelDrafter) else drafter.propose(*limits, *([after] if after else []))
+        for drafter, *limits, after in proposals
     ]

@@ -81,6 +81,16 @@ def draft_tree(
     return tokens[1:].tolist()
 
 
+@torch.inference_mode()
+def draft_next(model: torch.nn.Module, cache: PagedKV, cached: list[int], context: Sequence[int]) -> int:
+    """The draft's likeliest token after `context` (`cached` as in `draft_tree`)."""
+    sync_cache(cache, cached, context)
+    pending = list(context[len(cached) :])
+    hidden, _ = forward_ragged(model, [cache], [pending])
+    cached.extend(pending)
+    return int(model.lm_head(hidden[0, -1]).argmax())
+
+
 class ModelTreeParams(DrafterParams):
     tree: str = Field(DEFAULT_DRAFT_TREE, description="a named tree (specdec_core/topologies.py)")
 
@@ -103,6 +113,7 @@ class ModelTreeDrafter(Drafter):
     Params = ModelTreeParams
     drafts_from = DraftSource.DRAFT_MODEL
     proposes_trees = True
+    drafts_ahead = True
 
     def __init__(self, model: torch.nn.Module, params: ModelTreeParams | None = None):
         super().__init__(params)
@@ -117,12 +128,17 @@ class ModelTreeDrafter(Drafter):
         self.cache = PagedKV.for_request(len(prompt_ids), sampling.max_tokens)
         self.cached: list[int] = []
 
-    def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
+    def propose(self, max_tokens: int, batch_rows: int = 1, after: Sequence[int] = ()) -> DraftBlock:
+        """`after` (run_ahead.py: the top-1 path the target verifies now): the draft's guess of the
+        target's next token after it, then the tree after that guess (tokens `[1 + nodes]`)."""
         if max_tokens <= 0:
             return DraftBlock.empty()
         tree = default_bank().limited(self.params.tree, max_tokens)
-        tokens = draft_tree(self.model, self.cache, self.cached, self.context, tree, self.path_lookup())
-        return DraftBlock(tokens=torch.tensor(tokens, dtype=torch.long), tree=tree)
+        context, guess = [*self.context, *after], []
+        if after:
+            guess = [draft_next(self.model, self.cache, self.cached, context)]
+        tokens = draft_tree(self.model, self.cache, self.cached, context + guess, tree, self.path_lookup())
+        return DraftBlock(tokens=torch.tensor(guess + tokens, dtype=torch.long), tree=tree)
 
 
 class MultiLevelTreeDrafter(ModelTreeDrafter):

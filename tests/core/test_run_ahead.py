@@ -42,7 +42,7 @@ def request(drafter: str, run_ahead: bool, policy: str = "greedy", k: int = 4, *
     )
 
 
-@pytest.mark.parametrize("drafter", ["model", "mla"])
+@pytest.mark.parametrize("drafter", ["model", "mla", "model_tree", "mla_tree"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_output_with_run_ahead_is_target_only_output(engine, drafter, k):
     target_only = engine.complete(request("none", False)).token_ids
@@ -56,9 +56,30 @@ def test_greedy_output_with_run_ahead_is_target_only_output(engine, drafter, k):
     assert engine.complete(request(drafter, False, k=k)).token_ids == target_only
 
 
-def test_lookups_and_trees_draft_inline(engine):
-    for drafter in ("pld", "model_tree"):
-        assert "run_ahead" not in engine.complete(request(drafter, True, max_tokens=8)).metrics
+def test_lookups_draft_inline(engine):
+    assert "run_ahead" not in engine.complete(request("pld", True, max_tokens=8)).metrics
+
+
+@pytest.mark.parametrize("drafter", ["model_tree", "mla_tree"])
+def test_a_used_ahead_tree_is_the_tree_drafted_after_its_outcome(engine, drafter):
+    """A tree's ahead proposal assumes its top-1 path kept and then the draft's likeliest token:
+    past that guess it is the tree a fresh drafter proposes after that outcome, node for node,
+    and cut to a shallower depth it keeps that depth's nodes."""
+    from specdec_core.run_ahead import assumed_tokens, next_block
+
+    prompt = repeating_prompt(6)
+    ahead, fresh = (make_drafter(drafter, {}, engine.draft_model) for _ in range(2))
+    ahead.reset(prompt, SamplingParams())
+    block = ahead.propose(4)
+    path = assumed_tokens(block)
+    assert len(path) == block.tree.max_depth
+    proposal = ahead.propose(4, after=path)
+    fresh.reset([*prompt, *path, int(proposal.tokens[0])], SamplingParams())
+    expected = fresh.propose(4)
+    assert next_block(proposal, 4).tokens.tolist() == expected.tokens.tolist()
+    assert next_block(proposal, 4).tree is expected.tree
+    shallow = next_block(proposal, 2)
+    assert shallow.tree.max_depth == 2 and shallow.tokens.tolist() == fresh.propose(2).tokens.tolist()
 
 
 def test_a_seed_reproduces_sampled_output_with_run_ahead(engine):

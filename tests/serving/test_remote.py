@@ -76,12 +76,19 @@ def test_remote_output_equals_in_process_engine(cluster, tiny_engine, policy, te
         assert not metrics["draft_fallback"]
 
 
-@pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("rejection", 0.8)])
-@pytest.mark.parametrize("drafter", ["model", "mla"])
+@pytest.mark.parametrize(
+    ("policy", "temperature", "drafter"),
+    [
+        (policy, temperature, drafter)
+        for policy, temperature in (("greedy", 0.0), ("rejection", 0.8))
+        for drafter in ("model", "mla")
+    ]
+    + [("greedy", 0.0, "model_tree"), ("typical", 0.8, "mla_tree")],
+)
 def test_run_ahead_serves_the_in_process_tokens(cluster, tiny_engine, policy, temperature, drafter):
-    """Served, the ahead proposal runs on the draft worker while the target worker verifies;
-    the tokens and the proposals used and dropped are the in-process engine's (where they run
-    one after the other), and at T = 0 target-only's."""
+    """Served, the ahead proposal (a chain or a tree) runs on the draft worker while the target
+    worker verifies; the tokens and the proposals used and dropped are the in-process engine's
+    (where they run one after the other), and at T = 0 target-only's."""
     req = request(policy, drafter, temperature).model_copy(update={"run_ahead": True})
     tokens, metrics = remote_complete(cluster, req)
     local = tiny_engine.complete(req)
@@ -91,7 +98,9 @@ def test_run_ahead_serves_the_in_process_tokens(cluster, tiny_engine, policy, te
     assert not metrics["draft_fallback"]
     if temperature == 0:  # (sampled from the random tiny target, a bonus is seldom the guess)
         assert tokens == tiny_engine.complete(request(policy, "none")).token_ids
-        assert metrics["run_ahead"]["used"] > 0
+        # a tree's top-1 path is seldom the branch kept on these near-flat logits (the sharp
+        # target of tests/core/test_run_ahead.py uses tree proposals)
+        assert metrics["run_ahead"]["used"] > 0 or drafter.endswith("tree")
 
 
 @pytest.mark.parametrize(
