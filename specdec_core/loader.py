@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm.auto import tqdm
 
 from .compiled_step import compile_step
+from .fp8_checkpoint import checkpoint_fp8_scheme, load_fp8_model
 from .kernels import prepare_model
 from .kernels.int4 import quantize_int4
 
@@ -209,7 +210,8 @@ def load_configs(spec: ModelSpec) -> tuple[Any, Optional[Any]]:
 def load_model(spec: ModelSpec) -> torch.nn.Module:
     """Load a causal LM in eval mode on its device, optionally truncated to its first `num_layers`
     layers. On the CPU it runs on this project's kernels (kernels/); elsewhere on the model's own
-    attention and linears."""
+    attention and linears. An FP8 checkpoint (fp8_checkpoint.py) keeps its FP8 linears, `dtype`
+    being the rest's."""
     from transformers import AutoModelForCausalLM
 
     device = spec.torch_device
@@ -218,9 +220,13 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     if spec.source.startswith(RANDOM):
         model = random_model(load_configs(spec)[0], DTYPES[spec.dtype], device)
     else:
-        placement = {} if device.type == "cpu" else {"device_map": device}  # straight onto the GPU
         source = resolve_source(spec.source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[spec.dtype], **placement)
+        fp8 = checkpoint_fp8_scheme(source)
+        if fp8 is not None:
+            model = load_fp8_model(source, fp8, DTYPES[spec.dtype], device)
+        else:
+            placement = {} if device.type == "cpu" else {"device_map": device}  # straight onto the GPU
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[spec.dtype], **placement)
     if spec.num_layers is not None:
         truncate_layers(model, spec.num_layers)
     if device.type != "cpu":

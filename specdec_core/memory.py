@@ -1,4 +1,5 @@
-"""GPU memory of a target sharded over `tp` ranks, from its config alone (`specdec plan`).
+"""GPU memory of a target sharded over `pp` pipeline stages of `tp` ranks, from its config alone
+(`specdec plan`).
 
 The parameter count comes from the model built on the meta device (no weights, any
 architecture transformers knows). Sharding follows what the tensor-parallel backends do for
@@ -100,6 +101,7 @@ def kv_bytes_per_token(config: Any, tp: int, bytes_per_value: float) -> float:
 @dataclass
 class Plan:
     tp: int
+    pp: int
     parameters: ParameterCounts
     weight_bytes: float  # per rank
     kv_bytes_per_token: float  # per rank
@@ -137,25 +139,33 @@ def plan(
     max_batch: int = 1,
     step_tokens: int = 16,
     reserve_gib: float = RESERVE_GIB,
+    pp: int = 1,
 ) -> Plan:
-    """Per-rank memory of `config` over `tp` ranks of `gpu_gib` each; `step_tokens` per request
-    in a verify step (K + 1); `max_len` defaults to the model's context length."""
+    """Per-rank memory of `config` over `pp` pipeline stages of `tp` ranks of `gpu_gib` each,
+    for the rank that needs most; `step_tokens` per request in a verify step (K + 1); `max_len`
+    defaults to the model's context length. A stage holds ceil(layers / pp) layers (the first
+    stages take the remainder), the first stage the embedding and the last the LM head (a tied
+    head is then a copy of the embedding there)."""
     problem = shard_problem(config, tp)
     if problem:
         raise ValueError(problem)
+    layers = config.num_hidden_layers
+    if not 1 <= pp <= layers:
+        raise ValueError(f"pp_size {pp} must be between 1 and the model's {layers} layers")
     counts = count_parameters(config)
+    stage_layers = -(-layers // pp)
     other_width = BYTES_PER_VALUE["bfloat16" if dtype == "fp8" else dtype]
-    weight_bytes = (
-        counts.layer_linears / tp * BYTES_PER_VALUE[dtype]
-        + counts.lm_head / tp * other_width
-        + counts.replicated * other_width
-    )
-    kv_per_token = kv_bytes_per_token(config, tp, BYTES_PER_VALUE[kv_dtype])
+    embedding = config.vocab_size * config.hidden_size
+    head = counts.lm_head / tp if counts.lm_head or pp == 1 else embedding
+    ends = counts.replicated + head if pp == 1 else max(counts.replicated, head + (counts.replicated - embedding))
+    weight_bytes = counts.layer_linears * stage_layers / layers / tp * BYTES_PER_VALUE[dtype] + ends * other_width
+    kv_per_token = kv_bytes_per_token(config, tp, BYTES_PER_VALUE[kv_dtype]) * stage_layers / layers
     max_len = max_len or config.max_position_embeddings
     rows = max_batch * step_tokens  # fp32 logits and the widest activations (MLP, both halves)
     step_bytes = rows * (config.vocab_size / tp + 2 * config.intermediate_size / tp + 4 * config.hidden_size) * 4
     return Plan(
         tp=tp,
+        pp=pp,
         parameters=counts,
         weight_bytes=weight_bytes,
         kv_bytes_per_token=kv_per_token,
@@ -168,9 +178,12 @@ def plan(
     )
 
 
-def smallest_fitting_tp(config: Any, gpu_gib: float, max_tp: int = 64, **settings) -> int | None:
-    """The smallest tp that the model can be split over and that fits, up to `max_tp`."""
-    for tp in range(1, max_tp + 1):
-        if shard_problem(config, tp) is None and plan(config, tp, gpu_gib, **settings).fits:
-            return tp
+def smallest_layout(config: Any, gpu_gib: float, gpus_per_node: int = 8, max_pp: int = 8, **settings):
+    """The (tp, pp) that fits with the fewest stages (each a node: activations cross the slower
+    links between nodes), then the fewest ranks a stage, tensor parallelism within a node of
+    `gpus_per_node` and up to `max_pp` stages; None when none does."""
+    for pp, tp in ((pp, tp) for pp in range(1, max_pp + 1) for tp in range(1, gpus_per_node + 1)):
+        if shard_problem(config, tp) is None and pp <= config.num_hidden_layers:
+            if plan(config, tp, gpu_gib, pp=pp, **settings).fits:
+                return tp, pp
     return None

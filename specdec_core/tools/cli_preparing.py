@@ -132,7 +132,9 @@ def plan(
     model: str = typer.Option(
         ..., "--model", help="a shipped config name, a config.json, a checkpoint dir or a hub id"
     ),
-    tp: int = typer.Option(1, "--tp", min=1, help="tensor-parallel ranks"),
+    tp: int = typer.Option(1, "--tp", min=1, help="tensor-parallel ranks (of a stage)"),
+    pp: int = typer.Option(1, "--pp", min=1, help="pipeline stages, each on its own node"),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", min=1, help="the most ranks a stage may have"),
     gpu_mem: float = typer.Option(80.0, "--gpu-mem", help="memory per GPU, GiB"),
     dtype: str = typer.Option("bfloat16", "--dtype", help="weights: float32, bfloat16, float16, fp8"),
     kv_dtype: str = typer.Option("bfloat16", "--kv-dtype"),
@@ -140,10 +142,11 @@ def plan(
     max_batch: int = typer.Option(1, "--max-batch", min=1, help="requests whose KV cache is resident at once"),
     step_tokens: int = typer.Option(16, "--step-tokens", min=1, help="tokens per request in a verify step (K + 1)"),
 ):
-    """Whether a target fits tp GPUs: per-rank weights, KV cache per token and per request at
-    max length, one verify step's activations, the reserve and the headroom; and the smallest tp
-    that fits. Shipped configs (no weights): see `specdec_core/data/model_configs`."""
-    from ..memory import BYTES_PER_VALUE, GIB, load_model_config, shipped_configs, smallest_fitting_tp
+    """Whether a target fits pp stages of tp GPUs: per-rank weights, KV cache per token and per
+    request at max length, one verify step's activations, the reserve and the headroom (of the
+    rank that needs most); and the smallest layout that fits. Exits 1 when the asked layout does
+    not fit. Shipped configs (no weights): see `specdec_core/data/model_configs`."""
+    from ..memory import BYTES_PER_VALUE, GIB, load_model_config, shipped_configs, smallest_layout
     from ..memory import plan as plan_memory
 
     for name, value in (("--dtype", dtype), ("--kv-dtype", kv_dtype)):
@@ -156,7 +159,7 @@ def plan(
     settings = {"dtype": dtype, "kv_dtype": kv_dtype, "max_len": max_len, "max_batch": max_batch}
     settings["step_tokens"] = step_tokens
     try:
-        result = plan_memory(config, tp, gpu_mem, **settings)
+        result = plan_memory(config, tp, gpu_mem, pp=pp, **settings)
     except ValueError as error:
         fail(str(error))
 
@@ -183,12 +186,18 @@ def plan(
         ),
         ("fits", "yes" if result.fits else "NO"),
     ]
-    smallest = smallest_fitting_tp(config, gpu_mem, **settings)
-    rows.append(("smallest tp that fits", str(smallest) if smallest else "none up to 64"))
-    table = Table("", f"{model}, tp {tp}, {gpu_mem:g} GiB per GPU", title="specdec plan")
+    smallest = smallest_layout(config, gpu_mem, gpus_per_node, **settings)
+    layout = f"tp {smallest[0]} x pp {smallest[1]} ({smallest[0] * smallest[1]} GPUs)" if smallest else None
+    rows.append(("smallest layout that fits", layout or f"none up to tp {gpus_per_node} x pp 8"))
+    asked = f"tp {tp} x pp {pp}"
+    table = Table("", f"{model}, {asked}, {gpu_mem:g} GiB per GPU", title="specdec plan")
     for name, value in rows:
         table.add_row(name, value, style=None if result.fits or name != "fits" else "red")
     console.print(table)
+    if not result.fits:
+        needed = f"{gib(result.total_bytes)} of {gib(result.gpu_bytes)} per GPU"
+        console.print(f"{asked} does not fit ({needed}); " + (f"use {layout}" if layout else "no layout does"))
+        raise typer.Exit(1)
 
 
 def convert(target: str = TargetOpt):

@@ -77,3 +77,28 @@ def test_a_fraction_of_the_card_sizes_the_pool_once():
     assert not pool.growable and budget - bytes_per_token * pool.block_size < stored <= budget
     del pool, model
     torch.cuda.empty_cache()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores"
+)
+def test_an_fp8_checkpoint_multiplies_in_fp8_within_its_rounding(tmp_path):
+    """On Ada/Hopper an FP8 checkpoint's linears are Fp8Linear (FP8 matmuls, activations scaled
+    per token): logits within 5% (relative norm) of the bf16 model of the same de-quantized weights."""
+    from test_fp8_checkpoint import FORMATS, write_fp8_checkpoint
+
+    from specdec_core.kernels.fp8 import Fp8Linear
+    from specdec_core.loader import ModelSpec, load_model
+
+    original = tiny_llama(seed=2, prepared=False)
+    expected = write_fp8_checkpoint(original, tmp_path, FORMATS["fbgemm_fp8"])
+    model = load_model(ModelSpec(source=str(tmp_path), dtype="bfloat16", device="cuda"))
+    assert all(isinstance(model.get_submodule(name), Fp8Linear) for name in expected)
+    reference = tiny_llama(seed=2, prepared=False)
+    for name, weight in expected.items():
+        reference.get_submodule(name).weight.data.copy_(weight)
+    reference = reference.to("cuda", torch.bfloat16)
+    tokens = torch.tensor([repeating_prompt(3)], device="cuda")
+    with torch.inference_mode():
+        got, want = (m(tokens).logits[0].float() for m in (model, reference))
+    assert (got - want).norm() < 0.05 * want.norm()

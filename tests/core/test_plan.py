@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from specdec_core.memory import GIB, load_model_config, plan, shipped_configs, smallest_fitting_tp
+from specdec_core.memory import GIB, load_model_config, plan, shipped_configs, smallest_layout
 from specdec_core.tools.cli import app
 
 # Llama-3.1-8B by hand: hidden 4096, MLP 14336, 32 layers, 32 query and 8 KV heads of 128, vocab 128256
@@ -41,8 +41,32 @@ def test_fp8_halves_the_layer_linears_only_and_405b_needs_fp8_or_more_memory():
     counts = bf16.parameters
     assert bf16.weight_bytes - fp8.weight_bytes == counts.layer_linears / 8
     assert not bf16.fits and fp8.fits and plan(config, 8, 141).fits
-    assert smallest_fitting_tp(config, 80) is None  # tp stops at the 8 KV heads
-    assert smallest_fitting_tp(config, 80, dtype="fp8") == 8
+    assert smallest_layout(config, 80, max_pp=1) is None  # tp stops at the 8 KV heads
+    assert smallest_layout(config, 80, max_pp=1, dtype="fp8") == (8, 1)
+
+
+def test_stages_split_the_layers_and_the_ends_go_to_the_first_and_last():
+    """pp 2 of Llama-3.1-8B: each stage 16 layers, so half the layer linears and KV per rank; the
+    first stage holds the embedding, the last the (untied) LM head, the larger of the two counts."""
+    config = load_model_config("llama-3.1-8b-instruct")
+    for tp in (1, 4):
+        one, two = plan(config, tp, 80, max_len=8192), plan(config, tp, 80, max_len=8192, pp=2)
+        assert two.kv_bytes_per_token == one.kv_bytes_per_token / 2
+        ends = max(EMBEDDING + NORMS, EMBEDDING / tp + NORMS - 0)  # first stage: embedding; last: head
+        assert two.weight_bytes == 2 * (LAYER_LINEARS / 2 / tp + ends)
+    with pytest.raises(ValueError, match="pp_size 33"):
+        plan(config, 1, 80, pp=33)
+
+
+def test_405b_layouts_bf16_on_h200_fp8_on_h100_and_two_h100_nodes():
+    config = load_model_config("llama-3.1-405b-instruct")
+    settings = {"max_len": 8192, "max_batch": 8}
+    assert plan(config, 8, 141, **settings).fits  # bf16, one 8xH200 node
+    assert plan(config, 8, 80, dtype="fp8", **settings).fits  # FP8, one 8xH100 node
+    assert plan(config, 8, 80, pp=2, **settings).fits  # bf16, two 8xH100 nodes
+    assert not plan(config, 8, 80, **settings).fits
+    # the fewest stages first (vLLM's recipe for 405B on H100s: tp 8 x pp 2), not the fewest GPUs (tp 4 x pp 3)
+    assert smallest_layout(config, 80, **settings) == (8, 2)
 
 
 def test_tp_must_split_the_heads():
@@ -53,10 +77,16 @@ def test_tp_must_split_the_heads():
         plan(config, 16, 80)
 
 
-def test_plan_command_prints_the_figures_and_the_smallest_tp():
+def test_plan_command_prints_the_figures_and_the_smallest_layout():
     result = CliRunner().invoke(app, ["plan", "--model", "llama-3.1-70b-instruct", "--tp", "8", "--gpu-mem", "80"])
     assert result.exit_code == 0, result.output
-    assert "18.14 GiB" in result.output and "40.0 KiB" in result.output and "smallest tp that fits" in result.output
+    assert "18.14 GiB" in result.output and "40.0 KiB" in result.output
+    assert "smallest layout that fits" in result.output and "tp 4 x pp 1" in result.output
+    arguments = ["plan", "--model", "llama-3.1-405b-instruct", "--tp", "8", "--gpu-mem", "80", "--max-len", "8192"]
+    too_small = CliRunner().invoke(app, arguments)
+    assert too_small.exit_code == 1 and "tp 8 x pp 1 does not fit" in too_small.output
+    assert "use tp 8 x pp 2 (16 GPUs)" in too_small.output
+    assert CliRunner().invoke(app, [*arguments, "--pp", "2"]).exit_code == 0
     bad = CliRunner().invoke(app, ["plan", "--model", "llama-3.1-8b-instruct", "--tp", "3"])
     assert bad.exit_code == 2 and "query heads" in bad.output
     missing = CliRunner().invoke(app, ["plan", "--model", "/nonexistent/config.json"])
