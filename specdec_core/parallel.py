@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .compiled_step import compile_step
+from .fp8_checkpoint import checkpoint_fp8_scheme, load_fp8_model
 from .loader import DTYPES, ModelSpec, resolve_source, truncate_layers
 from .memory import shard_problem
 
@@ -54,13 +55,16 @@ def load_sharded_model(spec: ModelSpec, backend: TpBackend) -> torch.nn.Module:
 
     if spec.dtype == "int4":
         raise ValueError("int4 is a CPU kernel for single-process models; a sharded model takes bf16, fp16 or fp32")
-    tp = dist.get_world_size()
     source = resolve_source(spec.source)
+    tp = dist.get_world_size()
     problem = shard_problem(AutoConfig.from_pretrained(source), tp)
     if problem:
         raise ValueError(problem)
     dtype = DTYPES[spec.dtype]
-    if backend == "transformers":
+    fp8 = checkpoint_fp8_scheme(source)
+    if fp8 is not None:  # either backend: transformers' own FP8 quantizers need FBGEMM's GPU kernels
+        model = load_fp8_model(source, fp8, dtype, spec.torch_device, (dist.get_rank(), tp))
+    elif backend == "transformers":
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, tp_plan="auto")
     else:
         model = deepspeed_autotp(AutoModelForCausalLM.from_pretrained(source, dtype=dtype), tp, dtype)

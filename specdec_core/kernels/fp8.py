@@ -71,10 +71,16 @@ def fp8_linear(
 ) -> torch.nn.Module:
     """The module for one FP8 checkpoint linear on `codes`' device: `Fp8Linear` where FP8 matmuls
     run, else a plain linear of the de-quantized weights."""
+    bias = None if bias is None else bias.to(dtype)
     if has_fp8_matmul(codes.device):
-        return Fp8Linear(codes, scale, None if bias is None else bias.to(dtype), scale_ub)
-    linear = torch.nn.Linear(codes.shape[1], codes.shape[0], bias=bias is not None, device="meta")
-    linear.weight = torch.nn.Parameter(dequantize(codes, scale, dtype), requires_grad=False)
+        return Fp8Linear(codes, scale, bias, scale_ub)
+    return plain_linear(dequantize(codes, scale, dtype), bias)
+
+
+def plain_linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Linear:
+    """An `nn.Linear` over these tensors as they are (no copy)."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
     if bias is not None:
-        linear.bias = torch.nn.Parameter(bias.to(dtype), requires_grad=False)
+        linear.bias = torch.nn.Parameter(bias, requires_grad=False)
     return linear

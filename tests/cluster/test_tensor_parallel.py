@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from conftest import tiny_llama
 
 from deployments.tensor_parallel import ControlChannel
-from specdec_core.loader import ModelSpec
+from specdec_core.loader import ModelSpec, load_model
 from specdec_core.parallel import join_group, load_sharded_model, open_store, shard_problem
 from specdec_core.policies import make_policy
 from specdec_core.sampling import SamplingParams
@@ -52,15 +52,18 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("backend", ["transformers", "deepspeed"])
-def test_every_rank_of_a_sharded_target_scores_as_one_process(checkpoint, backend):
-    reference_model = tiny_llama(seed=3, prepared=False)
-    with torch.no_grad():
-        reference = steps(reference_model)
-        # after the rollback the cache holds the prompt and KEEP - 1 drafts: a fresh forward over them
-        committed = PROMPT[:-1] + FIRST_BLOCK[:KEEP] + SECOND_BLOCK
-        fresh = reference_model(torch.tensor([committed])).logits[0, -len(SECOND_BLOCK) :]
-    assert torch.allclose(reference[1][0], fresh, atol=1e-5)
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """The same tiny model with its decoder linears in FP8 (Meta's fbgemm_fp8 format)."""
+    from test_fp8_checkpoint import FORMATS, write_fp8_checkpoint
+
+    path = tmp_path_factory.mktemp("tp") / "fp8"
+    write_fp8_checkpoint(tiny_llama(seed=3, prepared=False), path, FORMATS["fbgemm_fp8"])
+    return str(path)
+
+
+def sharded_steps(checkpoint: str, backend: str) -> dict:
+    """Each rank's (steps, smallest budget) from 2 processes loading `checkpoint` sharded."""
     world_size = 2
     store = open_store("127.0.0.1", world_size, timeout_s=120)  # the rendezvous, hosted here
     context = mp.get_context("spawn")
@@ -75,12 +78,35 @@ def test_every_rank_of_a_sharded_target_scores_as_one_process(checkpoint, backen
     for process in processes:
         process.join(timeout=60)
         assert process.exitcode == 0
-    for rank in range(world_size):
-        rank_steps, smallest_budget = outputs[rank]
+    return outputs
+
+
+def assert_every_rank_scores_as(outputs: dict, reference) -> None:
+    for rank, (rank_steps, smallest_budget) in outputs.items():
         assert smallest_budget == 10.0
         for (logits, paths), (want_logits, want_paths) in zip(rank_steps, reference):
-            assert (torch.from_numpy(logits) - want_logits).abs().max() < 1e-5, (rank, backend)
+            assert (torch.from_numpy(logits) - want_logits).abs().max() < 1e-5, rank
             assert torch.equal(torch.from_numpy(paths), want_paths)  # the same seeded masks on every rank
+
+
+@pytest.mark.parametrize("backend", ["transformers", "deepspeed"])
+def test_every_rank_of_a_sharded_target_scores_as_one_process(checkpoint, backend):
+    reference_model = tiny_llama(seed=3, prepared=False)
+    with torch.no_grad():
+        reference = steps(reference_model)
+        # after the rollback the cache holds the prompt and KEEP - 1 drafts: a fresh forward over them
+        committed = PROMPT[:-1] + FIRST_BLOCK[:KEEP] + SECOND_BLOCK
+        fresh = reference_model(torch.tensor([committed])).logits[0, -len(SECOND_BLOCK) :]
+    assert torch.allclose(reference[1][0], fresh, atol=1e-5)
+    assert_every_rank_scores_as(sharded_steps(checkpoint, backend), reference)
+
+
+def test_an_fp8_checkpoint_shards_its_fp8_linears_and_scores_as_one_process(fp8_checkpoint):
+    """Each rank reads its rows (q, k, v, gate, up, with their scales) or columns (o, down) of the
+    FP8 linears; transformers' tensor-parallel forwards all-reduce the rowwise outputs."""
+    with torch.no_grad():
+        reference = steps(load_model(ModelSpec(source=fp8_checkpoint, device="cpu")))
+    assert_every_rank_scores_as(sharded_steps(fp8_checkpoint, "transformers"), reference)
 
 
 def test_a_model_splits_only_over_a_divisor_of_its_heads():
