@@ -69,11 +69,21 @@ def fp8_scheme(quantization: Optional[dict]) -> Optional[Fp8Scheme]:
 
 
 def checkpoint_fp8_scheme(source: str) -> Optional[Fp8Scheme]:
-    """`fp8_scheme` of a local checkpoint directory (None elsewhere: hub ids load as they are)."""
-    config = Path(source) / "config.json"
-    if not config.is_file():
-        return None
-    return fp8_scheme(json.loads(config.read_text()).get("quantization_config"))
+    """`fp8_scheme` of a checkpoint (a directory or a hub id), from its config."""
+    from transformers import AutoConfig
+
+    quantization = getattr(AutoConfig.from_pretrained(source), "quantization_config", None)
+    return fp8_scheme(quantization.to_dict() if hasattr(quantization, "to_dict") else quantization)
+
+
+def checkpoint_directory(source: str) -> Path:
+    """Where a checkpoint's files are: its directory, or a hub id's snapshot in the hub cache
+    (downloaded once, its configs and safetensors only)."""
+    if Path(source).is_dir():
+        return Path(source)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors"]))
 
 
 class Checkpoint:
@@ -138,7 +148,7 @@ def load_fp8_model(
     del config.quantization_config  # the model is built plain; its linears are replaced below
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    checkpoint = Checkpoint(Path(source), device)
+    checkpoint = Checkpoint(checkpoint_directory(source), device)
     styles = tensor_parallel_styles(model) if shard[1] > 1 else {}
     names = set(checkpoint.files)
     for name, module in list(model.named_modules()):

@@ -22,6 +22,7 @@ MACHINE_GPUS = {"p5.48xlarge": 8, "p5e.48xlarge": 8, "p4d.24xlarge": 8, "g6e.2xl
 MEANT_FOR = {
     "serve-llama-3.1-70b.yaml": ["aws-p5.yaml", "aws-p4d.yaml", "gcp-a3.yaml"],
     "serve-llama-3.1-405b.yaml": ["aws-p5.yaml"],
+    "serve-llama-3.1-405b-h100.yaml": ["aws-p5.yaml"],
 }
 
 
