@@ -22,9 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm.auto import tqdm
 
 from .compiled_step import compile_step
-from .fp8_checkpoint import checkpoint_fp8_scheme, load_fp8_model
+from .fp8_checkpoint import checkpoint_fp8_scheme
 from .kernels import prepare_model
 from .kernels.int4 import quantize_int4
+from .shard_loader import load_shard
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
 # random weights (seed 0) of a real shape, for timing without a checkpoint: "random:llama-3.1-8b-instruct"
@@ -211,7 +212,7 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     """Load a causal LM in eval mode on its device, optionally truncated to its first `num_layers`
     layers. On the CPU it runs on this project's kernels (kernels/); elsewhere on the model's own
     attention and linears. An FP8 checkpoint (fp8_checkpoint.py) keeps its FP8 linears, `dtype`
-    being the rest's."""
+    being the rest's (shard_loader.py)."""
     from transformers import AutoModelForCausalLM
 
     device = spec.torch_device
@@ -221,9 +222,8 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
         model = random_model(load_configs(spec)[0], DTYPES[spec.dtype], device)
     else:
         source = resolve_source(spec.source)
-        fp8 = checkpoint_fp8_scheme(source)
-        if fp8 is not None:
-            model = load_fp8_model(source, fp8, DTYPES[spec.dtype], device)
+        if checkpoint_fp8_scheme(source) is not None:
+            model = load_shard(source, DTYPES[spec.dtype], device)
         else:
             placement = {} if device.type == "cpu" else {"device_map": device}  # straight onto the GPU
             model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[spec.dtype], **placement)

@@ -10,7 +10,9 @@ every rank joins with it (`join_group`). Backends, one interface (`load_sharded_
   loaded on every rank first. Its JIT-built shared-memory all-reduce (`deepspeed_shm_comm_op`)
   segfaults on CPU (seen with DeepSpeed 0.19.8 on an AVX-512 Zen 4 VM), so on CPU it is not built
   and DeepSpeed all-reduces over the plain process group.
-A model splits over `tp` ranks when its query and KV heads are both divisible by `tp`."""
+A model splits over `tp` ranks when its query and KV heads are both divisible by `tp`. With
+pipeline stages (pipeline.py), or an FP8 checkpoint, each rank reads its part itself
+(shard_loader.py) and transformers' tensor-parallel forwards run over its stage's ranks."""
 
 from __future__ import annotations
 
@@ -21,11 +23,14 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from .compiled_step import compile_step
-from .fp8_checkpoint import checkpoint_fp8_scheme, load_fp8_model
+from .fp8_checkpoint import checkpoint_fp8_scheme
 from .loader import DTYPES, ModelSpec, resolve_source, truncate_layers
 from .memory import shard_problem
+from .pipeline import make_stage, stage_layers
+from .shard_loader import load_shard
 
 TpBackend = Literal["transformers", "deepspeed"]
 
@@ -49,27 +54,36 @@ def join_group(rank: int, world_size: int, store_host: str, store_port: int, tim
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
 
-def load_sharded_model(spec: ModelSpec, backend: TpBackend) -> torch.nn.Module:
-    """This rank's shard of `spec`'s model over the initialized process group."""
+def load_sharded_model(spec: ModelSpec, backend: TpBackend, pp_size: int = 1) -> torch.nn.Module:
+    """This rank's shard of `spec`'s model over the initialized process group: `pp_size`
+    pipeline stages (pipeline.py) of world / pp_size tensor-parallel ranks. A pipeline's stages,
+    and an FP8 checkpoint, are read by shard_loader.py whatever the backend (transformers' FP8
+    quantizers need FBGEMM's GPU kernels)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if spec.dtype == "int4":
         raise ValueError("int4 is a CPU kernel for single-process models; a sharded model takes bf16, fp16 or fp32")
     source = resolve_source(spec.source)
-    tp = dist.get_world_size()
-    problem = shard_problem(AutoConfig.from_pretrained(source), tp)
+    tp = dist.get_world_size() // pp_size
+    config = AutoConfig.from_pretrained(source)
+    problem = shard_problem(config, tp)
     if problem:
         raise ValueError(problem)
     dtype = DTYPES[spec.dtype]
-    fp8 = checkpoint_fp8_scheme(source)
-    if fp8 is not None:  # either backend: transformers' own FP8 quantizers need FBGEMM's GPU kernels
-        model = load_fp8_model(source, fp8, dtype, spec.torch_device, (dist.get_rank(), tp))
-    elif backend == "transformers":
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, tp_plan="auto")
+    if pp_size > 1 or checkpoint_fp8_scheme(source) is not None:
+        stage = dist.get_rank() // tp
+        layers = stage_layers(spec.num_layers or config.num_hidden_layers, stage, pp_size)
+        mesh = init_device_mesh(spec.torch_device.type, (pp_size, tp), mesh_dim_names=("pp", "tp")) if tp > 1 else None
+        model = load_shard(source, dtype, spec.torch_device, layers, mesh["tp"] if mesh is not None else None)
+        if pp_size > 1:
+            make_stage(model, stage, pp_size, tp)
     else:
-        model = deepspeed_autotp(AutoModelForCausalLM.from_pretrained(source, dtype=dtype), tp, dtype)
-    if spec.num_layers is not None:
-        truncate_layers(model, spec.num_layers)
+        if backend == "transformers":
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, tp_plan="auto")
+        else:
+            model = deepspeed_autotp(AutoModelForCausalLM.from_pretrained(source, dtype=dtype), tp, dtype)
+        if spec.num_layers is not None:
+            truncate_layers(model, spec.num_layers)
     if spec.compile:
         compile_step(model)
     return model.eval()

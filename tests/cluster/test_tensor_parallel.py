@@ -34,10 +34,10 @@ def steps(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(block.logits, block.features["path_tokens"]) for block in (first, second)]
 
 
-def rank_main(rank: int, world_size: int, port: int, checkpoint: str, backend: str, results) -> None:
+def rank_main(rank: int, world_size: int, port: int, checkpoint: str, backend: str, pp: int, results) -> None:
     torch.set_num_threads(1)
     group = join_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
-    model = load_sharded_model(ModelSpec(source=checkpoint), backend)
+    model = load_sharded_model(ModelSpec(source=checkpoint), backend, pp)
     smallest_budget = ControlChannel(group).smallest(10.0 * (rank + 1))  # how the ranks size their pools
     with torch.no_grad():
         # numpy arrays travel by value (a tensor's shared memory would die with this process)
@@ -62,14 +62,14 @@ def fp8_checkpoint(tmp_path_factory):
     return str(path)
 
 
-def sharded_steps(checkpoint: str, backend: str) -> dict:
-    """Each rank's (steps, smallest budget) from 2 processes loading `checkpoint` sharded."""
-    world_size = 2
+def sharded_steps(checkpoint: str, backend: str, world_size: int = 2, pp: int = 1) -> dict:
+    """Each rank's (steps, smallest budget) from `world_size` processes loading `checkpoint`
+    sharded: `pp` pipeline stages of world_size / pp tensor-parallel ranks."""
     store = open_store("127.0.0.1", world_size, timeout_s=120)  # the rendezvous, hosted here
     context = mp.get_context("spawn")
     results = context.Queue()
     processes = [
-        context.Process(target=rank_main, args=(rank, world_size, store.port, checkpoint, backend, results))
+        context.Process(target=rank_main, args=(rank, world_size, store.port, checkpoint, backend, pp, results))
         for rank in range(world_size)
     ]
     for process in processes:

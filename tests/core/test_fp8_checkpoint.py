@@ -82,18 +82,6 @@ def test_an_fp8_checkpoint_loads_de_quantized_with_its_originals_logits(tmp_path
     assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.8  # 22 of 24 positions when written
 
 
-def test_a_rank_reads_its_contiguous_part_of_a_tensor(tmp_path):
-    from specdec_core.fp8_checkpoint import Checkpoint
-
-    weight = torch.arange(7 * 4, dtype=torch.float32).reshape(7, 4)
-    save_file({"w": weight}, tmp_path / "model.safetensors")
-    checkpoint = Checkpoint(tmp_path, torch.device("cpu"))
-    assert torch.equal(checkpoint.read("w"), weight)
-    # 7 rows over 2 ranks: 4 and 3 (transformers' split); columns over 4 ranks: one each
-    assert torch.equal(checkpoint.read("w", 0, (1, 2)), weight[4:])
-    assert torch.equal(checkpoint.read("w", 1, (2, 4)), weight[:, 2:3])
-
-
 @pytest.mark.parametrize(
     ("quantization", "named"),
     [

@@ -1,0 +1,195 @@
+"""A rank's part of a checkpoint, read from its safetensors files: the decoder layers of its
+pipeline stage (pipeline.py), its shard of each decoder linear over the `tp` ranks of a
+tensor-parallel group (parallel.py), and FP8 linears where the checkpoint has them
+(fp8_checkpoint.py). The model is built on the meta device and takes the tensors as they are
+read, each once (a slice where the rank needs only a part), so no rank ever holds a tensor it
+does not keep.
+
+Tensor parallelism follows transformers' `tp_plan` for the architecture: a colwise linear (q, k,
+v, gate, up) keeps its rows (and, FP8, their scales), a rowwise one (o, down) its columns with
+every row's scale (a per-row scale multiplies each rank's partial sum alike); transformers' own
+tensor-parallel forwards then run on these modules (`apply_tensor_parallelism`: a rowwise output
+is all-reduced over the group). The embedding, norms and LM head are whole on every rank."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .fp8_checkpoint import fp8_scheme
+from .kernels.fp8 import FP8, fp8_linear, plain_linear
+
+LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def checkpoint_directory(source: str) -> Path:
+    """Where a checkpoint's files are: its directory, or a hub id's snapshot in the hub cache
+    (downloaded once, its configs and safetensors only)."""
+    if Path(source).is_dir():
+        return Path(source)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors"]))
+
+
+class Checkpoint:
+    """The tensors of a safetensors checkpoint directory, each read when asked for (a slice of
+    it where a rank needs only its shard), never the whole checkpoint at once."""
+
+    def __init__(self, directory: Path, device: torch.device):
+        from safetensors import safe_open
+
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            files = {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            files = {}
+            for path in sorted(directory.glob("*.safetensors")):
+                with safe_open(path, "pt") as handle:
+                    files.update(dict.fromkeys(handle.keys(), path))
+        if not files:
+            raise FileNotFoundError(f"{directory} holds no .safetensors files")
+        self.files, self.device = files, device
+        self.handles = {path: safe_open(path, "pt", device=str(device)) for path in set(files.values())}
+
+    def read(self, name: str, dim: Optional[int] = None, shard: tuple[int, int] = (0, 1)) -> torch.Tensor:
+        """Tensor `name`, or its part `shard` = (rank, ranks) along `dim`: contiguous equal parts,
+        the last one shorter where they do not divide (transformers' split)."""
+        tensor = self.handles[self.files[name]].get_slice(name)
+        if dim is None:
+            return tensor[:]
+        length = tensor.get_shape()[dim]
+        rank, ranks = shard
+        part = -(-length // ranks)
+        start = min(part * rank, length)
+        index = [slice(None)] * len(tensor.get_shape())
+        index[dim] = slice(start, min(length, start + part))
+        return tensor[tuple(index)]
+
+
+def tensor_parallel_styles(model: torch.nn.Module) -> dict[str, str]:
+    """Each decoder linear's tensor-parallel style (colwise or rowwise) by module name, from the
+    config's `base_model_tp_plan` (transformers' plan for the architecture)."""
+    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    if not plan:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan in transformers")
+    return {
+        name: style
+        for name, _ in model.named_modules()
+        for pattern, style in plan.items()
+        if style in ("colwise", "rowwise") and fnmatch.fnmatchcase(name, f"{model.base_model_prefix}.{pattern}")
+    }
+
+
+@torch.no_grad()  # not inference mode: its tensors would refuse the CPU kernels' version checks
+def load_shard(
+    source: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    layers: Optional[range] = None,
+    tp_mesh=None,
+) -> torch.nn.Module:
+    """The causal LM of a checkpoint (a directory or a hub id) on `device`, its unquantized
+    tensors in `dtype`: only the decoder layers `layers` (renumbered from 0; all by default), and
+    over `tp_mesh` (a 1-D device mesh of this rank's tensor-parallel group) this rank's shard."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(source)
+    quantization = getattr(config, "quantization_config", None)
+    quantization = quantization.to_dict() if hasattr(quantization, "to_dict") else quantization
+    scheme = fp8_scheme(quantization)
+    if quantization:
+        if scheme is None:
+            raise ValueError(f"{source}: quantization {quantization.get('quant_method')!r} does not load by shards")
+        del config.quantization_config  # the model is built plain; its linears are replaced below
+    layers = layers if layers is not None else range(config.num_hidden_layers)
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[layers.start : layers.stop]
+    config.num_hidden_layers = len(layers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    checkpoint = Checkpoint(checkpoint_directory(source), device)
+    names = stage_names(checkpoint.files, layers)  # this stage's name -> the checkpoint's
+    shard = (tp_mesh.get_local_rank(), tp_mesh.size()) if tp_mesh is not None else (0, 1)
+    styles = tensor_parallel_styles(model) if tp_mesh is not None else {}
+    for name, module in list(model.named_modules()):
+        style = styles.get(name)
+        if isinstance(module, torch.nn.Linear) and (style or f"{name}.weight_scale" in names):
+            linear = read_linear(checkpoint, names[f"{name}.weight"], style, shard, dtype, scheme)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, linear)
+            for part in ("weight", "weight_scale", "bias", "input_scale", "input_scale_ub"):
+                names.pop(f"{name}.{part}", None)
+    tensors = {name: checkpoint.read(stored) for name, stored in names.items()}
+    stray = [name for name, tensor in tensors.items() if tensor.dtype == FP8]
+    if stray:
+        raise ValueError(f"FP8 tensors without a weight_scale: {stray[:3]}")
+    missing, unexpected = model.load_state_dict(
+        {name: tensor.to(dtype) for name, tensor in tensors.items()}, strict=False, assign=True
+    )
+    model.tie_weights()
+    missing = [name for name in missing if getattr(model.get_parameter(name), "is_meta", False)]
+    if missing or unexpected:
+        raise ValueError(f"{source}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    rebuild_meta_buffers(model, device)
+    if styles:
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        apply_tensor_parallelism(model, tp_mesh, styles)
+        model._tp_size = shard[1]
+    return model.eval()
+
+
+def stage_names(stored: dict[str, Path], layers: range) -> dict[str, str]:
+    """The checkpoint's tensors a stage of `layers` holds, by the stage's names (its layers
+    numbered from 0): every tensor outside the decoder layers, and those of its layers."""
+    names = {}
+    for name in stored:
+        match = LAYER.search(name)
+        if match is None:
+            names[name] = name
+        elif int(match[1]) in layers:
+            names[name[: match.start()] + f".layers.{int(match[1]) - layers.start}." + name[match.end() :]] = name
+    return names
+
+
+def read_linear(
+    checkpoint: Checkpoint, weight_name: str, style: Optional[str], shard: tuple[int, int], dtype, scheme
+) -> torch.nn.Module:
+    """The linear of the checkpoint's `weight_name` (this rank's shard under `style`): FP8
+    where the checkpoint scales it (`scheme`)."""
+    name = weight_name.removesuffix(".weight")
+    rows = {"colwise": 0, "rowwise": None}.get(style)  # what of the per-row scales and bias a rank holds
+    weight = checkpoint.read(f"{name}.weight", {"colwise": 0, "rowwise": 1}.get(style), shard)
+    bias = checkpoint.read(f"{name}.bias", rows, shard) if f"{name}.bias" in checkpoint.files else None
+    if f"{name}.weight_scale" in checkpoint.files:
+        scale = checkpoint.read(f"{name}.weight_scale")
+        if weight.dtype != FP8:
+            raise ValueError(f"{name}.weight is {weight.dtype}, not {FP8}, beside its weight_scale")
+        if rows is not None and scale.numel() > 1:  # per-row scales of a colwise shard: its rows'
+            scale = checkpoint.read(f"{name}.weight_scale", rows, shard)
+        linear = fp8_linear(weight, scale, bias, dtype, scheme.scale_ub)
+    else:
+        linear = plain_linear(weight.to(dtype), None if bias is None else bias.to(dtype))
+    if style:  # transformers' tensor-parallel forwards read the whole layer's sizes
+        full = checkpoint.handles[checkpoint.files[f"{name}.weight"]].get_slice(f"{name}.weight").get_shape()
+        linear.out_features, linear.in_features = full
+        linear._hf_quantized_needs_local_tp = True  # their forward takes this rank's plain tensors
+    return linear
+
+
+def rebuild_meta_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (a rotary embedding's frequencies) are not in a checkpoint: built
+    on the meta device, they are computed again on `device` by their module's own constructor."""
+    for name, module in list(model.named_modules()):
+        if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
+            if not hasattr(module, "inv_freq"):
+                raise ValueError(f"{name}: a buffer the checkpoint does not hold, of an unknown kind")
+            parent, _, child = name.rpartition(".")
+            with torch.device(device):
+                setattr(model.get_submodule(parent), child, type(module)(config=model.config))

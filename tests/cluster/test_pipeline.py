@@ -1,0 +1,33 @@
+"""A target split into pipeline stages (specdec_core/pipeline.py), each stage's ranks processes
+of their own over gloo: every rank's logits and policy features equal one process's, before and
+after a rollback, as 2 stages of 1 rank and 2 stages of 2 ranks (tensor parallel inside each)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama
+from test_tensor_parallel import assert_every_rank_scores_as, sharded_steps, steps
+
+from specdec_core.pipeline import stage_layers
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pp") / "target"
+    tiny_llama(seed=3, prepared=False, num_layers=3).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(("world_size", "pp"), [(2, 2), (4, 2)])
+def test_every_rank_of_a_pipeline_scores_as_one_process(checkpoint, world_size, pp):
+    with torch.no_grad():
+        reference = steps(tiny_llama(seed=3, prepared=False, num_layers=3))
+    assert_every_rank_scores_as(sharded_steps(checkpoint, "transformers", world_size, pp), reference)
+
+
+def test_stages_split_the_layers_the_first_ones_taking_the_remainder():
+    assert [stage_layers(80, stage, 2) for stage in range(2)] == [range(0, 40), range(40, 80)]
+    assert [stage_layers(7, stage, 3) for stage in range(3)] == [range(0, 3), range(3, 5), range(5, 7)]
+    with pytest.raises(ValueError, match="pp_size 4"):
+        stage_layers(3, 0, 4)
