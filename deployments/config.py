@@ -24,10 +24,15 @@ class WorkerConfig(BaseModel):
         default_factory=dict, description="custom Ray resources per rank: pins the worker to node types that have them"
     )
     replicas: int = Field(1, ge=1, description="replicas of the worker (each with its ranks); a request stays on one")
-    tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (specdec_core/parallel.py)")
+    tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks of a stage (specdec_core/parallel.py)")
+    pp_size: int = Field(
+        1, ge=1, le=64, description="pipeline stages of tp_size ranks each, layers split between them (pipeline.py)"
+    )
     tp_backend: Literal["transformers", "deepspeed"] = "transformers"
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
-        "STRICT_PACK", description="of the ranks' placement group; STRICT_PACK keeps them on one node"
+        "STRICT_PACK",
+        description="of the stages' bundles (one a stage, each on one node): STRICT_PACK keeps every stage on one "
+        "node, STRICT_SPREAD puts each stage on a node of its own",
     )
     batch_window_ms: float = Field(5.0, ge=0, le=1000, description="a step waits at most this for other sessions' rows")
     torch_threads: Optional[int] = Field(None, ge=1, description="per rank; default: the app's torch_threads")
@@ -45,6 +50,10 @@ class WorkerConfig(BaseModel):
     )
     max_waiting_sessions: int = Field(64, ge=0, description="sessions that wait for KV memory before 503s")
     admission_wait_s: float = Field(10.0, ge=0, description="how long one of them waits at most")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tp_size * self.pp_size
 
     @property
     def kv_fraction(self) -> float:

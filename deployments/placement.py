@@ -1,5 +1,5 @@
-"""Where a worker's ranks run: one placement group per worker (one bundle per rank), ready within
-a bounded time or an error that says what was asked and what the cluster has."""
+"""Where a worker's ranks run: one placement group per worker (one bundle per pipeline stage),
+ready within a bounded time or an error that says what was asked and what the cluster has."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from .config import WorkerConfig
 
 
 def bundles(worker: WorkerConfig) -> list[dict[str, float]]:
-    bundle = {"CPU": worker.num_cpus, "GPU": worker.num_gpus, **worker.resources}
-    return [{key: value for key, value in bundle.items() if value > 0}] * worker.tp_size
+    """One bundle a pipeline stage, holding its tp ranks' resources: a bundle is on one node, so
+    a stage's tensor-parallel collectives never leave it; the strategy places the stages."""
+    rank = {"CPU": worker.num_cpus, "GPU": worker.num_gpus, **worker.resources}
+    return [{key: value * worker.tp_size for key, value in rank.items() if value > 0}] * worker.pp_size
 
 
 def cluster_description() -> str:
@@ -35,7 +37,7 @@ def reserve(name: str, worker: WorkerConfig, timeout_s: float) -> PlacementGroup
     if not ready:
         remove_placement_group(group)
         raise RuntimeError(
-            f"cannot place {name}: asked for {worker.tp_size} bundle(s) of {bundles(worker)[0]} "
+            f"cannot place {name}: asked for {worker.pp_size} bundle(s) of {bundles(worker)[0]} "
             f"({worker.placement_strategy}) and none was ready within {timeout_s:g} s; the cluster has:\n"
             + cluster_description()
         )

@@ -2,8 +2,8 @@
 are `WorkerGroup`s: a group starts its ranks, `WorkerRank` actors that each load the model, or
 their shard of it over a tensor-parallel group (specdec_core/parallel.py), in the replica's
 placement group (one bundle per rank). Rank 0 serves the worker's gRPC service (servicers.py)
-on a port of its own; the others follow it (tensor_parallel.py). With tp_size 1 the group is one
-rank holding the whole model."""
+on a port of its own; the others follow it (tensor_parallel.py). A worker's ranks are pp_size
+pipeline stages of tp_size ranks; with one of each the group is one rank holding the whole model."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class WorkerRank:
 
         host = self.host()
         worker = worker_config(self.role, self.config)
-        self.store = open_store(host, worker.tp_size, self.config.placement_timeout_s)
+        self.store = open_store(host, worker.num_ranks, self.config.placement_timeout_s)
         return f"{host}:{self.store.port}"
 
     def start(self, store_address: Optional[str]) -> Optional[str]:
@@ -107,14 +107,15 @@ class WorkerRank:
         on_torch_thread(configure_cpu, worker.torch_threads or config.torch_threads or max(1, int(worker.num_cpus)))
         spec = config.draft if self.role == "draft" else config.target
         if spec is not None:
-            self.note(f"loading {spec.source} ({spec.dtype}, {worker.tp_size} rank(s))")
+            layout = f"{worker.pp_size} stage(s) of {worker.tp_size} rank(s)"
+            self.note(f"loading {spec.source} ({spec.dtype}, {layout})")
         channel = None
-        if worker.tp_size > 1:
+        if worker.num_ranks > 1:
             host, port = store_address.rsplit(":", 1)
             timeout_s = config.placement_timeout_s
-            group = on_torch_thread(join_group, self.rank, worker.tp_size, host, int(port), timeout_s, self.store)
+            group = on_torch_thread(join_group, self.rank, worker.num_ranks, host, int(port), timeout_s, self.store)
             channel = ControlChannel(group)
-            model = on_torch_thread(load_sharded_model, spec, worker.tp_backend)
+            model = on_torch_thread(load_sharded_model, spec, worker.tp_backend, worker.pp_size)
         else:
             model = on_torch_thread(load_model, spec) if spec else None
         # rank 0 sends every operation to the others, and releases what expires on all of them
@@ -191,7 +192,7 @@ class WorkerRank:
 @serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=2, health_check_timeout_s=30)
 class WorkerGroup:
     """A worker's ranks, as a replica of its Serve deployment (app.py): `WorkerRank` actors in the
-    replica's placement group (`placement_group_bundles`: one bundle per rank), rank 0's gRPC
+    replica's placement group (`placement_group_bundles`: one bundle per stage), rank 0's gRPC
     address for the server, and Serve's health check, which fails when a rank is gone; Serve then
     restarts the replica, and the ranks, owned by it, die with it (their requests fail at once)
     and start again with the new one. With `draft_on_target_node` the draft's group asks the
@@ -214,11 +215,14 @@ class WorkerGroup:
                 num_cpus=worker.num_cpus,
                 num_gpus=worker.num_gpus,
                 resources=dict(worker.resources),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank),
+                # a stage's ranks share its bundle
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement, placement_group_bundle_index=rank // worker.tp_size
+                ),
             ).remote(role, config, rank)
-            for rank in range(worker.tp_size)
+            for rank in range(worker.num_ranks)
         ]
-        store_address = await self.ranks[0].open_store.remote() if worker.tp_size > 1 else None
+        store_address = await self.ranks[0].open_store.remote() if worker.num_ranks > 1 else None
         addresses = await asyncio.gather(*(rank.start.remote(store_address) for rank in self.ranks))
         self.address = addresses[0]
 

@@ -72,7 +72,8 @@ class WorkerService:
         self.admission = admission
         self.kv_bytes_per_token = 0.0
         if model is not None:  # the KV cache holds activations: the embeddings' dtype
-            tp_size = channel.size if channel is not None else 1
+            # this rank's share of the KV heads: its stage's tp ranks (transformers' tp_size), or the group's
+            tp_size = model.tp_size or (channel.size if channel is not None else 1)
             width = model.get_input_embeddings().weight.element_size()
             self.kv_bytes_per_token = kv_bytes_per_token(model.config, tp_size, width)
             if admission is not None and admission.budget_bytes is not None:

@@ -141,7 +141,7 @@ def load_shard(
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
         apply_tensor_parallelism(model, tp_mesh, styles)
-        model._tp_size = shard[1]
+    model._tp_size = shard[1]  # transformers' `tp_size`: this rank holds 1 / tp_size of the KV heads
     return model.eval()
 
 

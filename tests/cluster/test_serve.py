@@ -445,13 +445,17 @@ TP_APP, TP_ROUTE = "tiny-tp", "/tp"
 
 
 def tp_config(checkpoints, **fields) -> dict:
+    """The tiny pair with the target and the draft over 2 ranks each (`fields` override)."""
     target_dir, draft_dir = checkpoints
+    fields = {
+        "target_worker": {"tp_size": 2, "num_cpus": 0.5, "resources": {"target_node": 0.5}},
+        "draft_worker": {"tp_size": 2, "num_cpus": 0.5, "resources": {"draft_node": 0.5}},
+        **fields,
+    }
     return AppConfig(
         model_name=MODEL,
         target={"source": target_dir},
         draft={"source": draft_dir},
-        target_worker={"tp_size": 2, "num_cpus": 0.5, "resources": {"target_node": 0.5}},
-        draft_worker={"tp_size": 2, "num_cpus": 0.5, "resources": {"draft_node": 0.5}},
         torch_threads=1,
         calibration={"questions_per_category": 1, "max_new_tokens": 4},
         rpc_deadline_s=10.0,
@@ -492,6 +496,35 @@ def test_the_layout_puts_target_ranks_and_draft_on_their_node_types(tp_app):
         assert len(ranks) == 2
         for rank in ranks:
             assert node_type in nodes[ray.get(rank.node_id.remote())]
+
+
+# ---------------------------------------------------------------- a target in pipeline stages
+
+PP_APP, PP_ROUTE = "tiny-pp", "/pp"
+
+
+@pytest.fixture(scope="module")
+def pp_app(service, checkpoints):
+    """A third app: the target as 2 pipeline stages of 1 rank, each stage's bundle on a node of
+    its own (STRICT_SPREAD over the two simulated nodes); its CPUs nominal beside the others'."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    stages = {"pp_size": 2, "num_cpus": 0.01, "placement_strategy": "STRICT_SPREAD"}
+    config = tp_config(checkpoints, target_worker=stages, draft_worker={"num_cpus": 0.01})
+    serve.run(build_app(config), name=PP_APP, route_prefix=PP_ROUTE)
+    yield URL + PP_ROUTE
+    serve.delete(PP_APP)
+
+
+@pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("rejection", 0.9)])
+def test_a_target_in_two_stages_on_two_nodes_serves_what_one_process_does(pp_app, local_engine, policy, temperature):
+    body = tp_body(policy, temperature)
+    payload = httpx.post(pp_app + "/v1/completions", json=body, timeout=120).json()
+    assert payload["choices"][0]["token_ids"] == local_tokens(local_engine, body)
+    ranks = worker_handle("target", PP_APP).rank_handles.remote().result()
+    assert len({ray.get(rank.node_id.remote()) for rank in ranks}) == 2
 
 
 def test_a_killed_rank_fails_its_request_then_serve_restarts_the_group(tp_app, local_engine):
