@@ -46,9 +46,13 @@ def test_every_file_is_a_serve_config_a_launcher_or_a_rayservice():
             "serve" if "applications" in document else "launcher" if "provider" in document else document.get("kind")
         )
     assert set(kinds.values()) == {"serve", "launcher", "RayService"}, kinds
-    assert {"local.yaml", "local-tp3.yaml", "local-pp2.yaml", "serve-llama-3.1-70b.yaml", "serve-llama-3.1-405b.yaml"} <= set(
-        kinds
-    )
+    assert {
+        "local.yaml",
+        "local-tp3.yaml",
+        "local-pp2.yaml",
+        "serve-llama-3.1-70b.yaml",
+        "serve-llama-3.1-405b.yaml",
+    } <= set(kinds)
 
 
 @pytest.mark.parametrize("name", sorted(serve_configs()))
