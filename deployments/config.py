@@ -64,6 +64,9 @@ class WorkerConfig(BaseModel):
     def _asks_for_something(self):
         if self.num_cpus <= 0 and self.num_gpus <= 0:
             raise ValueError("a worker rank needs num_cpus or num_gpus above 0")
+        stage_gpus = self.num_gpus * self.tp_size
+        if self.pp_size > 1 and stage_gpus > 1 and stage_gpus != int(stage_gpus):
+            raise ValueError(f"a pipeline stage takes whole GPUs: num_gpus x tp_size is {stage_gpus:g}")
         return self
 
 

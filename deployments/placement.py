@@ -1,4 +1,4 @@
-"""Where a worker's ranks run: one placement group per worker (one bundle per pipeline stage),
+"""Where a worker's ranks run: one placement group per worker (a bundle per rank or per stage),
 ready within a bounded time or an error that says what was asked and what the cluster has."""
 
 from __future__ import annotations
@@ -10,10 +10,18 @@ from .config import WorkerConfig
 
 
 def bundles(worker: WorkerConfig) -> list[dict[str, float]]:
-    """One bundle a pipeline stage, holding its tp ranks' resources: a bundle is on one node, so
-    a stage's tensor-parallel collectives never leave it; the strategy places the stages."""
-    rank = {"CPU": worker.num_cpus, "GPU": worker.num_gpus, **worker.resources}
+    """One bundle a rank, or with pipeline stages one a stage holding its ranks' resources (a
+    bundle is on one node, so a stage's tensor-parallel collectives never leave it; the strategy
+    places the stages). A stage's GPUs are whole (WorkerConfig checks), as Ray wants a bundle's."""
+    rank = {key: value for key, value in {"CPU": worker.num_cpus, "GPU": worker.num_gpus, **worker.resources}.items()}
+    if worker.pp_size == 1:
+        return [{key: value for key, value in rank.items() if value > 0}] * worker.tp_size
     return [{key: value * worker.tp_size for key, value in rank.items() if value > 0}] * worker.pp_size
+
+
+def bundle_index(worker: WorkerConfig, rank: int) -> int:
+    """The bundle of a worker's `rank` (rank = stage * tp_size + tp rank)."""
+    return rank if worker.pp_size == 1 else rank // worker.tp_size
 
 
 def cluster_description() -> str:
@@ -37,7 +45,7 @@ def reserve(name: str, worker: WorkerConfig, timeout_s: float) -> PlacementGroup
     if not ready:
         remove_placement_group(group)
         raise RuntimeError(
-            f"cannot place {name}: asked for {worker.pp_size} bundle(s) of {bundles(worker)[0]} "
+            f"cannot place {name}: asked for {len(bundles(worker))} bundle(s) of {bundles(worker)[0]} "
             f"({worker.placement_strategy}) and none was ready within {timeout_s:g} s; the cluster has:\n"
             + cluster_description()
         )

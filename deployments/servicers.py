@@ -15,14 +15,13 @@ from pydantic import ValidationError
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec_core.errors import SpecdecError
+from specdec_core.errors import GroupBroken, SpecdecError
 
 from .admission import Overloaded
 from .auth import RequireSecret
 from .draft_service import DraftService
 from .steps import WorkerStopping
 from .target_service import TargetService
-from .tensor_parallel import GroupBroken
 from .wire import component_from_proto, prompt_scores_to_proto, sampling_from_proto, tensor_to_proto
 from .worker_ops import Release
 from .worker_service import SessionMissing
@@ -49,7 +48,7 @@ def checked(handler: Callable) -> Callable:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the worker is at capacity: {error}")
         except GroupBroken as error:
             logger.error("%s: %s", handler.__name__, error)
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's tensor-parallel group is down")
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's group of ranks is down")
         except WorkerStopping:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is stopping")
         except Exception:  # noqa: BLE001 - logged with the session id; the caller sees INTERNAL

@@ -11,13 +11,11 @@ import logging
 import torch
 import torch.distributed as dist
 
+from specdec_core.errors import GroupBroken
+
 from .worker_ops import Message, operation_from_json
 
 logger = logging.getLogger(__name__)
-
-
-class GroupBroken(RuntimeError):
-    """Another rank of the group is gone: its requests cannot finish; the group is rebuilt."""
 
 
 class ControlChannel:

@@ -18,7 +18,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .config import AppConfig, WorkerConfig
-from .placement import reserve
+from .placement import bundle_index, reserve
 from .startup_log import note
 
 Role = Literal["draft", "target"]
@@ -192,7 +192,7 @@ class WorkerRank:
 @serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=2, health_check_timeout_s=30)
 class WorkerGroup:
     """A worker's ranks, as a replica of its Serve deployment (app.py): `WorkerRank` actors in the
-    replica's placement group (`placement_group_bundles`: one bundle per stage), rank 0's gRPC
+    replica's placement group (`placement_group_bundles`: a bundle per rank, or per stage), rank 0's gRPC
     address for the server, and Serve's health check, which fails when a rank is gone; Serve then
     restarts the replica, and the ranks, owned by it, die with it (their requests fail at once)
     and start again with the new one. With `draft_on_target_node` the draft's group asks the
@@ -215,9 +215,8 @@ class WorkerGroup:
                 num_cpus=worker.num_cpus,
                 num_gpus=worker.num_gpus,
                 resources=dict(worker.resources),
-                # a stage's ranks share its bundle
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement, placement_group_bundle_index=rank // worker.tp_size
+                    placement, placement_group_bundle_index=bundle_index(worker, rank)
                 ),
             ).remote(role, config, rank)
             for rank in range(worker.num_ranks)

@@ -66,8 +66,9 @@ class StepLayout:
 
 def padded_size(size: int) -> int:
     """What a compiled step pads a size to (its tokens, a group's rows, queries and keys): a power
-    of two up to PAD_STEP, then a multiple of it, so that CUDA graphs are recorded for a few
-    shapes, each at most twice the work below PAD_STEP and PAD_STEP - 1 more above."""
+    of two up to PAD_STEP, then a multiple of it, each at most twice the work below PAD_STEP and
+    PAD_STEP - 1 more above. A CUDA graph is recorded per combination of the sizes' buckets: a
+    bounded set, which grows by one bucket of keys per PAD_STEP tokens of context."""
     if size <= PAD_STEP:
         return 1 << max(size - 1, 0).bit_length()
     return blocks_for(size, PAD_STEP) * PAD_STEP
@@ -85,8 +86,8 @@ def pool_of(base_model: torch.nn.Module) -> KVPool:
 def fix_pool(model: torch.nn.Module, budget_bytes: float, bytes_per_token: float) -> KVPool:
     """Give `model` a pool of `budget_bytes`, allocated once and never grown: a worker's KV
     budget, within which its admission keeps every session's blocks (`bytes_per_token`: what a
-    position costs in all layers of this rank; one block of it is the pool's scratch block)."""
-    num_blocks = int(budget_bytes // (bytes_per_token * BLOCK_SIZE)) - 1
+    position costs in all layers of this rank; the pool's scratch block is one more)."""
+    num_blocks = int(budget_bytes // (bytes_per_token * BLOCK_SIZE))
     model.model.kv_pool = KVPool(len(model.model.layers), num_blocks=num_blocks, growable=False)
     return model.model.kv_pool
 
@@ -102,7 +103,7 @@ def step_layout(
     """Reserve each row's blocks for its new tokens and lay out the step (host-side, a few ops
     per forward, not per layer). A lone row whose blocks are consecutive reads them as a slice.
     `padded` (a compiled step): every size rounds up to `padded_size`, so that a step's tensors
-    take a few shapes; the padding tokens write to the pool's scratch block, padding rows and
+    take a bounded set of shapes; the padding tokens write to the pool's scratch block, padding rows and
     queries see key 0 only, and no view (a slice's bounds would be a new graph every step)."""
     for cache, length in zip(caches, lengths):
         cache.reserve(pool, cache.length + length)
@@ -217,7 +218,10 @@ def run_ragged(
     layout = step_layout(pool, caches, lengths, trees, base_model.device, padded=padded)
     padding = layout.write_slots.numel() - offsets[-1]
     inputs = {name: pad_tokens(tensor, padding) for name, tensor in inputs.items()}
-    with attention_backends(base_model.device):
+    # a pool's storage is allocated by its first forward: that one runs eagerly, outside any
+    # CUDA graph, and later ones find it in place (a static address)
+    first = padded and pool.keys is None
+    with attention_backends(base_model.device), torch.compiler.set_stance("force_eager" if first else "default"):
         output = base_model(
             **inputs,
             position_ids=pad_tokens(positions[None], padding).to(base_model.device),
@@ -228,7 +232,9 @@ def run_ragged(
         pool.mark_static()
     for cache, length in zip(caches, lengths):
         cache.advance(length)
-    return output.last_hidden_state[:, : offsets[-1]], offsets
+    hidden = output.last_hidden_state[:, : offsets[-1]]
+    # a CUDA graph's output is overwritten by its next replay, and a scorer keeps its rows
+    return (hidden.clone() if padded else hidden), offsets
 
 
 def pad_tokens(tensor: torch.Tensor, count: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """A compiled worker step: `torch.compile` over a model's base forward (every layer and the ragged
 attention, no graph break: `specdec compile-check`), its sizes padded (batching.padded_size) so
-that on CUDA a CUDA graph is recorded for each of a few shapes and replayed."""
+that on CUDA a CUDA graph is recorded once for each combination of the sizes' buckets and
+replayed after."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ def compile_step(model: torch.nn.Module, backend: str = "inductor") -> None:
     """Compile `model`'s base forward (every layer and the ragged attention: no graph break,
     `specdec compile-check`). Its sizes turn symbolic at the first recompile, so a server compiles
     a few graphs (one or two row groups, one row or many); the step pads every size
-    (`padded_size`), so on CUDA (mode reduce-overhead) a CUDA graph is recorded for each of a few
-    shapes and replayed, the pool a static buffer that the graphs write in place."""
+    (`padded_size`), so on CUDA (mode reduce-overhead) a CUDA graph is recorded per combination
+    of buckets and replayed, the pool a static buffer that the graphs write in place."""
     use_ragged_attention(model)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     cuda_graphs = backend == "inductor" and model.device.type == "cuda"

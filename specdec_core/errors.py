@@ -1,4 +1,5 @@
-"""Validation helpers shared by the policy and drafter registries."""
+"""Validation helpers shared by the policy and drafter registries, and the errors a caller maps
+to a status of its own."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ class SpecdecError(ValueError):
         super().__init__(message)
         if param is not None:
             self.param = param
+
+
+class GroupBroken(RuntimeError):
+    """Another rank of a model's process group is gone (a tensor-parallel peer, a pipeline
+    stage): the step cannot finish, and the worker is rebuilt (served: 503, not a bug)."""
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:

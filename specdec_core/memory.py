@@ -144,8 +144,8 @@ def plan(
     """Per-rank memory of `config` over `pp` pipeline stages of `tp` ranks of `gpu_gib` each,
     for the rank that needs most; `step_tokens` per request in a verify step (K + 1); `max_len`
     defaults to the model's context length. A stage holds ceil(layers / pp) layers (the first
-    stages take the remainder), the first stage the embedding and the last the LM head (a tied
-    head is then a copy of the embedding there)."""
+    stages take the remainder); with stages, every rank holds the embedding and the whole LM
+    head and computes the whole vocabulary's logits (pipeline.py: each rank applies the head)."""
     problem = shard_problem(config, tp)
     if problem:
         raise ValueError(problem)
@@ -155,14 +155,13 @@ def plan(
     counts = count_parameters(config)
     stage_layers = -(-layers // pp)
     other_width = BYTES_PER_VALUE["bfloat16" if dtype == "fp8" else dtype]
-    embedding = config.vocab_size * config.hidden_size
-    head = counts.lm_head / tp if counts.lm_head or pp == 1 else embedding
-    ends = counts.replicated + head if pp == 1 else max(counts.replicated, head + (counts.replicated - embedding))
+    ends = counts.replicated + counts.lm_head / (tp if pp == 1 else 1)  # embedding, norms, head
     weight_bytes = counts.layer_linears * stage_layers / layers / tp * BYTES_PER_VALUE[dtype] + ends * other_width
     kv_per_token = kv_bytes_per_token(config, tp, BYTES_PER_VALUE[kv_dtype]) * stage_layers / layers
     max_len = max_len or config.max_position_embeddings
     rows = max_batch * step_tokens  # fp32 logits and the widest activations (MLP, both halves)
-    step_bytes = rows * (config.vocab_size / tp + 2 * config.intermediate_size / tp + 4 * config.hidden_size) * 4
+    vocab_share = config.vocab_size / (tp if pp == 1 else 1)
+    step_bytes = rows * (vocab_share + 2 * config.intermediate_size / tp + 4 * config.hidden_size) * 4
     return Plan(
         tp=tp,
         pp=pp,

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from .errors import GroupBroken
+
 
 def stage_layers(num_layers: int, stage: int, num_stages: int) -> range:
     """The decoder layers of `stage`: equal parts, the first stages one more where they do not
@@ -57,12 +59,20 @@ def stage_forward(forward, stage: int, num_stages: int, tp: int, column_group):
         if stage > 0:
             input_ids = None
             inputs_embeds = torch.empty(1, position_ids.shape[1], hidden_size, dtype=dtype, device=position_ids.device)
-            dist.recv(inputs_embeds, src=previous)
+            passing(dist.recv, inputs_embeds, src=previous)
         output = forward(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, **kwargs)
         hidden = output.last_hidden_state.contiguous()  # [1, N, H]
         if stage < num_stages - 1:
-            dist.send(hidden, dst=following)
-        dist.broadcast(hidden, src=last, group=column_group)
+            passing(dist.send, hidden, dst=following)
+        passing(dist.broadcast, hidden, src=last, group=column_group)
         return BaseModelOutputWithPast(last_hidden_state=hidden)
 
     return run
+
+
+def passing(transfer, *args, **kwargs) -> None:
+    """One of a step's transfers between stages; a peer that is gone breaks the group."""
+    try:
+        transfer(*args, **kwargs)
+    except (RuntimeError, dist.DistError) as error:
+        raise GroupBroken(f"a pipeline stage is gone: {error}") from None

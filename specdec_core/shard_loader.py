@@ -2,8 +2,8 @@
 pipeline stage (pipeline.py), its shard of each decoder linear over the `tp` ranks of a
 tensor-parallel group (parallel.py), and FP8 linears where the checkpoint has them
 (fp8_checkpoint.py). The model is built on the meta device and takes the tensors as they are
-read, each once (a slice where the rank needs only a part), so no rank ever holds a tensor it
-does not keep.
+read, each once (a slice where the rank needs only a part). Every rank keeps the embedding and
+the whole LM head (a pipeline's ranks each apply the head, pipeline.py).
 
 Tensor parallelism follows transformers' `tp_plan` for the architecture: a colwise linear (q, k,
 v, gate, up) keeps its rows (and, FP8, their scales), a rowwise one (o, down) its columns with
@@ -27,14 +27,21 @@ from .kernels.fp8 import FP8, fp8_linear, plain_linear
 LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
-def checkpoint_directory(source: str) -> Path:
-    """Where a checkpoint's files are: its directory, or a hub id's snapshot in the hub cache
-    (downloaded once, its configs and safetensors only)."""
+def checkpoint_directory(source: str, layers: Optional[range] = None) -> Path:
+    """Where a checkpoint's files are: its directory, or a hub id's snapshot in the hub cache,
+    downloaded once: its configs, then the safetensors files that hold the tensors of a stage
+    of `layers` (all of them without an index)."""
     if Path(source).is_dir():
         return Path(source)
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors"]))
+    directory = Path(snapshot_download(source, allow_patterns=["*.json"]))
+    index = directory / "model.safetensors.index.json"
+    files = ["*.safetensors"]
+    if index.exists() and layers is not None:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({weight_map[name] for name in stage_names(weight_map, layers).values()})
+    return Path(snapshot_download(source, allow_patterns=["*.json", *files]))
 
 
 class Checkpoint:
@@ -55,12 +62,20 @@ class Checkpoint:
         if not files:
             raise FileNotFoundError(f"{directory} holds no .safetensors files")
         self.files, self.device = files, device
-        self.handles = {path: safe_open(path, "pt", device=str(device)) for path in set(files.values())}
+        self.open = lambda path: safe_open(path, "pt", device=str(device))
+        self.handles: dict[Path, object] = {}  # opened at a first read (a stage's snapshot lacks the others)
+
+    def slice(self, name: str):
+        """safetensors' lazy view of tensor `name` (its shape, and its parts on indexing)."""
+        path = self.files[name]
+        if path not in self.handles:
+            self.handles[path] = self.open(path)
+        return self.handles[path].get_slice(name)
 
     def read(self, name: str, dim: Optional[int] = None, shard: tuple[int, int] = (0, 1)) -> torch.Tensor:
         """Tensor `name`, or its part `shard` = (rank, ranks) along `dim`: contiguous equal parts,
         the last one shorter where they do not divide (transformers' split)."""
-        tensor = self.handles[self.files[name]].get_slice(name)
+        tensor = self.slice(name)
         if dim is None:
             return tensor[:]
         length = tensor.get_shape()[dim]
@@ -113,7 +128,7 @@ def load_shard(
     config.num_hidden_layers = len(layers)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    checkpoint = Checkpoint(checkpoint_directory(source), device)
+    checkpoint = Checkpoint(checkpoint_directory(source, layers), device)
     names = stage_names(checkpoint.files, layers)  # this stage's name -> the checkpoint's
     shard = (tp_mesh.get_local_rank(), tp_mesh.size()) if tp_mesh is not None else (0, 1)
     styles = tensor_parallel_styles(model) if tp_mesh is not None else {}
@@ -145,9 +160,10 @@ def load_shard(
     return model.eval()
 
 
-def stage_names(stored: dict[str, Path], layers: range) -> dict[str, str]:
+def stage_names(stored, layers: range) -> dict[str, str]:
     """The checkpoint's tensors a stage of `layers` holds, by the stage's names (its layers
-    numbered from 0): every tensor outside the decoder layers, and those of its layers."""
+    numbered from 0): every tensor outside the decoder layers, and those of its layers
+    (`stored`: the checkpoint's tensor names)."""
     names = {}
     for name in stored:
         match = LAYER.search(name)
@@ -177,7 +193,7 @@ def read_linear(
     else:
         linear = plain_linear(weight.to(dtype), None if bias is None else bias.to(dtype))
     if style:  # transformers' tensor-parallel forwards read the whole layer's sizes
-        full = checkpoint.handles[checkpoint.files[f"{name}.weight"]].get_slice(f"{name}.weight").get_shape()
+        full = checkpoint.slice(f"{name}.weight").get_shape()
         linear.out_features, linear.in_features = full
         linear._hf_quantized_needs_local_tp = True  # their forward takes this rank's plain tensors
     return linear

@@ -53,7 +53,8 @@ class Fp8Linear(torch.nn.Module):
         self.scale_ub = scale_ub
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # [M, in]
+        # the weight's own sizes: a tensor-parallel shard's in/out_features name the whole layer's
+        rows = x.reshape(-1, self.weight.shape[1])  # [M, in]
         codes, scale = quantize_rows(rows, self.scale_ub)  # [M, in], [M, 1]
         output = torch._scaled_mm(
             codes,
@@ -63,7 +64,7 @@ class Fp8Linear(torch.nn.Module):
             bias=self.bias,
             out_dtype=x.dtype,
         )  # [M, out]
-        return output.reshape(*x.shape[:-1], self.out_features)
+        return output.reshape(*x.shape[:-1], output.shape[-1])
 
 
 def fp8_linear(

@@ -70,10 +70,11 @@ def start_cluster(attempts: int = 3):
 
     for attempt in range(1, attempts + 1):
         try:
-            head = {"num_cpus": 2, "include_dashboard": False, "_system_config": {"metrics_report_interval_ms": 1000}}
+            # 3 logical CPUs a node: the three apps' workers ask for more than the VM's 2 cores
+            head = {"num_cpus": 3, "include_dashboard": False, "_system_config": {"metrics_report_interval_ms": 1000}}
             # custom resources name the two node types a disaggregated layout puts draft and target on
             cluster = Cluster(initialize_head=True, head_node_args={**head, "resources": {"draft_node": 2}})
-            cluster.add_node(num_cpus=2, resources={"target_node": 2})
+            cluster.add_node(num_cpus=3, resources={"target_node": 2})
             return cluster
         except Exception as error:
             if "timed out during startup" not in str(error) or attempt == attempts:
@@ -527,23 +528,27 @@ def test_a_target_in_two_stages_on_two_nodes_serves_what_one_process_does(pp_app
     assert len({ray.get(rank.node_id.remote()) for rank in ranks}) == 2
 
 
-def test_a_killed_rank_fails_its_request_then_serve_restarts_the_group(tp_app, local_engine):
-    """A killed rank 1: rank 0's request fails at once (its collective breaks, or Serve's restart
-    takes the group down): an error event and [DONE]; then 503s until the new replica serves."""
+@pytest.mark.parametrize(("app_fixture", "app_name"), [("tp_app", TP_APP), ("pp_app", PP_APP)])
+def test_a_killed_rank_fails_its_request_then_serve_restarts_the_group(request, local_engine, app_fixture, app_name):
+    """A killed rank 1 (of a tensor-parallel group, or the second pipeline stage): rank 0's
+    request fails at once (its collective or its send to the next stage breaks, or Serve's
+    restart takes the group down): an error event and [DONE]; then 503s until the new replica
+    serves."""
+    app_url = request.getfixturevalue(app_fixture)
     body = {**tp_body("greedy"), "max_tokens": 900, "ignore_eos": True, "stream": True}
     events, killed_at = [], None
-    with httpx.stream("POST", tp_app + "/v1/completions", json={"model": MODEL, **body}, timeout=120) as response:
+    with httpx.stream("POST", app_url + "/v1/completions", json={"model": MODEL, **body}, timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: "):
                 events.append(line[len("data: ") :])
                 if len(events) == 1:
                     killed_at = time.perf_counter()
-                    kill_rank("target", 1, TP_APP)
+                    kill_rank("target", 1, app_name)
     failed_s = time.perf_counter() - killed_at
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "worker_unavailable"
     statuses = []
     while len(statuses) < 120:
-        reply = httpx.post(tp_app + "/v1/completions", json=tp_body("greedy"), timeout=120)
+        reply = httpx.post(app_url + "/v1/completions", json=tp_body("greedy"), timeout=120)
         statuses.append(reply.status_code)
         if reply.status_code == 200:
             break
