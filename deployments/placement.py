@@ -13,10 +13,9 @@ def bundles(worker: WorkerConfig) -> list[dict[str, float]]:
     """One bundle a rank, or with pipeline stages one a stage holding its ranks' resources (a
     bundle is on one node, so a stage's tensor-parallel collectives never leave it; the strategy
     places the stages). A stage's GPUs are whole (WorkerConfig checks), as Ray wants a bundle's."""
-    rank = {key: value for key, value in {"CPU": worker.num_cpus, "GPU": worker.num_gpus, **worker.resources}.items()}
-    if worker.pp_size == 1:
-        return [{key: value for key, value in rank.items() if value > 0}] * worker.tp_size
-    return [{key: value * worker.tp_size for key, value in rank.items() if value > 0}] * worker.pp_size
+    rank = {"CPU": worker.num_cpus, "GPU": worker.num_gpus, **worker.resources}
+    ranks_a_bundle, count = (1, worker.tp_size) if worker.pp_size == 1 else (worker.tp_size, worker.pp_size)
+    return [{key: value * ranks_a_bundle for key, value in rank.items() if value > 0}] * count
 
 
 def bundle_index(worker: WorkerConfig, rank: int) -> int:

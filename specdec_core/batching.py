@@ -128,35 +128,33 @@ def step_layout(
         table = caches[0].table
         if all(block == table[0] + index for index, block in enumerate(table[:num_blocks])):
             read_slots = slice(table[0] * size, table[0] * size + int(total[0]))  # a view, not a gather
-        group = row_group(torch.tensor([0]), history, new, read_slots, trees, pad, device)
+        group, _, _ = row_group(torch.tensor([0]), history, new, offsets, read_slots, trees, pad, device)
         return StepLayout(pool, write_slots.to(device), [RowGroup(group.read, None, group.mask)], None)
     groups, output_index, start = [], torch.zeros(pad(num_tokens), dtype=torch.long), 0  # [N]
     for members in parts:
-        group = row_group(members, history, new, read_slots, trees, pad, device)
-        rows, most = group.query_index.shape  # B_g, Q_g, padded where the step is
-        packed = offsets[members, None] + torch.arange(most)[None]  # [B_g, Q_g] of its real rows
-        mine = torch.arange(most)[None] < new[members, None]  # [B_g, Q_g]
-        # where row b's t-th output lies among the groups' outputs
-        output_index[packed[mine]] = (start + torch.arange(rows * most).view(rows, most)[: len(members)])[mine]
-        padding_rows = packed.new_zeros(rows - len(members), most)
-        group.query_index = torch.cat([packed.clamp(max=num_tokens - 1), padding_rows]).to(device)
-        groups.append(group)
-        start += rows * most
+        group, tokens, places = row_group(members, history, new, offsets, read_slots, trees, pad, device)
+        output_index[tokens] = start + places  # where each token's output lies among the groups'
+        groups.append(RowGroup(group.read, group.query_index.to(device), group.mask))
+        start += group.query_index.numel()
     write_slots = torch.cat([write_slots, scratch])
     return StepLayout(pool, write_slots.to(device), groups, output_index.to(device))
 
 
-def row_group(members, history, new, read_slots, trees, pad, device) -> RowGroup:
+def row_group(members, history, new, offsets, read_slots, trees, pad, device):
     """The rows `members` (indices `[B_g]` into the step's `[B]` rows) as one attention call,
     `pad`ded to `pad(B_g)` rows of `pad(Q_g)` queries over `pad(L_g)` keys (a padding row has no
-    history and no new token). `query_index` here is a placeholder of that shape."""
-    history, new = history[members], new[members]  # [B_g]
+    history and no new token). Returns the group (its `query_index` still on the host) and, for
+    each of its N_g tokens, its packed index and its place among the group's `[B_g * Q_g]`
+    outputs (`[N_g]` each)."""
+    num_tokens = int(new.sum())
+    history, new, offsets = history[members], new[members], offsets[members]  # [B_g]
     total = history + new
     rows = pad(len(members))
-    history = torch.cat([history, history.new_zeros(rows - len(members))])  # [B_g], padded
-    new = torch.cat([new, new.new_zeros(rows - len(members))])
+    history, new, offsets = (torch.cat([part, part.new_zeros(rows - len(members))]) for part in (history, new, offsets))
     keys, queries = torch.arange(pad(int(total.max()))), torch.arange(pad(int(new.max())))  # [L], [Q]
     real = queries[None] < new[:, None]  # [B_g, Q]
+    packed = offsets[:, None] + queries[None]  # [B_g, Q]; a padded query names some token, masked
+    places = torch.arange(rows * queries.numel()).view(rows, -1)  # [B_g, Q]
     read = read_slots
     if not isinstance(read_slots, slice):
         read = read_slots[members, : keys.numel()]
@@ -173,7 +171,7 @@ def row_group(members, history, new, read_slots, trees, pad, device) -> RowGroup
                 start, width = int(history[index]), tree.num_nodes + 1
                 mask[index, :width, start : start + width] = tree.attention_mask
         mask = torch.where(real[:, :, None], mask, keys[None, None] == 0)[:, None].to(device)  # [B_g, 1, Q, L]
-    return RowGroup(read, torch.empty(rows, queries.numel(), dtype=torch.long), mask)
+    return RowGroup(read, packed.clamp(max=num_tokens - 1), mask), packed[real], places[real]
 
 
 def forward_ragged(
@@ -228,8 +226,6 @@ def run_ragged(
             use_cache=False,
             ragged=layout,
         )
-    if padded:
-        pool.mark_static()
     for cache, length in zip(caches, lengths):
         cache.advance(length)
     hidden = output.last_hidden_state[:, : offsets[-1]]

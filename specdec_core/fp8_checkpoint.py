@@ -53,9 +53,14 @@ def fp8_scheme(quantization: Optional[dict]) -> Optional[Fp8Scheme]:
     return None
 
 
+def quantization_config(config) -> Optional[dict]:
+    """A transformers config's `quantization_config` as a dict (None without one)."""
+    quantization = getattr(config, "quantization_config", None)
+    return quantization.to_dict() if hasattr(quantization, "to_dict") else quantization
+
+
 def checkpoint_fp8_scheme(source: str) -> Optional[Fp8Scheme]:
     """`fp8_scheme` of a checkpoint (a directory or a hub id), from its config."""
     from transformers import AutoConfig
 
-    quantization = getattr(AutoConfig.from_pretrained(source), "quantization_config", None)
-    return fp8_scheme(quantization.to_dict() if hasattr(quantization, "to_dict") else quantization)
+    return fp8_scheme(quantization_config(AutoConfig.from_pretrained(source)))

@@ -126,6 +126,7 @@ class KVPool:
             held = self.scratch_slot  # the new blocks go before the scratch block
             self.keys = torch.cat([self.keys[:, :held], self.keys.new_zeros(extra), self.keys[:, held:]], 1)
             self.values = torch.cat([self.values[:, :held], self.values.new_zeros(extra), self.values[:, held:]], 1)
+            self.mark_static()
         self.free += range(self.num_blocks, self.num_blocks + extra_blocks)
         self.holders += [0] * extra_blocks
         self.num_blocks += extra_blocks
@@ -143,11 +144,13 @@ class KVPool:
             shape = (self.num_layers, (self.num_blocks + 1) * self.block_size, key.shape[1], key.shape[3])
             self.keys = torch.zeros(shape, dtype=key.dtype, device=key.device)
             self.values = torch.zeros(shape, dtype=key.dtype, device=key.device)
+            self.mark_static()
         return self.keys[layer], self.values[layer]
 
     def mark_static(self) -> None:
         """Tell torch.compile that the storage stays where it is (until the pool grows), so that a
-        CUDA graph may write into it in place rather than being skipped for mutating an input."""
+        CUDA graph may write into it in place rather than being skipped for mutating an input
+        (only a tag on the tensors: eager forwards do not see it)."""
         for held in (self.keys, self.values):
             torch._dynamo.mark_static_address(held)
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .pipeline import stage_layers
+
 GIB = 1 << 30
 RESERVE_GIB = 2.0
 BYTES_PER_VALUE = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
@@ -150,14 +152,12 @@ def plan(
     if problem:
         raise ValueError(problem)
     layers = config.num_hidden_layers
-    if not 1 <= pp <= layers:
-        raise ValueError(f"pp_size {pp} must be between 1 and the model's {layers} layers")
+    largest_stage = len(stage_layers(layers, 0, pp))  # the first stages take the remainder
     counts = count_parameters(config)
-    stage_layers = -(-layers // pp)
     other_width = BYTES_PER_VALUE["bfloat16" if dtype == "fp8" else dtype]
     ends = counts.replicated + counts.lm_head / (tp if pp == 1 else 1)  # embedding, norms, head
-    weight_bytes = counts.layer_linears * stage_layers / layers / tp * BYTES_PER_VALUE[dtype] + ends * other_width
-    kv_per_token = kv_bytes_per_token(config, tp, BYTES_PER_VALUE[kv_dtype]) * stage_layers / layers
+    weight_bytes = counts.layer_linears * largest_stage / layers / tp * BYTES_PER_VALUE[dtype] + ends * other_width
+    kv_per_token = kv_bytes_per_token(config, tp, BYTES_PER_VALUE[kv_dtype]) * largest_stage / layers
     max_len = max_len or config.max_position_embeddings
     rows = max_batch * step_tokens  # fp32 logits and the widest activations (MLP, both halves)
     vocab_share = config.vocab_size / (tp if pp == 1 else 1)
@@ -181,8 +181,8 @@ def smallest_layout(config: Any, gpu_gib: float, gpus_per_node: int = 8, max_pp:
     """The (tp, pp) that fits with the fewest stages (each a node: activations cross the slower
     links between nodes), then the fewest ranks a stage, tensor parallelism within a node of
     `gpus_per_node` and up to `max_pp` stages; None when none does."""
-    for pp, tp in ((pp, tp) for pp in range(1, max_pp + 1) for tp in range(1, gpus_per_node + 1)):
-        if shard_problem(config, tp) is None and pp <= config.num_hidden_layers:
-            if plan(config, tp, gpu_gib, pp=pp, **settings).fits:
+    for pp in range(1, min(max_pp, config.num_hidden_layers) + 1):
+        for tp in range(1, gpus_per_node + 1):
+            if shard_problem(config, tp) is None and plan(config, tp, gpu_gib, pp=pp, **settings).fits:
                 return tp, pp
     return None

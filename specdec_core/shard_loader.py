@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import re
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from .fp8_checkpoint import fp8_scheme
+from .fp8_checkpoint import fp8_scheme, quantization_config
 from .kernels.fp8 import FP8, fp8_linear, plain_linear
 
 LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -115,8 +116,7 @@ def load_shard(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(source)
-    quantization = getattr(config, "quantization_config", None)
-    quantization = quantization.to_dict() if hasattr(quantization, "to_dict") else quantization
+    quantization = quantization_config(config)
     scheme = fp8_scheme(quantization)
     if quantization:
         if scheme is None:
@@ -135,9 +135,7 @@ def load_shard(
     for name, module in list(model.named_modules()):
         style = styles.get(name)
         if isinstance(module, torch.nn.Linear) and (style or f"{name}.weight_scale" in names):
-            linear = read_linear(checkpoint, names[f"{name}.weight"], style, shard, dtype, scheme)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, linear)
+            model.set_submodule(name, read_linear(checkpoint, names[f"{name}.weight"], style, shard, dtype, scheme))
             for part in ("weight", "weight_scale", "bias", "input_scale", "input_scale_ub"):
                 names.pop(f"{name}.{part}", None)
     tensors = {name: checkpoint.read(stored) for name, stored in names.items()}
@@ -184,11 +182,10 @@ def read_linear(
     weight = checkpoint.read(f"{name}.weight", {"colwise": 0, "rowwise": 1}.get(style), shard)
     bias = checkpoint.read(f"{name}.bias", rows, shard) if f"{name}.bias" in checkpoint.files else None
     if f"{name}.weight_scale" in checkpoint.files:
-        scale = checkpoint.read(f"{name}.weight_scale")
         if weight.dtype != FP8:
             raise ValueError(f"{name}.weight is {weight.dtype}, not {FP8}, beside its weight_scale")
-        if rows is not None and scale.numel() > 1:  # per-row scales of a colwise shard: its rows'
-            scale = checkpoint.read(f"{name}.weight_scale", rows, shard)
+        per_row = math.prod(checkpoint.slice(f"{name}.weight_scale").get_shape()) > 1  # else one for the tensor
+        scale = checkpoint.read(f"{name}.weight_scale", rows if per_row else None, shard)
         linear = fp8_linear(weight, scale, bias, dtype, scheme.scale_ub)
     else:
         linear = plain_linear(weight.to(dtype), None if bias is None else bias.to(dtype))
@@ -206,6 +203,5 @@ def rebuild_meta_buffers(model: torch.nn.Module, device: torch.device) -> None:
         if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
             if not hasattr(module, "inv_freq"):
                 raise ValueError(f"{name}: a buffer the checkpoint does not hold, of an unknown kind")
-            parent, _, child = name.rpartition(".")
             with torch.device(device):
-                setattr(model.get_submodule(parent), child, type(module)(config=model.config))
+                model.set_submodule(name, type(module)(config=model.config))

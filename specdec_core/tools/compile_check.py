@@ -41,9 +41,7 @@ def explain_step(
     forward_ragged(model, caches, [torch.randint(0, vocab_size, (history,), generator=generator).tolist()] * rows)
     use_ragged_attention(model)
     lengths = [tokens_per_row] * rows
-    pool = pool_of(model.model)
-    layout = step_layout(pool, caches, lengths, [None] * rows, model.device, padded=True)
-    pool.mark_static()  # as a compiled step's: CUDA graphs write it in place
+    layout = step_layout(pool_of(model.model), caches, lengths, [None] * rows, model.device, padded=True)
     padding = layout.write_slots.numel() - rows * tokens_per_row
     input_ids = torch.randint(0, vocab_size, (1, rows * tokens_per_row), generator=generator)
     positions = torch.tensor([[history + offset for _ in range(rows) for offset in range(tokens_per_row)]])
