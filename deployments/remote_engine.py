@@ -92,6 +92,7 @@ class RemoteEngine:
         self.frontend = copy.copy(frontend)  # its profile and heads are the target worker's, asked of it
         self.frontend.profile = lambda: self.profiles[self.consulted][0]
         self.frontend.num_heads = lambda: self.profiles[self.consulted][1]
+        self.frontend.heads_kind = lambda: self.profiles[self.consulted][2] or None
         self.locate = locate
         self.deadline_s = deadline_s
         self.metrics = metrics or NoMetrics()  # told of each finished request; the ingresses tell it of failures
@@ -99,7 +100,7 @@ class RemoteEngine:
         self.coordinator = EventLoopThread("specdec-coordinator")
         self.stubs: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (role, address), least recently used first
         self.channels: dict[tuple[str, str], grpc.aio.Channel] = {}
-        self.profiles: dict[Any, tuple[Optional[TargetProfile], int]] = {}  # per target stub: its profile, heads
+        self.profiles: dict[Any, tuple[Optional[TargetProfile], int, str]] = {}  # per target stub: profile, heads
         self.consulted: Any = None  # the target stub whose profile `prepare` reads
 
     async def stub(self, role: str) -> Any:
@@ -128,7 +129,7 @@ class RemoteEngine:
             except grpc.RpcError as error:
                 raise classify(error, "target") from None
             profile = TargetProfile.model_validate_json(reply.profile_json) if reply.profile_json else None
-            self.profiles[stub] = (profile, reply.num_heads)
+            self.profiles[stub] = (profile, reply.num_heads, reply.heads_kind)
         self.consulted = stub  # read by frontend.prepare, with no await between
         return self.frontend.prepare(request), stub
 

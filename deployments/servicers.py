@@ -110,6 +110,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         return pb.TargetProfileReply(
             profile_json=profile.model_dump_json() if profile else "",
             num_heads=heads.num_heads if heads is not None else 0,
+            heads_kind=heads.kind if heads is not None else "",
         )
 
     @checked

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from specdec_core.compact import compact_rows, wire_top_k
+from specdec_core.dynamic_tree import check_guess_tree
 from specdec_core.errors import SpecdecError, check_token_ids
 from specdec_core.frontend import Frontend
 from specdec_core.heads import HeadGuesses, Heads
@@ -147,7 +148,7 @@ class TargetService(WorkerService):
         if self.session(session_id).heads_session is None:
             raise SpecdecError("this session was not reset with_heads")
         check_token_ids([root_token], self.vocab_size, "root_token")
-        default_bank().get(tree)
+        check_guess_tree(tree)
         op = Guess(
             session_id=session_id, commit_keep=commit_keep, commit_path=commit_path, root_token=root_token, tree=tree
         )

@@ -8,9 +8,8 @@ back padded to its longest, `[B, L]`, with one gather (a view for a lone row who
 consecutive), and a mask built once per forward says what each query sees. A padded key is
 masked, so it adds an exact zero: a row's result does not depend on its batch companions beyond
 the kernels' own blocking (the CPU linears are batch invariant, see docs/performance.md). The
-attention is registered with transformers (`use_ragged_attention`) and finds the step in a
-keyword argument the model passes down to it; without one it is the model's usual attention, so
-the same model still serves plain forwards.
+attention itself is ragged_attention.py's. A pipeline stage's step (pipeline.py) runs its rows
+as a few micro-batches, each laid out on its own, so that the stages work at the same time.
 
 A row may also be a candidate tree (tree.py): its tokens are the tree's root and nodes, each at
 position history + its depth, each seeing the history and its own ancestors only.
@@ -20,48 +19,20 @@ most new tokens of a row, L the longest row (H_b + T_b)."""
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .kernels.attention import grouped_low_precision_attention, grouped_sdpa
 from .kernels.int4 import kernels_by_chunk
 from .kv_pool import BLOCK_SIZE, KVPool, PagedKV, blocks_for
+from .ragged_attention import RowGroup, StepLayout, attention_backends, use_ragged_attention
 from .tree import Topology
-
-RAGGED_ATTENTION = "specdec_ragged"
-
 
 # rows with more new tokens than this (prompt chunks) attend in a call of their own: padded to a
 # 512-token chunk's queries, a 5-token verify row's attention would cost 100 times its own
 LONG_ROW = 64
 # a compiled step's sizes round up to powers of two below this, to multiples of it above
 PAD_STEP = 1024
-
-
-@dataclass
-class RowGroup:
-    """Rows that attend in one call: keys padded to the longest of them, queries to the most."""
-
-    read: "torch.Tensor | slice"  # [B, L] each row's slots, padded; or a lone row's consecutive slots
-    query_index: Optional[torch.Tensor]  # [B, Q] the packed index of row b's t-th token (None: one row)
-    mask: Optional[torch.Tensor]  # [B, 1, Q, L] bool, True attends (None: every key, one token a row)
-
-
-@dataclass
-class StepLayout:
-    """Where one forward's rows write and read in the pool, built once for all its layers: one
-    attention call per group, at most two (short rows, long rows)."""
-
-    pool: KVPool
-    write_slots: torch.Tensor  # [N] the slot of each new token
-    groups: list[RowGroup]
-    # [N] where each packed token's output lies among the groups' outputs, [B * Q] each, in order
-    # (None: one row, whose outputs are its tokens in order)
-    output_index: Optional[torch.Tensor]
 
 
 def padded_size(size: int) -> int:
@@ -203,6 +174,39 @@ def run_ragged(
     offsets = [0]
     for length in lengths:
         offsets.append(offsets[-1] + length)
+    stage = getattr(base_model, "pipeline_stage", None)
+    parts = stage.microbatches(lengths) if stage is not None else [range(len(caches))]
+    padded = getattr(base_model, "padded_step", False)
+    pool = pool_of(base_model)
+    # a pool's storage is allocated by its first forward: that one runs eagerly, outside any
+    # CUDA graph, and later ones find it in place (a static address)
+    first = padded and pool.keys is None
+    calls = [
+        step_inputs(
+            base_model,
+            [caches[row] for row in part],
+            [lengths[row] for row in part],
+            [trees[row] for row in part],
+            {name: tensor[:, offsets[part[0]] : offsets[part[-1] + 1]] for name, tensor in inputs.items()},
+        )
+        for part in parts
+    ]
+    with attention_backends(base_model.device), torch.compiler.set_stance("force_eager" if first else "default"):
+        outputs = stage.run_each(calls) if stage is not None else [base_model(**calls[0])]
+    for cache, length in zip(caches, lengths):
+        cache.advance(length)
+    sizes = [offsets[part[-1] + 1] - offsets[part[0]] for part in parts]
+    hidden = [output.last_hidden_state[:, :size] for output, size in zip(outputs, sizes)]  # [1, N_part, H] each
+    # a CUDA graph's output is overwritten by its next replay, and a scorer keeps its rows
+    if len(hidden) == 1:
+        return (hidden[0].clone() if padded else hidden[0]), offsets
+    return torch.cat(hidden, 1), offsets
+
+
+def step_inputs(base_model, caches, lengths, trees, inputs: dict) -> dict:
+    """A base model's keyword arguments for one forward over rows of `lengths` new tokens after
+    their `caches`: the tokens (`inputs`, `[1, N, ..]`), their positions and the step's layout
+    (padded where the model's steps are: `pad_steps`)."""
     # a chain's tokens follow its history; a tree's root and nodes sit at history + their depth
     positions = torch.tensor(
         [
@@ -212,25 +216,14 @@ def run_ragged(
         ]
     )
     padded = getattr(base_model, "padded_step", False)
-    pool = pool_of(base_model)
-    layout = step_layout(pool, caches, lengths, trees, base_model.device, padded=padded)
-    padding = layout.write_slots.numel() - offsets[-1]
-    inputs = {name: pad_tokens(tensor, padding) for name, tensor in inputs.items()}
-    # a pool's storage is allocated by its first forward: that one runs eagerly, outside any
-    # CUDA graph, and later ones find it in place (a static address)
-    first = padded and pool.keys is None
-    with attention_backends(base_model.device), torch.compiler.set_stance("force_eager" if first else "default"):
-        output = base_model(
-            **inputs,
-            position_ids=pad_tokens(positions[None], padding).to(base_model.device),
-            use_cache=False,
-            ragged=layout,
-        )
-    for cache, length in zip(caches, lengths):
-        cache.advance(length)
-    hidden = output.last_hidden_state[:, : offsets[-1]]
-    # a CUDA graph's output is overwritten by its next replay, and a scorer keeps its rows
-    return (hidden.clone() if padded else hidden), offsets
+    layout = step_layout(pool_of(base_model), caches, lengths, trees, base_model.device, padded=padded)
+    padding = layout.write_slots.numel() - len(positions)
+    return {
+        **{name: pad_tokens(tensor, padding) for name, tensor in inputs.items()},
+        "position_ids": pad_tokens(positions[None], padding).to(base_model.device),
+        "use_cache": False,
+        "ragged": layout,
+    }
 
 
 def pad_tokens(tensor: torch.Tensor, count: int) -> torch.Tensor:
@@ -238,59 +231,3 @@ def pad_tokens(tensor: torch.Tensor, count: int) -> torch.Tensor:
     if not count:
         return tensor
     return torch.cat([tensor, tensor.new_zeros(tensor.shape[0], count, *tensor.shape[2:])], 1)
-
-
-def attention_backends(device: torch.device):
-    """The SDPA kernels a forward may use. Not cuDNN's on CUDA: it builds a plan for every new
-    sequence length, about 2.3 ms of host time per call on an H100, and a row's length grows
-    every step (docs/performance.md)."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel(backends)
-
-
-def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, ragged=None, **kwargs):
-    """Every row's queries over its own history, one call per group of rows: `query`, `key`,
-    `value` are `[1, heads, N, head_dim]` of the packed rows; returns `[1, N, heads, head_dim]`.
-    Without a `ragged` layout: the model's usual attention (`grouped_sdpa`)."""
-    if ragged is None:
-        return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    pool_keys, pool_values = ragged.pool.storage(module.layer_idx, key)  # [slots, kv_heads, head_dim] each
-    pool_keys.index_copy_(0, ragged.write_slots, key[0].transpose(0, 1))
-    pool_values.index_copy_(0, ragged.write_slots, value[0].transpose(0, 1))
-    outputs = [attend(group, query, pool_keys, pool_values, scaling).flatten(0, 1) for group in ragged.groups]
-    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [sum of B * Q, heads, head_dim]
-    return (output if ragged.output_index is None else output[ragged.output_index])[None], None
-
-
-def attend(group: RowGroup, query, pool_keys, pool_values, scaling) -> torch.Tensor:
-    """One group's attention: `[B, Q, heads, head_dim]`."""
-    if isinstance(group.read, slice):
-        keys, values = pool_keys[group.read][None], pool_values[group.read][None]  # [1, L, kv_heads, head_dim]
-    else:
-        keys, values = pool_keys[group.read], pool_values[group.read]  # [B, L, kv_heads, head_dim]
-    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, kv_heads, L, head_dim]
-    queries = query if group.query_index is None else query[0].transpose(0, 1)[group.query_index].transpose(1, 2)
-    if queries.dtype in (torch.bfloat16, torch.float16) and queries.device.type == "cpu":
-        return grouped_low_precision_attention(queries, keys, values, group.mask, scaling)  # [B, Q, heads, head_dim]
-    if group.mask is not None and queries.device.type == "cuda":
-        # CUDA's efficient kernel takes a mask but not grouped K/V heads: without this the math
-        # one runs, 302 against 64 us a call on an H100 (docs/performance.md)
-        groups = queries.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-    return torch.nn.functional.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=group.mask, scale=scaling, enable_gqa=True
-    ).transpose(1, 2)  # [B, Q, heads, head_dim]
-
-
-def use_ragged_attention(model: torch.nn.Module) -> None:
-    """Give `model` the ragged attention (once; it keeps plain forwards working)."""
-    if model.config._attn_implementation == RAGGED_ATTENTION:  # every forward asks: answer first
-        return
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
-    AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
-    model.set_attn_implementation(RAGGED_ATTENTION)

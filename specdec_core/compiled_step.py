@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .batching import use_ragged_attention
+from .ragged_attention import use_ragged_attention
 
 
 def compile_step(model: torch.nn.Module, backend: str = "inductor") -> None:
@@ -20,7 +20,11 @@ def compile_step(model: torch.nn.Module, backend: str = "inductor") -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     cuda_graphs = backend == "inductor" and model.device.type == "cuda"
     mode = "reduce-overhead" if cuda_graphs else None
-    model.model.forward = torch.compile(model.model.forward, backend=backend, mode=mode)
+    stage = getattr(model.model, "pipeline_stage", None)
+    if stage is not None:  # a pipeline stage's layers, not its transfers between stages
+        stage.forward = torch.compile(stage.forward, backend=backend, mode=mode)
+    else:
+        model.model.forward = torch.compile(model.model.forward, backend=backend, mode=mode)
     pad_steps(model)
 
 

@@ -111,6 +111,7 @@ class SpeculativeEngine:
         generation_config = getattr(target_model, "generation_config", None)
         self.frontend = Frontend(tokenizer, target_model.config, generation_config, defaults)
         self.frontend.num_heads = lambda: heads.num_heads if heads is not None else 0
+        self.frontend.heads_kind = lambda: heads.kind if heads is not None else None
         if profile is None and tokenizer is not None:
             profile = lambda model, frontend: measure_profile(model, frontend, CalibrationSettings())  # noqa: E731
         if profile is not None:

@@ -39,13 +39,15 @@ class Frontend:
         max_tokens_limit: Optional[int] = None,
         profile: Callable[[], Optional[TargetProfile]] = lambda: None,
         num_heads: Callable[[], int] = lambda: 0,
+        heads_kind: Callable[[], Optional[str]] = lambda: None,
     ):
         """`profile`: the target's profile, asked for only by requests whose policy takes a
         default from it (EASD without tau_h); None where the target has none. `num_heads`: the
-        target's multi-token heads (drafter `heads`), 0 where it has none."""
+        target's multi-token heads (drafter `heads`), 0 where it has none; `heads_kind`: theirs
+        (medusa, hydra, eagle3), None where it has none."""
         self.tokenizer = tokenizer
         self.profile = profile
-        self.num_heads = num_heads
+        self.num_heads, self.heads_kind = num_heads, heads_kind
         self.vocab_size = model_config.vocab_size
         self.max_positions = getattr(model_config, "max_position_embeddings", 1 << 20)
         self.defaults = defaults or RequestDefaults()
@@ -103,9 +105,12 @@ class Frontend:
                 f"(policies with one: {trees})",
                 "policy",
             )
-        if DRAFTERS[drafter.name].drafts_from is DraftSource.TARGET_HEADS and not self.num_heads():
-            message = f"drafter {drafter.name!r} needs multi-token heads on the target; this one has none"
-            raise SpecdecError(message, "drafter")
+        if DRAFTERS[drafter.name].drafts_from is DraftSource.TARGET_HEADS:
+            needed, kind = DRAFTERS[drafter.name].heads_kind, self.heads_kind() if self.num_heads() else None
+            if not self.num_heads() or needed not in (None, kind):
+                wanted = "an EAGLE-3 layer" if needed == "eagle3" else "multi-token heads"
+                message = f"drafter {drafter.name!r} needs {wanted} on the target; this one has {kind or 'none'}"
+                raise SpecdecError(message, "drafter")
         num_draft_tokens = request.num_draft_tokens or self.defaults.num_draft_tokens
         prompt_ids = self.encode(request)
         prompt_field = "messages" if request.messages is not None else "prompt"

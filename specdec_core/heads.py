@@ -34,26 +34,35 @@ SHIPPED_HEADS = {"embedded:smollm2-135m-instruct": Path(__file__).parent / "data
 AUTO = "auto"
 
 if TYPE_CHECKING:
+    from .eagle3 import Eagle3Draft
     from .hydra import HydraHeads
-Heads = Union["MedusaHeads", "HydraHeads"]
+Heads = Union["MedusaHeads", "HydraHeads", "Eagle3Draft"]
 
 
 def load_heads(setting: Optional[str], target_source: str, model: nn.Module) -> Optional["Heads"]:
     """A target's heads, on its device and in its dtype: `setting` is a directory of Medusa heads
-    (`medusa_lm_head.pt`) or Hydra heads (`hydra_lm_head.pt`), "auto" (the heads shipped for
-    `target_source`, if any) or None (no heads)."""
+    (`medusa_lm_head.pt`), Hydra heads (`hydra_lm_head.pt`) or an EAGLE-3 layer (either published
+    format: eagle3_checkpoint.py), "auto" (the heads shipped for `target_source`, if any) or None
+    (no heads)."""
+    from .aux_states import keep_aux_states
+    from .eagle3_checkpoint import is_eagle3, load_eagle3
     from .hydra import HYDRA_WEIGHTS_FILE, HydraHeads
 
     directory = SHIPPED_HEADS.get(target_source) if setting == AUTO else setting
     if directory is None:
         return None
-    if (Path(directory) / HYDRA_WEIGHTS_FILE).exists():
-        heads: Heads = HydraHeads.load(directory, model.config)
+    heads: Heads
+    if is_eagle3(directory):
+        heads = load_eagle3(directory, model.config)
+    elif (Path(directory) / HYDRA_WEIGHTS_FILE).exists():
+        heads = HydraHeads.load(directory, model.config)
     else:
         heads = MedusaHeads.load(directory)
     lm_head = model.get_output_embeddings().weight
     if heads.hidden_size != lm_head.shape[-1]:
         raise ValueError(f"heads of hidden size {heads.hidden_size} do not fit a target of {lm_head.shape[-1]}")
+    if heads.kind == "eagle3":
+        keep_aux_states(model, heads.aux_layers)  # what the layer reads, from every target forward
     return heads.to(lm_head.device, lm_head.dtype).eval()
 
 
@@ -80,12 +89,20 @@ class HeadGuesses:
     root_prob: float
 
 
-class HeadsSession(Protocol):
-    """One request's heads on its target session (TargetScorer): fed the final hidden states of
-    the positions it commits, in order, it guesses the tree after the last of them."""
+def root_probability(model: nn.Module, last_hidden: torch.Tensor, root_token: int) -> float:
+    """The target's probability of the root token at the last committed position (final state
+    `[H]`): the scheduler's p0."""
+    root_logits = model.lm_head(last_hidden.reshape(1, 1, -1))[0, 0]
+    return float(root_logits.float().softmax(-1)[root_token])
 
-    def advance(self, hidden: torch.Tensor) -> None:
-        """`hidden` [n, H]: the next n committed positions' final hidden states."""
+
+class HeadsSession(Protocol):
+    """One request's heads on its target session (TargetScorer): fed the positions it commits,
+    in order, it guesses the tree after the last of them."""
+
+    def advance(self, hidden: torch.Tensor, tokens: torch.Tensor, features: Optional[torch.Tensor]) -> None:
+        """The next n committed positions: their final hidden states `[n, H]`, tokens `[n]` and
+        the target's kept states `[n, A * H]` (aux_states.py; None unless the heads read them)."""
 
     def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
         """The node tokens of tree `tree` after `root_token` (None before a position is committed)."""
@@ -98,7 +115,7 @@ class MedusaSession:
         self.heads, self.lm_head = heads, model.lm_head
         self.last: Optional[torch.Tensor] = None
 
-    def advance(self, hidden: torch.Tensor) -> None:
+    def advance(self, hidden: torch.Tensor, tokens: torch.Tensor, features: Optional[torch.Tensor]) -> None:
         if len(hidden):
             self.last = hidden[-1]
 
@@ -109,6 +126,8 @@ class MedusaSession:
 
 
 class MedusaHeads(nn.Module):
+    kind = "medusa"
+
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1, own_lm_head=True):
         super().__init__()
         self.hidden_size, self.vocab_size = hidden_size, vocab_size

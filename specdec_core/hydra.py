@@ -33,10 +33,11 @@ import torch
 from torch import nn
 from transformers import AutoModel, PretrainedConfig
 
-from .batching import run_ragged, use_ragged_attention
-from .heads import HeadGuesses
+from .batching import run_ragged
+from .heads import HeadGuesses, root_probability
 from .kv_pool import PagedKV
 from .memory import kv_bytes_per_token
+from .ragged_attention import use_ragged_attention
 from .topologies import default_bank
 from .tree import Topology
 
@@ -61,6 +62,8 @@ class HydraBlock(nn.Module):
 
 
 class HydraHeads(nn.Module):
+    kind = "hydra"
+
     def __init__(
         self,
         hidden_size: int,
@@ -189,7 +192,7 @@ class HydraSession:
         self.last_hidden: Optional[torch.Tensor] = None
 
     @torch.inference_mode()
-    def advance(self, hidden: torch.Tensor) -> None:
+    def advance(self, hidden: torch.Tensor, tokens: torch.Tensor, features: Optional[torch.Tensor]) -> None:
         if not len(hidden):
             return
         self.last_hidden = hidden[-1]
@@ -205,6 +208,6 @@ class HydraSession:
             return None
         topology = default_bank().limited(tree, self.heads.num_heads)
         tokens, top_probs = self.heads.expand(self.state, self.model.get_input_embeddings(), root_token, topology)
-        root_logits = self.model.lm_head(self.last_hidden.reshape(1, 1, -1))[0, 0]
-        root_prob = float(root_logits.float().softmax(-1)[root_token])
-        return HeadGuesses(topology, tokens, top_probs.float(), root_prob)
+        return HeadGuesses(
+            topology, tokens, top_probs.float(), root_probability(self.model, self.last_hidden, root_token)
+        )

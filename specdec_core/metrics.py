@@ -6,6 +6,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .tree import LISTED
 from .types import DraftBlock, Verdict
 
 
@@ -36,7 +37,8 @@ class SpecMetrics:
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += verdict.num_accepted
         if draft.tree is not None:
-            self.tree_steps[draft.tree.name] = self.tree_steps.get(draft.tree.name, 0) + 1
+            name = "dynamic" if draft.tree.name.startswith(LISTED) else draft.tree.name  # one per step
+            self.tree_steps[name] = self.tree_steps.get(name, 0) + 1
         # a tree proposes one token per depth along whichever path wins: count positions by depth
         num_positions = draft.tree.max_depth if draft.tree is not None else num_draft
         grow = num_positions - len(self.num_draft_tokens_per_pos)

@@ -10,16 +10,28 @@ final hidden states (after the model's norm) are broadcast to every rank, which 
 head itself, so that every rank holds the step's logits as with tensor parallelism alone. A
 rank's rollback and tree commits touch its own layers' KV only, the same on every stage.
 
-This is the pipeline one step at a time: while stage 1 computes, stage 0 waits for the next
-operation. Filling it with the next step's rows is the step batcher's part (issue 35)."""
+A step of several rows fills the pipeline: its rows run as micro-batches (`microbatches`), so
+that while stage 1 computes the first rows, stage 0 computes the next ones; a step of S stages
+and M micro-batches takes M + S - 1 stage-times of a micro-batch instead of S of the whole step.
+A micro-batch pays a forward's fixed costs again (its launches, and on a GPU a read of the stage's
+weights), which is a loss for a small step: `MICROBATCH_MIN_TOKENS` keeps such steps whole.
+Every rank splits a step alike, since every rank runs the same step."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.distributed as dist
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .errors import GroupBroken
+
+# the fewest tokens a micro-batch holds: a forward costs more than its tokens' work (on the Zen 4
+# VM, about 2 ms a layer on one thread: 8 one-token rows took 134 ms split against 108 whole, 8
+# rows of 11 tokens 343 against 382, docs/performance.md), and on a GPU a forward of fewer is bound
+# by reading the weights (an H100: ~990 bf16 TFLOP/s over 3.35 TB/s, ~300 tokens a weight read)
+MICROBATCH_MIN_TOKENS = {"cpu": 32, "cuda": 256}
 
 
 def stage_layers(num_layers: int, stage: int, num_stages: int) -> range:
@@ -42,37 +54,74 @@ def make_stage(model: torch.nn.Module, stage: int, num_stages: int, tp: int) -> 
     # one group per tp index: that rank of every stage (each rank makes every group, in order)
     columns = [dist.new_group([s * tp + column for s in range(num_stages)]) for column in range(tp)]
     column = dist.get_rank() % tp
-    base.forward = stage_forward(base.forward, stage, num_stages, tp, columns[column])
+    base.pipeline_stage = PipelineStage(base.forward, stage, num_stages, tp, columns[column])
+    base.forward = base.pipeline_stage
     return model
 
 
-def stage_forward(forward, stage: int, num_stages: int, tp: int, column_group):
-    """`forward` (a base model's) as one stage: its input from the previous stage's rank of the
-    same tp index (stage 0: the tokens), its output to the next; returns the last stage's final
-    hidden states `[1, N, H]` on every rank (`column_group`: this rank's tp index in every stage)."""
-    rank = dist.get_rank()
-    previous, following, last = rank - tp, rank + tp, (num_stages - 1) * tp + rank % tp
-    base = forward.__self__
-    hidden_size, dtype = base.config.hidden_size, next(base.parameters()).dtype
+class PipelineStage:
+    """A base model's forward as one stage: its input from the previous stage's rank of the same
+    tp index (stage 0: the tokens), its output to the next; every rank gets the last stage's
+    final hidden states `[1, N, H]` (`column_group`: this rank's tp index in every stage)."""
 
-    def run(input_ids=None, inputs_embeds=None, position_ids=None, **kwargs) -> BaseModelOutputWithPast:
-        if stage > 0:
-            input_ids = None
-            inputs_embeds = torch.empty(1, position_ids.shape[1], hidden_size, dtype=dtype, device=position_ids.device)
-            passing(dist.recv, inputs_embeds, src=previous)
-        output = forward(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, **kwargs)
-        hidden = output.last_hidden_state.contiguous()  # [1, N, H]
-        if stage < num_stages - 1:
-            passing(dist.send, hidden, dst=following)
-        passing(dist.broadcast, hidden, src=last, group=column_group)
-        return BaseModelOutputWithPast(last_hidden_state=hidden)
+    def __init__(self, forward, stage: int, num_stages: int, tp: int, column_group):
+        self.forward, self.stage, self.num_stages, self.column_group = forward, stage, num_stages, column_group
+        rank = dist.get_rank()
+        self.previous, self.following, self.last = rank - tp, rank + tp, (num_stages - 1) * tp + rank % tp
+        base = forward.__self__
+        self.hidden_size, self.dtype = base.config.hidden_size, next(base.parameters()).dtype
+        self.min_tokens = MICROBATCH_MIN_TOKENS[base.device.type]
 
-    return run
+    def microbatches(self, lengths: list[int]) -> list[range]:
+        """A step's rows (of `lengths` new tokens) as one part per stage where each part keeps
+        `min_tokens`, else fewer (one: the step whole)."""
+        count = max(1, min(self.num_stages, len(lengths), sum(lengths) // self.min_tokens))
+        return split_rows(lengths, count)
+
+    def __call__(self, **kwargs) -> BaseModelOutputWithPast:
+        return self.run_each([kwargs])[0]
+
+    def run_each(self, calls: list[dict]) -> list[BaseModelOutputWithPast]:
+        """The forwards of a step's micro-batches (`calls`: each one's keyword arguments), in
+        order: each goes on to the next stage as soon as it is computed, and the final hidden
+        states come back to every rank after the last one."""
+        sends, outputs = [], []
+        for kwargs in calls:
+            if self.stage > 0:
+                positions = kwargs["position_ids"]
+                received = torch.empty(
+                    1, positions.shape[1], self.hidden_size, dtype=self.dtype, device=positions.device
+                )
+                passing(dist.recv, received, src=self.previous)
+                kwargs = {**kwargs, "input_ids": None, "inputs_embeds": received}
+            hidden = self.forward(**kwargs).last_hidden_state.contiguous()  # [1, N_part, H]
+            if len(calls) > 1:  # a CUDA graph's output is overwritten by the next part's replay
+                hidden = hidden.clone()
+            if self.stage < self.num_stages - 1:
+                sends.append(passing(dist.isend, hidden, dst=self.following))  # not waited: the next part runs
+            outputs.append(hidden)
+        for send in sends:
+            passing(send.wait)
+        for hidden in outputs:
+            passing(dist.broadcast, hidden, src=self.last, group=self.column_group)
+        return [BaseModelOutputWithPast(last_hidden_state=hidden) for hidden in outputs]
 
 
-def passing(transfer, *args, **kwargs) -> None:
+def split_rows(lengths: list[int], count: int) -> list[range]:
+    """Rows of `lengths` new tokens as `count` consecutive parts of about equal tokens, each
+    holding a row at least."""
+    cumulative = list(itertools.accumulate(lengths))
+    bounds = [0]
+    for part in range(1, count):
+        end = next(row + 1 for row, done in enumerate(cumulative) if done * count >= cumulative[-1] * part)
+        bounds.append(min(max(end, bounds[-1] + 1), len(lengths) - (count - part)))
+    bounds.append(len(lengths))
+    return [range(start, end) for start, end in zip(bounds, bounds[1:])]
+
+
+def passing(transfer, *args, **kwargs):
     """One of a step's transfers between stages; a peer that is gone breaks the group."""
     try:
-        transfer(*args, **kwargs)
+        return transfer(*args, **kwargs)
     except (RuntimeError, dist.DistError) as error:
         raise GroupBroken(f"a pipeline stage is gone: {error}") from None

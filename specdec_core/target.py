@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .aux_states import aux_states
 from .batching import forward_ragged, pool_of
 from .errors import SpecdecError
 from .heads import HeadGuesses, Heads, HeadsSession
@@ -40,6 +41,8 @@ class TargetScorer:
         self.num_scored = 0  # tokens of the last `score`, of which `commit` keeps some
         self.scored_tree: Optional[Topology] = None  # the tree the last score was, if one
         self.scored_hidden: Optional[torch.Tensor] = None  # [T, H] of the last score, with heads
+        self.scored_tokens: Optional[torch.Tensor] = None  # [T] its tokens
+        self.scored_features: Optional[torch.Tensor] = None  # [T, A * H] its kept states (aux_states.py)
         self.heads_session: Optional[HeadsSession] = None
         self.prompt_parts: Optional[list[PromptScores]] = None  # per prefill chunk, when the request asks
 
@@ -70,7 +73,7 @@ class TargetScorer:
         self.prefix_cache_queries = len(prompt_ids) - 1 if reusable else 0
         self.prefix_cache_hits = self.committed_len
         self.num_scored = 0
-        self.scored_hidden = None
+        self.scored_hidden = self.scored_tokens = self.scored_features = None
         self.heads_session = None
         if with_heads:
             if self.heads is None:
@@ -121,13 +124,18 @@ class TargetScorer:
         return forward_rows([Row(self, tokens, tree=tree)])[0]
 
     def finish(
-        self, tokens: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, tree: Optional[Topology]
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        tree: Optional[Topology],
+        features: Optional[torch.Tensor] = None,
     ) -> TargetBlock:
-        """This row's block from its tokens `[T]`, final hidden states `[T, H]` and logits `[T, V]`
-        (fp32; a tree's: logits only)."""
+        """This row's block from its tokens `[T]`, final hidden states `[T, H]`, logits `[T, V]`
+        (fp32; a tree's: logits only) and kept states `[T, A * H]` (if the target keeps any)."""
         block = TargetBlock(logits=logits)
         if self.heads_session is not None:
-            self.scored_hidden = hidden
+            self.scored_hidden, self.scored_tokens, self.scored_features = hidden, tokens, features
         if tree is not None:
             return block
         if self.policy.needs_hidden:
@@ -176,8 +184,9 @@ class TargetScorer:
     def advance_heads(self, rows) -> None:
         """With heads: the scored rows `rows` (a slice or node indices) are committed positions."""
         if self.heads_session is not None and self.scored_hidden is not None:
-            self.heads_session.advance(self.scored_hidden[rows])
-            self.scored_hidden = None  # each committed position enters the heads once
+            features = self.scored_features[rows] if self.scored_features is not None else None
+            self.heads_session.advance(self.scored_hidden[rows], self.scored_tokens[rows], features)
+            self.scored_hidden = self.scored_tokens = self.scored_features = None  # each position enters once
 
     def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
         """The heads' node tokens of tree `tree` after `root_token` (the last committed token,
@@ -216,6 +225,9 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
     # per-row work in a handful of ops for the whole step: split views, one LM head for every
     # verify row, their tokens as one tensor
     parts = hidden[0].split([len(row.tokens) for row in rows])  # [T_i, H] each
+    reading = any(row.scorer.heads_session is not None for row in rows)
+    features = aux_states(model, hidden.shape[1]) if reading else None  # [1, N, A * H]
+    feature_parts = features[0].split([len(row.tokens) for row in rows]) if features is not None else None
     verifying = [index for index, row in enumerate(rows) if not row.prefill]
     blocks: list[Optional[TargetBlock]] = [None] * len(rows)
     if verifying:
@@ -227,13 +239,16 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
         tokens = torch.tensor(tokens, dtype=torch.long, device=hidden.device).split(sizes)  # [T_i] each
         for index, row_logits, row_tokens in zip(verifying, logits, tokens):
             row = rows[index]
-            blocks[index] = row.scorer.finish(row_tokens, parts[index], row_logits, row.tree)
+            row_features = feature_parts[index] if feature_parts is not None else None
+            blocks[index] = row.scorer.finish(row_tokens, parts[index], row_logits, row.tree, row_features)
             blocks[index].batch_rows = len(rows)
-    for row, part in zip(rows, parts):
+    for index, (row, part) in enumerate(zip(rows, parts)):
         if row.prefill:
             row.scorer.score_prefill(part[None])
             row.scorer.committed_len += len(row.tokens)
             row.scorer.cache.publish(row.scorer.prompt_ids[: row.scorer.committed_len])
             if row.scorer.heads_session is not None:
-                row.scorer.heads_session.advance(part)
+                chunk = torch.tensor(row.tokens, dtype=torch.long, device=part.device)
+                row_features = feature_parts[index] if feature_parts is not None else None
+                row.scorer.heads_session.advance(part, chunk, row_features)
     return blocks

@@ -29,7 +29,7 @@ MC_SIM_7B_63 = (
 NAMED_TREES = {
     "mc_sim_7b_63": MC_SIM_7B_63,
     **{f"medusa_{size}": MC_SIM_7B_63[:size] for size in (8, 16, 32)},
-    **{f"chain_{depth}": tuple((0,) * length for length in range(1, depth + 1)) for depth in (2, 4)},
+    **{f"chain_{depth}": tuple((0,) * length for length in range(1, depth + 1)) for depth in (2, 4, 8)},
     **{
         f"spine_{depth}x{width}": tuple((0,) * length + (rank,) for length in range(depth) for rank in range(width))
         for depth, width in ((4, 2), (6, 2), (8, 2), (6, 3))

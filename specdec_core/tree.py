@@ -29,6 +29,10 @@ import torch
 from .errors import SpecdecError
 
 Path = tuple[int, ...]
+# a tree given by its paths in its name ("paths:0;1;0.0"): a dynamic tree (dynamic_tree.py), built
+# per step, that travels between workers by name like the others
+LISTED = "paths:"
+MAX_LISTED_NODES, MAX_LISTED_RANK = 256, 64
 
 
 def check_paths(paths: Iterable[Sequence[int]]) -> tuple[Path, ...]:
@@ -121,12 +125,15 @@ class TopologyBank:
         if name in self.named:
             return self.named[name]
         base, depth = split_depth(name)
-        if named_only or (depth is None and "+" not in name):
-            derived = "" if named_only else " (or NAME@DEPTH, A+B)"
+        listed = name.startswith(LISTED) and depth is None
+        if named_only or (depth is None and "+" not in name and not listed):
+            derived = "" if named_only else " (or NAME@DEPTH, A+B, paths:..)"
             raise SpecdecError(f"unknown tree {name!r}; known: {', '.join(self.names())}{derived}")
         if name not in self.derived:
             if depth is not None:
                 paths = [path for path in self.get(base).paths if len(path) <= depth]
+            elif listed:
+                paths = listed_paths(name)
             else:
                 paths = list(dict.fromkeys(path for part in name.split("+") for path in self.get(part).paths))
             self.derived[name] = Topology.build(name, paths)
@@ -157,6 +164,27 @@ class TopologyBank:
 
     def names(self) -> list[str]:
         return sorted(self.named)
+
+
+def listed_name(paths: Iterable[Sequence[int]]) -> str:
+    """The name that lists a tree's paths (`TopologyBank.get` builds the tree from it)."""
+    return LISTED + ";".join(".".join(map(str, path)) for path in check_paths(paths))
+
+
+def listed_paths(name: str) -> list[Path]:
+    """The paths a `listed_name` lists (a name off the wire: SpecdecError where it is malformed)."""
+    parts = name[len(LISTED) :].split(";")
+    if len(parts) > MAX_LISTED_NODES:
+        raise SpecdecError(f"a listed tree has at most {MAX_LISTED_NODES} nodes; got {len(parts)}")
+    try:
+        paths = [tuple(int(rank) for rank in part.split(".")) for part in parts]
+        if max(max(path, default=0) for path in paths) >= MAX_LISTED_RANK:
+            raise ValueError(f"a rank is below {MAX_LISTED_RANK}")
+        if listed_name(paths) != name:  # one name per tree: the derived trees' cache holds no variants
+            raise ValueError("paths are listed by depth, then ranks, in canonical form")
+    except ValueError as error:
+        raise SpecdecError(f"tree {name[:80]!r}: {error}") from None
+    return paths
 
 
 def recent(cache: OrderedDict, key, capacity: int):

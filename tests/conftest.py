@@ -210,3 +210,19 @@ def hydra_engine(trained_heads, tiny_target, tmp_path_factory):
     heads = load_heads(str(directory), "tiny", tiny_target)
     draft = perturbed_copy(tiny_target, 0.002)
     return SpeculativeEngine(tiny_target, None, draft, profile=lambda *_: tiny_profile(), heads=heads)
+
+
+@pytest.fixture(scope="session")
+def eagle3_engine(tmp_path_factory):
+    """A tiny 8-layer target (its layers 2, 4 and 5 read) with a random EAGLE-3 head in the
+    authors' format, and a perturbed copy as draft model."""
+    from eagle3_heads import write_eagle3
+
+    from specdec_core import SpeculativeEngine
+    from specdec_core.heads import load_heads
+
+    target = tiny_llama(seed=5, num_layers=8)
+    heads = load_heads(str(write_eagle3(tmp_path_factory.mktemp("eagle3"), target, "authors")), "tiny", target)
+    return SpeculativeEngine(
+        target, None, perturbed_copy(target, 0.002), profile=lambda *_: tiny_profile(), heads=heads
+    )

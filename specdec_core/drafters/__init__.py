@@ -1,4 +1,4 @@
-"""Drafters by name: `none`, `pld`, `model`, `mla`, `model_tree`, `mla_tree`, `heads`
+"""Drafters by name: `none`, `pld`, `model`, `mla`, `model_tree`, `mla_tree`, `heads`, `eagle3`
 (docs/policies.md)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 
 from ..errors import SpecdecError, validate_params
 from .base import Drafter, DraftSource, NoDrafter
+from .eagle3 import Eagle3Drafter
 from .heads import HeadsDrafter
 from .model import ModelDrafter, MultiLevelDrafter
 from .model_tree import ModelTreeDrafter, MultiLevelTreeDrafter
@@ -25,6 +26,7 @@ DRAFTERS: dict[str, type] = {
         ModelTreeDrafter,
         MultiLevelTreeDrafter,
         HeadsDrafter,
+        Eagle3Drafter,
     )
 }
 

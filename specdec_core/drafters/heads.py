@@ -76,10 +76,11 @@ class HeadsDrafter:
     Params = HeadsParams
     drafts_from = DraftSource.TARGET_HEADS
     proposes_trees = True
+    heads_kind: Optional[str] = None  # the target heads it drafts from: any kind
 
     def __init__(self, source: HeadsSource, params: Optional[HeadsParams] = None):
         self.source = source
-        self.params = params if params is not None else HeadsParams()
+        self.params = params if params is not None else self.Params()
         # every tree the schedule may pick, guessed in one call (with Hydra's heads a node's children
         # depend on its token, so the tree must be known before the guess; the score comes after)
         self.guessed_tree = "+".join(dict.fromkeys(self.params.tree_names()))

@@ -13,8 +13,10 @@ from typing import Optional
 import torch
 import typer
 
-from ..batching import forward_ragged, pad_tokens, pool_of, step_layout, use_ragged_attention
+from ..batching import forward_ragged, step_inputs
+from ..compiled_step import pad_steps
 from ..kv_pool import PagedKV
+from ..ragged_attention import use_ragged_attention
 from .cli_common import EMBEDDED
 from .device_clock import seconds_per_call
 
@@ -40,12 +42,10 @@ def explain_step(
     caches = [PagedKV() for _ in range(rows)]
     forward_ragged(model, caches, [torch.randint(0, vocab_size, (history,), generator=generator).tolist()] * rows)
     use_ragged_attention(model)
-    lengths = [tokens_per_row] * rows
-    layout = step_layout(pool_of(model.model), caches, lengths, [None] * rows, model.device, padded=True)
-    padding = layout.write_slots.numel() - rows * tokens_per_row
-    input_ids = torch.randint(0, vocab_size, (1, rows * tokens_per_row), generator=generator)
-    positions = torch.tensor([[history + offset for _ in range(rows) for offset in range(tokens_per_row)]])
-    input_ids, positions = (pad_tokens(tensor, padding).to(model.device) for tensor in (input_ids, positions))
+    pad_steps(model)
+    input_ids = torch.randint(0, vocab_size, (1, rows * tokens_per_row), generator=generator).to(model.device)
+    inputs = step_inputs(model.model, caches, [tokens_per_row] * rows, [None] * rows, {"input_ids": input_ids})
+    input_ids, positions, layout = inputs["input_ids"], inputs["position_ids"], inputs["ragged"]
 
     def step(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, ragged=layout)[0]

@@ -30,6 +30,7 @@ from ..sampling import SamplingParams
 from ..target import PREFILL_CHUNK, TargetScorer
 from .attention_calls import attention_calls
 from .device_clock import seconds_per_call
+from .eagle3_cost import eagle3_costs
 from .step_ops import count_step_ops
 
 REPO = Path(__file__).resolve().parents[2]
@@ -175,6 +176,9 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
     if on_cuda:
         calls = attention_calls()
         out += ["", "One layer's attention over 64 rows of 5 tokens, 352 keys each:", "", table(calls, list(calls[0]))]
+        costs = eagle3_costs(engine.target_model)  # last: the layer's hooks stay on the target
+        heading = "A random EAGLE-3 layer beside the target, one session after a 256-token prompt:"
+        out += ["", heading, "", table(costs, list(costs[0]))]
     return "\n".join(out)
 
 

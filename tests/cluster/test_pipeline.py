@@ -1,6 +1,7 @@
 """A target split into pipeline stages (specdec_core/pipeline.py), each stage's ranks processes
 of their own over gloo: every rank's logits and policy features equal one process's, before and
-after a rollback, as 2 stages of 1 rank and 2 stages of 2 ranks (tensor parallel inside each)."""
+after a rollback and in steps of several sessions (a step of 72 tokens runs as 2 micro-batches),
+as 2 stages of 1 rank and 2 stages of 2 ranks (tensor parallel inside each)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from conftest import tiny_llama
 from test_tensor_parallel import assert_every_rank_scores_as, sharded_steps, steps
 
-from specdec_core.pipeline import stage_layers
+from specdec_core.pipeline import split_rows, stage_layers
 
 
 @pytest.fixture(scope="module")
@@ -31,3 +32,11 @@ def test_stages_split_the_layers_the_first_ones_taking_the_remainder():
     assert [stage_layers(7, stage, 3) for stage in range(3)] == [range(0, 3), range(3, 5), range(5, 7)]
     with pytest.raises(ValueError, match="pp_size 4"):
         stage_layers(3, 0, 4)
+
+
+def test_a_step_splits_into_consecutive_parts_of_about_equal_tokens():
+    assert split_rows([5, 5, 5, 5], 2) == [range(0, 2), range(2, 4)]
+    assert split_rows([3, 63, 6], 2) == [range(0, 2), range(2, 3)]  # a prompt chunk beside verify rows
+    assert split_rows([5, 512], 2) == [range(0, 1), range(1, 2)]  # every part keeps a row
+    assert split_rows([1] * 7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert split_rows([9], 1) == [range(0, 1)]

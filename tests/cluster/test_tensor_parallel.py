@@ -15,7 +15,7 @@ from specdec_core.loader import ModelSpec, load_model
 from specdec_core.parallel import join_group, load_sharded_model, open_store, shard_problem
 from specdec_core.policies import make_policy
 from specdec_core.sampling import SamplingParams
-from specdec_core.target import TargetScorer
+from specdec_core.target import Row, TargetScorer, forward_rows
 
 PROMPT = [5, 17, 42, 99, 3, 7, 250, 11]
 FIRST_BLOCK = [11, 61, 300, 2, 77, 140]  # [the prompt's last token, 5 drafts]
@@ -25,13 +25,25 @@ SAMPLING = SamplingParams(temperature=0.0, seed=4)
 
 
 def steps(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(logits, DropMatch path tokens) of two verify steps with a rollback between them."""
+    """(logits, DropMatch path tokens) of two verify steps with a rollback between them, then of
+    two steps of three sessions together (a prompt chunk between two verify rows, then two
+    verify rows: a pipeline runs each as micro-batches)."""
+    policy = make_policy("dropmatch", {"dropout": 0.3})
     scorer = TargetScorer(model)
-    scorer.reset(PROMPT, make_policy("dropmatch", {"dropout": 0.3}), SAMPLING)
+    scorer.reset(PROMPT, policy, SAMPLING)
     first = scorer.score(FIRST_BLOCK)
     scorer.commit(KEEP)
     second = scorer.score(SECOND_BLOCK)
-    return [(block.logits, block.features["path_tokens"]) for block in (first, second)]
+    blocks = [first, second]
+    other, late = TargetScorer(model), TargetScorer(model)
+    other.reset(PROMPT[::-1], policy, SAMPLING)
+    scorer.commit(2)
+    late_prompt = PROMPT * 8  # 72 tokens in the step: 2 micro-batches of a pipeline's 2 stages
+    prefill = late.start(late_prompt, policy, SAMPLING)
+    blocks += forward_rows([Row(scorer, SECOND_BLOCK), Row(late, prefill, prefill=True), Row(other, FIRST_BLOCK)])
+    scorer.commit(1)
+    blocks += forward_rows([Row(late, [late_prompt[-1], *SECOND_BLOCK]), Row(scorer, FIRST_BLOCK[::-1])])
+    return [(block.logits, block.features["path_tokens"]) for block in blocks if block is not None]
 
 
 def rank_main(rank: int, world_size: int, port: int, checkpoint: str, backend: str, pp: int, results) -> None:
@@ -55,7 +67,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory):
     """The same tiny model with its decoder linears in FP8 (Meta's fbgemm_fp8 format)."""
-    from test_fp8_checkpoint import FORMATS, write_fp8_checkpoint
+    from fp8_checkpoints import FORMATS, write_fp8_checkpoint
 
     path = tmp_path_factory.mktemp("tp") / "fp8"
     write_fp8_checkpoint(tiny_llama(seed=3, prepared=False), path, FORMATS["fbgemm_fp8"])

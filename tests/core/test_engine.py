@@ -535,11 +535,13 @@ def test_grouped_low_precision_attention_matches_sdpa_and_runs_for_low_precision
             result = attention.grouped_low_precision_attention(*low, mask)
             torch.testing.assert_close(result.double(), reference, atol=3e-2, rtol=0)
 
-    from specdec_core import batching
+    from specdec_core import ragged_attention
 
     calls = []
-    original = batching.grouped_low_precision_attention
-    monkeypatch.setattr(batching, "grouped_low_precision_attention", lambda *args: calls.append(1) or original(*args))
+    original = ragged_attention.grouped_low_precision_attention
+    monkeypatch.setattr(
+        ragged_attention, "grouped_low_precision_attention", lambda *args: calls.append(1) or original(*args)
+    )
     plain, grouped = (tiny_llama(seed=5, prepared=prepared).to(torch.bfloat16) for prepared in (False, True))
     prompt = repeating_prompt(5, length=40)
     scorer = greedy_scorer(grouped, prompt)

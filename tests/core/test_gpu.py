@@ -86,7 +86,7 @@ def test_a_fraction_of_the_card_sizes_the_pool_once():
 def test_an_fp8_checkpoint_multiplies_in_fp8_within_its_rounding(tmp_path):
     """On Ada/Hopper an FP8 checkpoint's linears are Fp8Linear (FP8 matmuls, activations scaled
     per token): logits within 5% (relative norm) of the bf16 model of the same de-quantized weights."""
-    from test_fp8_checkpoint import FORMATS, write_fp8_checkpoint
+    from fp8_checkpoints import FORMATS, write_fp8_checkpoint
 
     from specdec_core.kernels.fp8 import Fp8Linear
     from specdec_core.loader import ModelSpec, load_model

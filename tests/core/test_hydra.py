@@ -62,7 +62,7 @@ def test_a_published_hydra_checkpoint_expands_trees_as_hydras_proposal(tmp_path,
     session = heads.session(target)
     hidden = torch.randn(9, target.config.hidden_size)
     for rows in (slice(0, 4), slice(4, 5), slice(5, 9)):  # committed in three steps
-        session.advance(hidden[rows])
+        session.advance(hidden[rows], torch.zeros(len(hidden[rows]), dtype=torch.long), None)
     with torch.no_grad():
         if architecture == "prefix-mlp":  # the prefix layer's cache: as one forward over every position
             state = hydra.prefix_embeding_layer(inputs_embeds=hidden[None]).last_hidden_state[0, -1]

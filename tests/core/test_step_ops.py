@@ -40,18 +40,18 @@ def test_step_ops_command_prints_json(tmp_path):
 def test_compile_check_finds_one_graph_and_names_where_a_step_would_break(monkeypatch):
     """The step compiles as one graph on the CPU kernels too (the packed linears step aside
     under compile); a break in the attention is reported at its source line."""
-    import specdec_core.batching as batching
+    import specdec_core.ragged_attention as ragged_attention
     from specdec_core.tools.compile_check import explain_step
 
     report = explain_step(tiny_llama(num_layers=2), rows=3)
     assert (report["graphs"], report["graph_breaks"], report["breaks_by_line"]) == (1, 0, {})
-    attend = batching.attend
+    attend = ragged_attention.attend
 
     def attend_with_a_break(*args):
         torch._dynamo.graph_break()
         return attend(*args)
 
-    monkeypatch.setattr(batching, "attend", attend_with_a_break)
+    monkeypatch.setattr(ragged_attention, "attend", attend_with_a_break)
     report = explain_step(tiny_llama(num_layers=2), rows=3)
     assert report["graph_breaks"] > 0
     (where,) = report["breaks_by_line"]

@@ -151,6 +151,34 @@ def test_heads_trees_come_from_the_target_worker(request, heads, policy, tempera
         workers.stop()
 
 
+@pytest.mark.parametrize(
+    ("policy", "temperature", "params"),
+    [("greedy", 0.0, {}), ("greedy", 0.0, {"dynamic": True, "nodes": 24}), ("typical", 0.8, {"tree": "medusa_16"})],
+)
+def test_eagle3_chains_and_dynamic_trees_come_from_the_target_worker(eagle3_engine, policy, temperature, params):
+    """The eagle3 drafter asks the target worker's EAGLE-3 layer (a dynamic tree comes back by its
+    paths): the served tokens, acceptance and trees equal the in-process engine's."""
+    target = TargetService(
+        eagle3_engine.target_model, 60.0, eagle3_engine.frontend.profile(), heads=eagle3_engine.heads
+    )
+    workers = Workers(eagle3_engine, target=target)
+    req = GenerationRequest(
+        prompt_ids=repeating_prompt(1),
+        policy={"name": policy},
+        drafter={"name": "eagle3", "params": params},
+        sampling={"max_tokens": 32, "temperature": temperature, "seed": 5},
+    )
+    try:
+        assert workers.stubs["target"].Profile(pb.Empty()).heads_kind == "eagle3"
+        tokens, metrics = remote_complete(workers.engine, req)
+        local = eagle3_engine.complete(req)
+        assert tokens == local.token_ids
+        assert metrics["tree_steps"] == local.metrics["tree_steps"]
+        assert metrics["spec_decode_num_accepted_tokens"] == local.metrics["spec_decode_num_accepted_tokens"]
+    finally:
+        workers.stop()
+
+
 def test_a_target_worker_checks_heads_calls(heads_engine, tiny_engine):
     """A heads session on a target without heads, an unknown tree or a bad root, and a commit sent
     twice are refused."""
