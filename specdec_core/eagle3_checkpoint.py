@@ -29,6 +29,48 @@ from .eagle3 import Eagle3Draft, default_aux_layers
 CONFIG_FILE = "config.json"
 AUTHORS_ARCHITECTURE = "LlamaForCausalLMEagle3"
 UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+LAYER_KEYS = (  # the layer's config as `save_eagle3` writes it
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "vocab_size",
+)
+
+
+def save_eagle3(draft: Eagle3Draft, directory: Union[str, Path], base_model: str = "") -> None:
+    """Write `draft` in the EAGLE authors' format (fp16 weights; its layer under `midlayer.`, the
+    target layers it reads in `eagle_config`), which `load_eagle3` reads back."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, tensor in draft.state_dict().items():
+        if name.startswith("rotary_emb."):
+            continue
+        name = "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+        tensors[name] = tensor.detach().cpu() if name == "d2t" else tensor.detach().cpu().half()
+    draft_vocab = len(draft.d2t)
+    t2d = torch.zeros(draft.config.vocab_size, dtype=torch.bool)
+    t2d[torch.arange(draft_vocab) + draft.d2t.cpu()] = True
+    save_file({**tensors, "t2d": t2d}, directory / "model.safetensors", metadata={"format": "pt"})
+    config = draft.config
+    written = {
+        "architectures": [AUTHORS_ARCHITECTURE],
+        "model_type": "llama",
+        **{key: getattr(config, key) for key in LAYER_KEYS},
+        "rope_theta": config.rope_parameters["rope_theta"],
+        "num_hidden_layers": 1,
+        "draft_vocab_size": draft_vocab,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(draft.aux_layers)},
+        "torch_dtype": "float16",
+        "base_model_name_or_path": base_model,
+    }
+    (directory / CONFIG_FILE).write_text(json.dumps(written, indent=2) + "\n")
 
 
 def is_eagle3(directory: Union[str, Path]) -> bool:
@@ -66,7 +108,8 @@ def load_eagle3(directory: Union[str, Path], target_config: PretrainedConfig) ->
         raise ValueError(f"EAGLE-3 drafts of {layer_config['num_hidden_layers']} layers are not supported (only 1)")
     if layer_config.get("model_type", "llama") != "llama":
         raise ValueError(f"EAGLE-3 layers of type {layer_config['model_type']!r} are not supported (only llama)")
-    layer_config.pop("architectures", None)
+    for key in ("architectures", "eagle_config", "draft_vocab_size", "base_model_name_or_path", "torch_dtype"):
+        layer_config.pop(key, None)
     vocab = layer_config.get("vocab_size", target_config.vocab_size)
     draft_vocab = config.get("draft_vocab_size") or vocab
     aux = config.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_config", {}).get(

@@ -37,25 +37,34 @@ def train_heads_command(
     continuation_tokens: int = typer.Option(128, "--continuation-tokens"),
     distill_batch: int = typer.Option(16, "--distill-batch", help="prompts continued together"),
     setting: list[str] = typer.Option(
-        [], "--set", help="a training setting k=v, repeatable (specdec_core/tools/train_heads.py TrainSettings)"
+        [],
+        "--set",
+        help="a training setting k=v, repeatable (TrainSettings in tools/train_heads.py, Eagle3TrainSettings in "
+        "tools/train_eagle3.py)",
     ),
+    kind: str = typer.Option("medusa", "--kind", help="medusa: heads on the final state; eagle3: an EAGLE-3 layer"),
     target: str = TargetOpt,
     target_dtype: str = TargetDtypeOpt,
 ):
-    """Train Medusa-style heads for a target by self-distillation on ShareGPT (or a local corpus
-    in its format): the target's own greedy continuations of the first turns, heads of its final
-    hidden states (its weights frozen). Resumable: rerun the same command to go on from the last
-    checkpoint."""
+    """Train Medusa-style heads (or an EAGLE-3 layer, `--kind eagle3`) for a target by
+    self-distillation on ShareGPT (or a local corpus in its format): the target's own greedy
+    continuations of the first turns (its weights frozen). Resumable: rerun the same command to
+    go on from the last checkpoint."""
     from pydantic import ValidationError
 
     from ..engine import SpeculativeEngine
     from ..kernels.cpu import configure_cpu
     from ..questions import sharegpt_first_turns
+    from .train_eagle3 import Eagle3TrainSettings, train_eagle3_heads
     from .train_heads import DistillSettings, TrainSettings, train_heads
 
+    trainers = {"medusa": (TrainSettings, train_heads), "eagle3": (Eagle3TrainSettings, train_eagle3_heads)}
+    if kind not in trainers:
+        fail(f"--kind is one of {', '.join(trainers)}; got {kind!r}")
+    settings_class, trainer = trainers[kind]
     try:
         distill_settings = DistillSettings(continuation_tokens=continuation_tokens, batch_size=distill_batch)
-        train_settings = TrainSettings(**parse_params(setting))
+        train_settings = settings_class(**parse_params(setting))
     except ValidationError as error:
         fail(format_validation_errors(error.errors(), "train-heads"))
     configure_cpu(os.cpu_count() or 1)
@@ -77,10 +86,11 @@ def train_heads_command(
             prompt_ids.append(ids)
         if len(prompt_ids) == prompts:
             break
-    _, log = train_heads(
+    _, log = trainer(
         engine.target_model, prompt_ids, out, distill_settings, train_settings, engine.frontend.eos_ids, target
     )
-    console.print(json.dumps({key: log[key] for key in ("before", "after", "train_seconds")}))
+    shown = ("before", "after") if kind == "medusa" else ("accuracy_before", "accuracy_after")
+    console.print(json.dumps({key: log[key] for key in (*shown, "train_seconds")}))
     console.print(f"heads written to {out} (load them with --heads {out})")
 
 

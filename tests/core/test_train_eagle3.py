@@ -1,0 +1,93 @@
+"""Training an EAGLE-3 layer (specdec_core/tools/train_eagle3.py) on a tiny target's own greedy
+continuations: the training-time test's steps learn the target's tokens, a rerun resumes, and the
+head it writes loads and drafts greedy decoding's own tokens, more than one a step."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import repeating_prompt, tiny_llama, tiny_profile
+
+from specdec_core.heads import load_heads
+from specdec_core.tools.train_eagle3 import Eagle3TrainSettings, train_eagle3_heads, ttt_logits
+from specdec_core.tools.train_heads import STATE_FILE, DistillSettings
+
+DISTILL = DistillSettings(continuation_tokens=24, batch_size=6)
+SETTINGS = Eagle3TrainSettings(
+    steps=60, draft_vocab=96, sequences_per_step=2, holdout=0.25, checkpoint_every=30, learning_rate=3e-3
+)
+
+
+def test_an_eagle3_layer_trained_on_the_targets_continuations_drafts_them(tmp_path):
+    from specdec_core import GenerationRequest, SpeculativeEngine
+
+    target = tiny_llama(seed=7, num_layers=8)
+    prompts = [repeating_prompt(seed, length=16) for seed in range(12)]
+    draft, log = train_eagle3_heads(target, prompts, tmp_path, DISTILL, SETTINGS)
+    assert len(log["accuracy_after"]) == SETTINGS.ttt_steps
+    assert all(after > before for before, after in zip(log["accuracy_before"], log["accuracy_after"]))
+    assert torch.load(tmp_path / STATE_FILE, weights_only=False)["step"] == SETTINGS.steps
+    _, again = train_eagle3_heads(target, prompts, tmp_path, DISTILL, SETTINGS)  # resumes: nothing left to train
+    assert again["accuracy_after"] == log["accuracy_after"]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+
+    heads = load_heads(str(tmp_path), "tiny", target)
+    assert torch.equal(heads.d2t, draft.d2t)
+    engine = SpeculativeEngine(target, None, None, profile=lambda *_: tiny_profile(), heads=heads)
+    for seed in (0, 1):
+        requests = [
+            GenerationRequest(
+                prompt_ids=repeating_prompt(seed, length=16), drafter=drafter, sampling={"max_tokens": 24}
+            )
+            for drafter in ({"name": "none"}, {"name": "eagle3"})
+        ]
+        reference, drafted = (engine.complete(request) for request in requests)
+        assert drafted.token_ids == reference.token_ids
+        assert drafted.metrics["mean_acceptance_length"] > 1.5
+
+
+def test_a_later_step_reads_its_own_earlier_outputs_and_the_targets_positions_up_to_its_anchor():
+    """Step 1's logits at anchor a do not change when a later position's states or tokens do."""
+    from specdec_core.tools.eagle3_cost import random_eagle3
+
+    target = tiny_llama(seed=8, num_layers=8)
+    draft = random_eagle3(target)
+    states = torch.randn(10, 3 * target.config.hidden_size)
+    tokens = torch.randint(0, target.config.vocab_size, (10,))
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        first = ttt_logits(draft, embed, states, tokens, steps=2)
+        changed_states, changed_tokens = states.clone(), tokens.clone()
+        changed_states[6:] += 1.0
+        changed_tokens[7:] = (changed_tokens[7:] + 1) % target.config.vocab_size
+        second = ttt_logits(draft, embed, changed_states, changed_tokens, steps=2)
+    # anchor a reads positions <= a, step 1 also token a + 2: anchors 0..4 are untouched
+    for step in range(2):
+        assert torch.allclose(first[step][:5], second[step][:5], atol=1e-5)
+        assert not torch.allclose(first[step][5:], second[step][5:])
+
+
+def test_training_sees_what_drafting_sees():
+    """Fed a chain the layer drafted (as the true tokens), the training-time test's steps at the
+    chain's anchor predict that chain: training and drafting run the same function."""
+    from specdec_core.aux_states import aux_states
+    from specdec_core.policies import make_policy
+    from specdec_core.sampling import SamplingParams
+    from specdec_core.target import TargetScorer
+    from specdec_core.tools.eagle3_cost import random_eagle3
+
+    target = tiny_llama(seed=9, num_layers=8)
+    draft = random_eagle3(target)
+    prompt = repeating_prompt(3, length=14)
+    scorer = TargetScorer(target, draft)
+    scorer.reset(prompt, make_policy("greedy"), SamplingParams(temperature=0.0), with_heads=True)
+    chain = scorer.guess(prompt[-1], "chain_4").tokens.tolist()
+    sequence = torch.tensor(prompt + chain[:3])
+    with torch.no_grad():
+        target(sequence[None])
+        states = aux_states(target, len(sequence))[0]
+        logits = ttt_logits(draft, target.get_input_embeddings(), states, sequence, steps=4)
+    anchor = len(prompt) - 2  # the last committed position
+    assert [int(draft.target_ids(step[anchor].argmax())) for step in logits] == chain
