@@ -78,8 +78,8 @@ class AppConfig(BaseModel):
     draft: Optional[ModelSpec] = DEFAULT_DRAFT
     target_heads: Optional[str] = Field(
         AUTO,
-        description="the target's multi-token heads (drafter `heads`): a directory of Medusa or Hydra heads, "
-        "auto (those shipped for the embedded target), or None",
+        description="the target's heads (drafters `heads`, `eagle3`): a directory of Medusa or Hydra heads or of "
+        "an EAGLE-3 layer, auto (those shipped for the embedded target), or None",
     )
     tree_banks: list[str] = Field(
         default_factory=list,

@@ -37,7 +37,7 @@ DraftLayersOpt = typer.Option(DEFAULT_DRAFT.num_layers, "--draft-layers", help="
 HeadsOpt = typer.Option(
     AUTO,
     "--heads",
-    help="the target's multi-token heads: a directory of Medusa or Hydra heads, auto (shipped ones), none",
+    help="the target's heads: a directory of Medusa or Hydra heads or an EAGLE-3 layer, auto (shipped ones), none",
 )
 TreesOpt = typer.Option([], "--trees", help="a tree bank file of `specdec frontier` (its trees by name), repeatable")
 QuestionsOpt = typer.Option(
