@@ -98,6 +98,22 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden) if own_embedding else None
         self.rotary_emb = LlamaRotaryEmbedding(config)
 
+    @classmethod
+    def for_target(cls, target_config, draft_vocab_size: int) -> "Eagle3Draft":
+        """A fresh layer shaped as the published heads are for a target of `target_config`: its
+        hidden size, heads and MLP, reading its default layers."""
+        layer = LlamaConfig(
+            hidden_size=target_config.hidden_size,
+            intermediate_size=target_config.intermediate_size,
+            num_attention_heads=target_config.num_attention_heads,
+            num_key_value_heads=target_config.num_key_value_heads,
+            vocab_size=target_config.vocab_size,
+            max_position_embeddings=target_config.max_position_embeddings,
+            rms_norm_eps=target_config.rms_norm_eps,
+        )
+        aux_layers = default_aux_layers(target_config.num_hidden_layers)
+        return cls(layer, target_config.hidden_size, aux_layers, draft_vocab_size)
+
     @property
     def device(self) -> torch.device:
         return self.fc.weight.device

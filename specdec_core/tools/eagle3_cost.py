@@ -7,10 +7,9 @@ vocabulary). `specdec gpu-report` prints it last (the layer's hooks stay on the 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig
 
 from ..aux_states import keep_aux_states
-from ..eagle3 import Eagle3Draft, default_aux_layers
+from ..eagle3 import Eagle3Draft
 from ..policies import make_policy
 from ..sampling import SamplingParams
 from ..target import TargetScorer
@@ -21,19 +20,8 @@ PUBLISHED_DRAFT_VOCAB = 32000
 
 def random_eagle3(target: torch.nn.Module, seed: int = 0) -> Eagle3Draft:
     """A random EAGLE-3 layer shaped for `target`, on its device and in its dtype, its hooks on."""
-    config = target.config
     torch.manual_seed(seed)
-    layer = LlamaConfig(
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        vocab_size=config.vocab_size,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.rms_norm_eps,
-    )
-    draft_vocab = min(PUBLISHED_DRAFT_VOCAB, config.vocab_size)
-    draft = Eagle3Draft(layer, config.hidden_size, default_aux_layers(config.num_hidden_layers), draft_vocab)
+    draft = Eagle3Draft.for_target(target.config, min(PUBLISHED_DRAFT_VOCAB, target.config.vocab_size))
     keep_aux_states(target, draft.aux_layers)
     weight = target.get_input_embeddings().weight
     return draft.to(weight.device, weight.dtype).eval()

@@ -20,7 +20,6 @@ position j + 1 when the positions before it were accepted)."""
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -28,7 +27,6 @@ from typing import Optional, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
-from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..aux_states import aux_states, keep_aux_states
@@ -36,7 +34,8 @@ from ..batching import forward_ragged
 from ..eagle3 import Eagle3Draft, default_aux_layers
 from ..eagle3_checkpoint import save_eagle3
 from ..kv_pool import PagedKV
-from .train_heads import LOG_FILE, STATE_FILE, DistillSettings, greedy_continuations
+from .train_heads import LOG_FILE, DistillSettings, greedy_continuations
+from .training_state import STATE_FILE, resume_state, save_state, warmup_cosine
 
 DISTILLED_FILE = "distilled_eagle3.pt"
 
@@ -86,16 +85,7 @@ def new_layer(target: torch.nn.Module, data: dict, settings: Eagle3TrainSettings
     for tokens, start in zip(data["tokens"], data["prompt_lengths"]):
         counts += torch.bincount(torch.tensor(tokens[start:], dtype=torch.long), minlength=config.vocab_size)
     used = counts.topk(min(settings.draft_vocab, config.vocab_size)).indices.sort().values  # [Vd]
-    layer = LlamaConfig(
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        vocab_size=config.vocab_size,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.rms_norm_eps,
-    )
-    draft = Eagle3Draft(layer, config.hidden_size, default_aux_layers(config.num_hidden_layers), len(used))
+    draft = Eagle3Draft.for_target(config, len(used))
     draft.d2t.copy_(used - torch.arange(len(used)))
     draft.lm_head.weight.data.copy_(target.get_output_embeddings().weight.detach().float()[used])
     return draft, used
@@ -163,14 +153,8 @@ def train_eagle3(
     to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     to_draft[used] = torch.arange(len(used))
     optimizer = torch.optim.AdamW(draft.parameters(), lr=settings.learning_rate, weight_decay=0.0)
-    warmup, total_steps = settings.warmup_steps, settings.steps
-
-    def rate(step: int) -> float:  # linear warmup, then cosine to zero
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min((step - warmup) / max(1, total_steps - warmup), 1.0)))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(settings.warmup_steps, settings.steps))
+    parts = {"draft": draft, "optimizer": optimizer, "schedule": schedule}
 
     def sequence(index: int):
         return data["states"][index], torch.tensor(data["tokens"][index]), data["prompt_lengths"][index]
@@ -185,17 +169,9 @@ def train_eagle3(
                 sums[step][1] += count
         return [round(hits / max(count, 1), 4) for hits, count in sums]
 
-    state_path, step, elapsed = out_dir / STATE_FILE, 0, 0.0
+    state_path = out_dir / STATE_FILE
     log = {"settings": settings.model_dump(), "train_sequences": len(kept), "eval_sequences": len(held)}
-    if (
-        state_path.exists()
-        and (state := torch.load(state_path, weights_only=False))["settings"] == settings.model_dump()
-    ):
-        draft.load_state_dict(state["draft"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        generator.set_state(state["generator"])
-        step, elapsed, log = state["step"], state["elapsed_s"], state["log"]
+    step, elapsed, log = resume_state(state_path, settings.model_dump(), parts, generator) or (0, 0.0, log)
     evaluated = held or kept[:16]  # no holdout: a few training sequences
     log.setdefault("accuracy_before", evaluate(evaluated))
     bar = tqdm(total=settings.steps, initial=step, desc="training the EAGLE-3 layer", unit="step")
@@ -212,18 +188,8 @@ def train_eagle3(
         bar.set_postfix(loss=f"{loss.item() / len(picks):.3f}")
         if step % settings.checkpoint_every == 0 or step == settings.steps:
             log["train_loss"] = round(loss.item() / len(picks), 4)
-            state = {
-                "settings": settings.model_dump(),
-                "draft": draft.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "schedule": schedule.state_dict(),
-                "generator": generator.get_state(),
-                "step": step,
-                "elapsed_s": time.perf_counter() - started,
-                "log": log,
-            }
-            torch.save(state, state_path.with_suffix(".tmp"))
-            state_path.with_suffix(".tmp").replace(state_path)
+            elapsed = time.perf_counter() - started
+            save_state(state_path, settings.model_dump(), parts, generator, step, elapsed, log)
     bar.close()
     log["accuracy_after"] = evaluate(evaluated)
     log["train_seconds"] = round(time.perf_counter() - started, 1)

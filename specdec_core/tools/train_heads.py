@@ -12,7 +12,6 @@ The heads are written in Medusa's format (`MedusaHeads.save`), with `train_log.j
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -24,9 +23,9 @@ from tqdm.auto import tqdm
 from ..batching import forward_ragged
 from ..heads import MedusaHeads
 from ..kv_pool import PagedKV
+from .training_state import STATE_FILE, resume_state, save_state, warmup_cosine
 
 DISTILLED_FILE = "distilled.pt"
-STATE_FILE = "train_state.pt"
 LOG_FILE = "train_log.json"
 IGNORED = -100  # a label past the end of its continuation
 
@@ -180,28 +179,15 @@ def train(
     heads.to(lm_head.weight.dtype)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=settings.learning_rate, weight_decay=0.0)
 
-    def rate(step: int) -> float:  # linear warmup, then cosine to zero
-        if step < settings.warmup_steps:
-            return (step + 1) / settings.warmup_steps
-        progress = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(settings.warmup_steps, settings.steps))
+    parts = {"heads": heads, "optimizer": optimizer, "schedule": schedule}
     state_path = out_dir / STATE_FILE
     log = {
         "settings": settings.model_dump(),
         "train_positions": len(train_hidden),
         "eval_positions": len(eval_hidden) if held else 0,  # 0: before/after are on the training positions
     }
-    step, elapsed = 0, 0.0
-    if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
-        if state["settings"] == settings.model_dump():
-            heads.load_state_dict(state["heads"])
-            optimizer.load_state_dict(state["optimizer"])
-            schedule.load_state_dict(state["schedule"])
-            generator.set_state(state["generator"])
-            step, elapsed, log = state["step"], state["elapsed_s"], state["log"]
+    step, elapsed, log = resume_state(state_path, settings.model_dump(), parts, generator) or (0, 0.0, log)
     if "before" not in log:
         log["before"] = evaluate(heads, lm_head, eval_hidden, eval_labels, settings.head_decay)
     bar = tqdm(total=settings.steps, initial=step, desc="training heads", unit="step")
@@ -218,18 +204,8 @@ def train(
         bar.set_postfix(loss=f"{loss.item():.3f}", head0=f"{losses[0]:.3f}")
         if step % settings.checkpoint_every == 0 or step == settings.steps:
             log["train_loss"] = round(loss.item(), 4)
-            state = {
-                "settings": settings.model_dump(),
-                "heads": heads.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "schedule": schedule.state_dict(),
-                "generator": generator.get_state(),
-                "step": step,
-                "elapsed_s": time.perf_counter() - started,
-                "log": log,
-            }
-            torch.save(state, state_path.with_suffix(".tmp"))
-            state_path.with_suffix(".tmp").replace(state_path)
+            elapsed = time.perf_counter() - started
+            save_state(state_path, settings.model_dump(), parts, generator, step, elapsed, log)
     bar.close()
     log["after"] = evaluate(heads, lm_head, eval_hidden, eval_labels, settings.head_decay)
     log["train_seconds"] = round(time.perf_counter() - started, 1)

@@ -11,7 +11,8 @@ from conftest import repeating_prompt, tiny_llama, tiny_profile
 
 from specdec_core.heads import load_heads
 from specdec_core.tools.train_eagle3 import Eagle3TrainSettings, train_eagle3_heads, ttt_logits
-from specdec_core.tools.train_heads import STATE_FILE, DistillSettings
+from specdec_core.tools.train_heads import DistillSettings
+from specdec_core.tools.training_state import STATE_FILE
 
 DISTILL = DistillSettings(continuation_tokens=24, batch_size=6)
 SETTINGS = Eagle3TrainSettings(
