@@ -141,10 +141,13 @@ class RemoteTarget:
         if not reply.HasField("tokens"):
             return None
         topology = default_bank().get(reply.tree)
-        tokens = tensor_from_proto(reply.tokens)
-        if tokens.shape != (topology.num_nodes,):
-            raise RuntimeError(f"the target's heads sent {tuple(tokens.shape)} tokens for tree {reply.tree!r}")
-        return HeadGuesses(topology, tokens, torch.tensor(list(reply.top_probs)), reply.root_prob)
+        tokens, node_probs = tensor_from_proto(reply.tokens), torch.tensor(list(reply.node_probs))
+        if tokens.shape != (topology.num_nodes,) or node_probs.shape != tokens.shape:
+            raise RuntimeError(
+                f"the target's heads sent {len(tokens)} tokens and {len(node_probs)} probabilities "
+                f"for tree {reply.tree!r}"
+            )
+        return HeadGuesses(topology, tokens, node_probs, torch.tensor(list(reply.top_probs)), reply.root_prob)
 
     async def release(self) -> None:
         await release(self.stub, self.session_id, self.deadline_s, "target")

@@ -93,6 +93,7 @@ class RemoteEngine:
         self.frontend.profile = lambda: self.profiles[self.consulted][0]
         self.frontend.num_heads = lambda: self.profiles[self.consulted][1]
         self.frontend.heads_kind = lambda: self.profiles[self.consulted][2] or None
+        self.frontend.target_device = lambda: self.profiles[self.consulted][3] or "cpu"
         self.locate = locate
         self.deadline_s = deadline_s
         self.metrics = metrics or NoMetrics()  # told of each finished request; the ingresses tell it of failures
@@ -100,7 +101,8 @@ class RemoteEngine:
         self.coordinator = EventLoopThread("specdec-coordinator")
         self.stubs: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (role, address), least recently used first
         self.channels: dict[tuple[str, str], grpc.aio.Channel] = {}
-        self.profiles: dict[Any, tuple[Optional[TargetProfile], int, str]] = {}  # per target stub: profile, heads
+        # per target stub: its profile, heads, their kind and its device type
+        self.profiles: dict[Any, tuple[Optional[TargetProfile], int, str, str]] = {}
         self.consulted: Any = None  # the target stub whose profile `prepare` reads
 
     async def stub(self, role: str) -> Any:
@@ -129,7 +131,7 @@ class RemoteEngine:
             except grpc.RpcError as error:
                 raise classify(error, "target") from None
             profile = TargetProfile.model_validate_json(reply.profile_json) if reply.profile_json else None
-            self.profiles[stub] = (profile, reply.num_heads, reply.heads_kind)
+            self.profiles[stub] = (profile, reply.num_heads, reply.heads_kind, reply.device_type)
         self.consulted = stub  # read by frontend.prepare, with no await between
         return self.frontend.prepare(request), stub
 

@@ -111,6 +111,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
             profile_json=profile.model_dump_json() if profile else "",
             num_heads=heads.num_heads if heads is not None else 0,
             heads_kind=heads.kind if heads is not None else "",
+            device_type=self.service.target_model.device.type,
         )
 
     @checked
@@ -153,6 +154,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
             return pb.HeadsReply()
         return pb.HeadsReply(
             tokens=tensor_to_proto(guesses.tokens),
+            node_probs=guesses.node_probs.tolist(),
             top_probs=guesses.top_probs.tolist(),
             root_prob=guesses.root_prob,
             tree=guesses.tree.name,

@@ -14,6 +14,7 @@ Vocabulary: k the top-k, F the frontier's nodes (k, or fewer at depth 1)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -66,9 +67,11 @@ def check_guess_tree(name: str) -> None:
 Expand = Callable[[list[Path], dict[Path, int]], tuple[torch.Tensor, torch.Tensor]]
 
 
-def grow(shape: DynamicTree, root: tuple[torch.Tensor, torch.Tensor], expand: Expand) -> tuple[list[Path], list[int]]:
-    """The kept nodes' paths (by depth, then ranks) and tokens, from the root's top-k
-    `(log-probs [k], tokens [k])` and `expand` for each frontier."""
+def grow(
+    shape: DynamicTree, root: tuple[torch.Tensor, torch.Tensor], expand: Expand
+) -> tuple[list[Path], list[int], list[float]]:
+    """The kept nodes' paths (by depth, then ranks), tokens and draft probabilities (each after
+    its parent), from the root's top-k `(log-probs [k], tokens [k])` and `expand` for each frontier."""
     values: dict[Path, float] = {}
     tokens: dict[Path, int] = {}
     frontier: list[Path] = []
@@ -89,4 +92,5 @@ def grow(shape: DynamicTree, root: tuple[torch.Tensor, torch.Tensor], expand: Ex
         frontier = [path for path, _, _ in sorted(children, key=lambda child: -child[1])[: shape.top_k]]
     kept = sorted(values, key=lambda path: (-values[path], len(path)))[: shape.nodes]
     kept.sort(key=lambda path: (len(path), path))
-    return kept, [tokens[path] for path in kept]
+    probs = [math.exp(values[path] - values.get(path[:-1], 0.0)) for path in kept]
+    return kept, [tokens[path] for path in kept], probs

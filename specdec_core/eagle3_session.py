@@ -73,6 +73,7 @@ class Eagle3Session:
         tokens[0] = root_token
         states = self.pending.new_zeros(topology.num_nodes + 1, self.pending.shape[-1])  # [M + 1, H] each node's input
         states[0] = self.pending
+        probs = states.new_zeros(topology.num_nodes + 1, dtype=torch.float32)  # [M + 1] each node's draft probability
         chain, top_probs = topology.top1_path, []
         for depth, (nodes, parents, ranks) in enumerate(topology.levels):
             nodes, parents, ranks = nodes.to(device), parents.to(device), ranks.to(device)
@@ -85,12 +86,14 @@ class Eagle3Session:
             expanded = parents.unique()  # sorted: the nodes with children at this depth
             logits = self.draft.draft_logits(outputs[expanded])  # [E, Vd]
             top = logits.float().softmax(-1).topk(int(ranks.max()) + 1, dim=-1)
-            tokens[nodes] = self.draft.target_ids(top.indices[torch.searchsorted(expanded, parents), ranks])
+            rows = torch.searchsorted(expanded, parents)
+            tokens[nodes], probs[nodes] = self.draft.target_ids(top.indices[rows, ranks]), top.values[rows, ranks]
             states[nodes] = outputs[parents]
             if len(top_probs) == depth and depth < len(chain) and chain[depth] in expanded.tolist():
                 top_probs.append(top.values[expanded.tolist().index(chain[depth]), 0])
-        probs = torch.stack(top_probs).float() if top_probs else torch.zeros(0, device=device)
-        return HeadGuesses(topology, tokens[1:], probs, root_probability(self.model, self.last_hidden, root_token))
+        path_probs = torch.stack(top_probs).float() if top_probs else torch.zeros(0, device=device)
+        root_prob = root_probability(self.model, self.last_hidden, root_token)
+        return HeadGuesses(topology, tokens[1:], probs[1:], path_probs, root_prob)
 
     def top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's top-k next tokens after outputs `[F, H]`: log-probs and target ids `[F, k]`."""
@@ -121,12 +124,11 @@ class Eagle3Session:
             return self.top(torch.stack([outputs[path] for path in frontier]), shape.top_k)
 
         log_probs, ids = self.top(root_output[None], shape.top_k)
-        paths, tokens = grow(shape, (log_probs[0], ids[0]), expand)
-        topology = default_bank().get(listed_name(paths))
-        probs = torch.zeros(0, device=device)  # no top-1 path probabilities: no scheduler reads them
+        paths, tokens, probs = grow(shape, (log_probs[0], ids[0]), expand)
         return HeadGuesses(
-            topology,
+            default_bank().get(listed_name(paths)),
             torch.tensor(tokens, device=device),
-            probs,
+            torch.tensor(probs, device=device),
+            torch.zeros(0, device=device),  # no top-1 path probabilities: no scheduler reads them
             root_probability(self.model, self.last_hidden, root_token),
         )

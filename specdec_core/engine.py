@@ -112,6 +112,7 @@ class SpeculativeEngine:
         self.frontend = Frontend(tokenizer, target_model.config, generation_config, defaults)
         self.frontend.num_heads = lambda: heads.num_heads if heads is not None else 0
         self.frontend.heads_kind = lambda: heads.kind if heads is not None else None
+        self.frontend.target_device = lambda: target_model.device.type
         if profile is None and tokenizer is not None:
             profile = lambda model, frontend: measure_profile(model, frontend, CalibrationSettings())  # noqa: E731
         if profile is not None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .drafters import DRAFTERS, DraftSource, validate_drafter
+from .drafters.block_length import device_verify_cost
 from .errors import SpecdecError, check_token_ids
 from .output import OutputTracker
 from .policies import POLICIES, AcceptancePolicy, make_policy
@@ -40,14 +41,16 @@ class Frontend:
         profile: Callable[[], Optional[TargetProfile]] = lambda: None,
         num_heads: Callable[[], int] = lambda: 0,
         heads_kind: Callable[[], Optional[str]] = lambda: None,
+        target_device: Callable[[], str] = lambda: "cpu",
     ):
         """`profile`: the target's profile, asked for only by requests whose policy takes a
         default from it (EASD without tau_h); None where the target has none. `num_heads`: the
         target's multi-token heads (drafter `heads`), 0 where it has none; `heads_kind`: theirs
-        (medusa, hydra, eagle3), None where it has none."""
+        (medusa, hydra, eagle3), None where it has none; `target_device`: the device type the
+        target runs on, whose verify-cost curve prices blocks and trees by default."""
         self.tokenizer = tokenizer
         self.profile = profile
-        self.num_heads, self.heads_kind = num_heads, heads_kind
+        self.num_heads, self.heads_kind, self.target_device = num_heads, heads_kind, target_device
         self.vocab_size = model_config.vocab_size
         self.max_positions = getattr(model_config, "max_position_embeddings", 1 << 20)
         self.defaults = defaults or RequestDefaults()
@@ -96,7 +99,7 @@ class Frontend:
             policy = policy.for_target(self.profile())
         if not sampling.greedy and not policy.supports_sampling:
             raise SpecdecError(f"policy {policy.name!r} needs temperature 0; use 'rejection' to sample", "policy")
-        drafter = request.drafter or self.defaults.drafter
+        drafter = self.priced(request.drafter or self.defaults.drafter)
         validate_drafter(drafter.name, drafter.params)
         if DRAFTERS[drafter.name].proposes_trees and not policy.supports_trees:
             trees = ", ".join(sorted(name for name, cls in POLICIES.items() if cls.supports_trees))
@@ -125,6 +128,15 @@ class Frontend:
             num_draft_tokens,
             run_ahead and DRAFTERS[drafter.name].drafts_ahead,
         )
+
+    def priced(self, drafter: ComponentSpec) -> ComponentSpec:
+        """`drafter` with the verify-cost curve of the target's device, where it prices its
+        blocks by one and names none (block_length.py)."""
+        fields = DRAFTERS[drafter.name].Params.model_fields if drafter.name in DRAFTERS else {}
+        if "verify_cost" not in fields or "verify_cost" in drafter.params:
+            return drafter
+        curve = list(device_verify_cost(self.target_device()))
+        return drafter.model_copy(update={"params": {**drafter.params, "verify_cost": curve}})
 
     def resolve_length(self, sampling: SamplingParams, num_prompt: int, num_draft_tokens: int, prompt_field: str):
         """`sampling` with its max_tokens set: a request without one runs to a stop or the end of

@@ -79,12 +79,14 @@ class ResidualBlock(nn.Module):
 @dataclass
 class HeadGuesses:
     """What the heads guess after one committed position: the node tokens of a candidate tree
-    (the tree asked for, cut to the heads' depth), the heads' top-1 probabilities along the
-    top-1 path, and the target's probability of the token it committed there (the root of the
-    next tree): the features the tree scheduler reads."""
+    (the tree asked for, cut to the heads' depth) with each one's probability under its head,
+    the heads' top-1 probabilities along the top-1 path, and the target's probability of the
+    token it committed there (the root of the next tree): the features the tree scheduler and
+    the node budget (drafters/tree_budget.py) read."""
 
     tree: Topology
     tokens: torch.Tensor  # [tree.num_nodes] int64, in the tree's order
+    node_probs: torch.Tensor  # [tree.num_nodes] float32: each node's probability after its parent
     top_probs: torch.Tensor  # [<= num_heads] float32, from the first head on
     root_prob: float
 
@@ -169,8 +171,10 @@ class MedusaHeads(nn.Module):
             root_logits, head_logits = logits[0], logits[1:]
         top = head_logits.float().softmax(-1).topk(tree.top_k, dim=-1)
         root_prob = float(root_logits.float().softmax(-1)[root_token])
-        tokens = top.indices[: tree.max_depth].reshape(-1)[tree.candidate_index.to(top.indices.device)]
-        return HeadGuesses(tree, tokens, top.values[:, 0].contiguous(), root_prob)
+        nodes = tree.candidate_index.to(top.indices.device)
+        tokens = top.indices[: tree.max_depth].reshape(-1)[nodes]
+        node_probs = top.values[: tree.max_depth].reshape(-1)[nodes]
+        return HeadGuesses(tree, tokens, node_probs, top.values[:, 0].contiguous(), root_prob)
 
     @classmethod
     def load(cls, directory: Union[str, Path]) -> "MedusaHeads":

@@ -98,12 +98,14 @@ class HydraHeads(nn.Module):
     @torch.inference_mode()
     def expand(
         self, state: torch.Tensor, embed: nn.Module, root_token: int, tree: Topology
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The node tokens of `tree` (no deeper than the heads) after `root_token`, from the heads'
-        state `[H]`, and each head's top-1 probability on the top-1 path (as deep as the tree has it)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The node tokens of `tree` (no deeper than the heads) after `root_token` and their
+        probabilities, from the heads' state `[H]`, and each head's top-1 probability on the top-1
+        path (as deep as the tree has it)."""
         device = state.device
         tokens = torch.zeros(tree.num_nodes + 1, dtype=torch.long, device=device)
         tokens[0] = root_token
+        probs = torch.zeros(tree.num_nodes + 1, device=device)
         features = torch.cat([state[None], embed(tokens[:1])], -1) if self.grounded else state[None]
         row_of = torch.zeros(tree.num_nodes + 1, dtype=torch.long, device=device)  # node -> row of `features`
         chain, top_probs = tree.top1_path, []
@@ -112,7 +114,8 @@ class HydraHeads(nn.Module):
             expanded = parents.unique()  # sorted: the nodes with children at this depth
             logits = self.lm_heads[head](self.blocks[head](features[row_of[expanded]]))
             top = logits.float().softmax(-1).topk(int(ranks.max()) + 1, dim=-1)
-            tokens[nodes] = top.indices[torch.searchsorted(expanded, parents), ranks]
+            rows = torch.searchsorted(expanded, parents)
+            tokens[nodes], probs[nodes] = top.indices[rows, ranks], top.values[rows, ranks]
             if len(top_probs) == head and head < len(chain) and chain[head] in expanded.tolist():
                 top_probs.append(top.values[expanded.tolist().index(chain[head]), 0])
             if self.grounded:  # a node's features: its parent's and its own token's embedding
@@ -120,7 +123,7 @@ class HydraHeads(nn.Module):
             else:
                 features = state[None].expand(len(nodes), -1)
             row_of[nodes] = torch.arange(len(nodes), device=device)
-        return tokens[1:], torch.stack(top_probs) if top_probs else torch.zeros(0, device=device)
+        return tokens[1:], probs[1:], torch.stack(top_probs) if top_probs else torch.zeros(0, device=device)
 
     @classmethod
     def load(cls, directory: Union[str, Path], target_config: PretrainedConfig) -> "HydraHeads":
@@ -207,7 +210,8 @@ class HydraSession:
         if self.state is None:
             return None
         topology = default_bank().limited(tree, self.heads.num_heads)
-        tokens, top_probs = self.heads.expand(self.state, self.model.get_input_embeddings(), root_token, topology)
-        return HeadGuesses(
-            topology, tokens, top_probs.float(), root_probability(self.model, self.last_hidden, root_token)
+        tokens, probs, top_probs = self.heads.expand(
+            self.state, self.model.get_input_embeddings(), root_token, topology
         )
+        root_prob = root_probability(self.model, self.last_hidden, root_token)
+        return HeadGuesses(topology, tokens, probs, top_probs.float(), root_prob)

@@ -37,7 +37,8 @@ class SpecMetrics:
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += verdict.num_accepted
         if draft.tree is not None:
-            name = "dynamic" if draft.tree.name.startswith(LISTED) else draft.tree.name  # one per step
+            # a tree built for its step (a node budget's, a dynamic tree) counts by its size
+            name = f"nodes_{draft.tree.num_nodes}" if draft.tree.name.startswith(LISTED) else draft.tree.name
             self.tree_steps[name] = self.tree_steps.get(name, 0) + 1
         # a tree proposes one token per depth along whichever path wins: count positions by depth
         num_positions = draft.tree.max_depth if draft.tree is not None else num_draft

@@ -30,7 +30,8 @@ from .errors import GroupBroken
 # the fewest tokens a micro-batch holds: a forward costs more than its tokens' work (on the Zen 4
 # VM, about 2 ms a layer on one thread: 8 one-token rows took 134 ms split against 108 whole, 8
 # rows of 11 tokens 343 against 382, docs/performance.md), and on a GPU a forward of fewer is bound
-# by reading the weights (an H100: ~990 bf16 TFLOP/s over 3.35 TB/s, ~300 tokens a weight read)
+# by reading the weights (an H100: ~990 bf16 TFLOP/s over 3.35 TB/s, ~300 tokens a weight read;
+# other accelerators are taken as CUDA)
 MICROBATCH_MIN_TOKENS = {"cpu": 32, "cuda": 256}
 
 
@@ -70,7 +71,7 @@ class PipelineStage:
         self.previous, self.following, self.last = rank - tp, rank + tp, (num_stages - 1) * tp + rank % tp
         base = forward.__self__
         self.hidden_size, self.dtype = base.config.hidden_size, next(base.parameters()).dtype
-        self.min_tokens = MICROBATCH_MIN_TOKENS[base.device.type]
+        self.min_tokens = MICROBATCH_MIN_TOKENS.get(base.device.type, MICROBATCH_MIN_TOKENS["cuda"])
 
     def microbatches(self, lengths: list[int]) -> list[range]:
         """A step's rows (of `lengths` new tokens) as one part per stage where each part keeps

@@ -110,6 +110,8 @@ def assumed_tokens(block: DraftBlock) -> list[int]:
 
 def next_block(proposal: DraftBlock, max_tokens: int) -> DraftBlock:
     """A used ahead proposal past its guess, at most `max_tokens` (a tree: that deep)."""
+    if max_tokens <= 0:  # the request's last token: a plain step
+        return DraftBlock.empty()
     if proposal.tree is None:
         return proposal.part(1, 1 + max_tokens)
     tree = default_bank().limited(proposal.tree.name, max_tokens)

@@ -36,10 +36,9 @@ NAMED_TREES = {
     },
 }
 DEFAULT_TREE = "mc_sim_7b_63"
-# a draft model pays a forward per depth and the CPU target per node: a small tree by default
-DEFAULT_DRAFT_TREE = "medusa_16"
-# mla_tree fills a spine's nodes from its top-1 path's forwards (docs/trees.md: the spines measured)
-DEFAULT_MLA_TREE = "spine_6x2"
+# the draft trees' (model_tree, mla_tree): a spine's nodes all come from its top-1 path's forwards,
+# which a chain would take (docs/trees.md: the spines and medusa_16 measured)
+DEFAULT_DRAFT_TREE = "spine_6x2"
 
 
 @functools.cache

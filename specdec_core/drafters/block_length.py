@@ -25,19 +25,39 @@ from pydantic import Field
 
 from .base import DrafterParams, common_prefix_length
 
-# Cost of a target step that scores k = 1, 2, .. drafts, relative to a 1-token step, as
-# `specdec verify-cost --draft none` measured it for the embedded target on the project's CPU VM
-# (docs/performance.md). Other machines have other curves: run it there and pass what it prints.
-DEFAULT_VERIFY_COST = (1.04, 1.05, 1.05, 1.05, 1.05, 1.10, 1.12, 1.13, 1.21, 1.22, 1.24, 1.28, 1.34, 1.37, 1.38)
+# Cost of a target step that scores k = 1, 2, .. drafts, relative to a 1-token step, by the device
+# type of the target. CPU: `specdec verify-cost --draft none` for the embedded target on the
+# project's Zen 4 VM. CUDA: the H200's compiled 8B-shape step, 6.6 ms for 5 tokens and 16.4 ms for
+# 320 (docs/performance.md), about 0.5% of a step per token (one value: the curve goes on by its
+# slope), since reading the weights bounds a step of a few hundred tokens. Other machines have
+# other curves: run `specdec verify-cost` there and pass what it prints.
+VERIFY_COSTS = {
+    "cpu": (1.04, 1.05, 1.05, 1.05, 1.05, 1.10, 1.12, 1.13, 1.21, 1.22, 1.24, 1.28, 1.34, 1.37, 1.38),
+    "cuda": (1.005,),
+}
+DEFAULT_VERIFY_COST = VERIFY_COSTS["cpu"]
+
+
+def device_verify_cost(device_type: str) -> tuple[float, ...]:
+    """The default curve for a target on `device_type` (the CPU's where none was measured)."""
+    return VERIFY_COSTS.get(device_type, DEFAULT_VERIFY_COST)
 
 
 class AdaptiveLengthParams(DrafterParams):
-    adaptive: bool = Field(True, description="choose the proposal length from acceptance so far")
+    adaptive: bool = Field(True, description="choose the proposal's size from the verify cost")
     verify_cost: tuple[Annotated[float, Field(gt=0.0, le=100.0)], ...] = Field(
         DEFAULT_VERIFY_COST,
         min_length=1,
         description="target cost of scoring k = 1, 2, .. drafts, in 1-token steps; beyond the list "
-        "it grows by the list's mean slope",
+        "it grows by the list's mean slope (default: the curve of the target's device type)",
+    )
+
+
+class DraftCostParams(AdaptiveLengthParams):
+    # the embedded pair's: the int4 draft's 1-token step over the fp32 target's, from
+    # `specdec verify-cost` (docs/performance.md)
+    draft_cost: float = Field(
+        0.55, ge=0.0, le=100.0, description="one draft forward, in 1-token target steps (specdec verify-cost)"
     )
 
 
@@ -61,22 +81,32 @@ class BlockChoice(NamedTuple):
     value: float  # expected tokens per unit of cost, a plain one-token step being 1
 
 
-def best_block(
-    acceptance_rate: float, max_length: int, verify_cost: Sequence[float], draft_cost: float = 0.0, batch_rows: int = 1
+def best_length(
+    expected_tokens: Sequence[float], verify_cost: Sequence[float], draft_cost: float = 0.0, batch_rows: int = 1
 ) -> BlockChoice:
-    """argmax_k (1 + a + .. + a^k) / ((cost(B (k + 1)) + B k draft_cost) / cost(B)) over
-    k = 0 .. max_length, for B = `batch_rows` sessions per target step (1: cost(k + 1) + k draft_cost)."""
+    """argmax_k expected_tokens[k] / ((cost(B (k + 1)) + B k draft_cost) / cost(B)) over the k
+    that `expected_tokens` lists (k = 0, a plain step, expects 1 token), for B = `batch_rows`
+    sessions per target step, each verifying k drafts."""
     plain_step = step_cost(verify_cost, batch_rows)
     best_length, best_value = 0, 1.0
-    expected_tokens, term = 1.0, 1.0
-    for length in range(1, max_length + 1):
-        term *= acceptance_rate
-        expected_tokens += term
+    for length in range(1, len(expected_tokens)):
         step = step_cost(verify_cost, batch_rows * (length + 1)) + batch_rows * length * draft_cost
-        value = expected_tokens / (step / plain_step)
+        value = expected_tokens[length] / (step / plain_step)
         if value > best_value:
             best_length, best_value = length, value
     return BlockChoice(best_length, best_value)
+
+
+def best_block(
+    acceptance_rate: float, max_length: int, verify_cost: Sequence[float], draft_cost: float = 0.0, batch_rows: int = 1
+) -> BlockChoice:
+    """The best chain length of at most `max_length` for a per-token acceptance rate a: a chain
+    of k expects 1 + a + .. + a^k tokens."""
+    expected, term = [1.0], 1.0
+    for _ in range(max_length):
+        term *= acceptance_rate
+        expected.append(expected[-1] + term)
+    return best_length(expected, verify_cost, draft_cost, batch_rows)
 
 
 class AcceptanceEstimate:

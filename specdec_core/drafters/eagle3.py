@@ -6,8 +6,9 @@ are an EAGLE-3 layer, with a chain for its default: of the length that the cost 
 layer's cost per drafted token, at most the step's draft length (`num_draft_tokens`) and 8. A
 tree (`tree`, or a schedule's trees) is drafted a depth at a time, each node's children after
 its own token; `dynamic` grows EAGLE-2's tree each step (dynamic_tree.py: `top_k`, `depth`,
-`nodes`; defaults as EAGLE-2's reference: 10, 8 and 59, a 60-token verify), cut to the step's
-draft length."""
+`nodes`; defaults as EAGLE-2's reference: 10, 8 and 59, a 60-token verify), as deep as the cost
+model prices a chain for this request and the step's draft length allow, and cut to the nodes
+that pay for their verify (tree_budget.py), as a fixed tree is."""
 
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ from ..eagle3 import MAX_DRAFT_DEPTH
 from ..sampling import SamplingParams
 from ..topologies import default_bank
 from ..types import DraftBlock
-from .block_length import AcceptanceEstimate, AdaptiveLengthParams, best_block
+from .block_length import AcceptanceEstimate, best_block
 from .heads import HeadsDrafter, HeadsParams
 
 DEFAULT_EAGLE3_TREE = "chain_8"
 
 
-class Eagle3Params(HeadsParams, AdaptiveLengthParams):
+class Eagle3Params(HeadsParams):
     tree: str = Field(DEFAULT_EAGLE3_TREE, description="static: the tree (chain_N: a chain, its length adaptive)")
     # one layer and a draft-vocabulary LM head against the whole target: a rough share, for the
     # cost model (a 32-layer target with a 32k-token draft head: about 0.05)
@@ -52,7 +53,7 @@ class Eagle3Drafter(HeadsDrafter):
         await super().reset(prompt_ids, sampling)
         # optimistic, as the draft model's (model.py): drafting starts priced as paying
         self.estimate = AcceptanceEstimate(prior_accepted=1.8, prior_rejected=0.2)
-        self.last_chain: list[int] = []
+        self.last_path: list[int] = []  # the last chain or dynamic tree's top-1 path
 
     def drafts_chains(self) -> bool:
         """Whether its blocks are one fixed chain, whose length is then the cost model's."""
@@ -63,7 +64,9 @@ class Eagle3Drafter(HeadsDrafter):
         chains = self.drafts_chains()
         if not chains and not self.params.dynamic:  # a fixed tree or a schedule's: the heads drafter's
             return await super().propose(max_tokens, batch_rows)
-        if chains and self.params.adaptive and max_tokens > 1:
+        if self.params.dynamic:
+            max_tokens = min(self.params.depth, max_tokens)
+        if self.params.adaptive and max_tokens > 1:  # a chain's length, a dynamic tree's depth
             curve, cost = self.params.verify_cost, self.params.draft_cost
             length, _ = best_block(self.estimate.rate, max_tokens, curve, cost, batch_rows)
             max_tokens = max(length, 1 if batch_rows == 1 else 0)  # alone at least 1: the estimate learns
@@ -73,14 +76,17 @@ class Eagle3Drafter(HeadsDrafter):
         if chains:
             tree = default_bank().limited(self.params.tree, max_tokens).name
         else:
-            tree = DynamicTree(self.params.top_k, min(self.params.depth, max_tokens), self.params.nodes).name
+            tree = DynamicTree(self.params.top_k, max_tokens, self.params.nodes).name
         guesses = await self.source.guess(self.root, tree)
         if guesses is None:  # nothing committed yet (a one-token prompt): a plain step
             return DraftBlock.empty()
-        self.last_chain = guesses.tokens.tolist() if chains else []
-        return DraftBlock(tokens=guesses.tokens, tree=guesses.tree)
+        self.last_path = guesses.tokens[[node - 1 for node in guesses.tree.top1_path[1:]]].tolist()
+        if chains:
+            return DraftBlock(tokens=guesses.tokens, tree=guesses.tree)
+        return self.block(guesses.tree, guesses.tokens, guesses.node_probs, batch_rows)
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         super().commit(new_tokens)
-        if self.last_chain:
-            self.estimate.update(self.last_chain, new_tokens)
+        if self.last_path:
+            self.estimate.update(self.last_path, new_tokens)
+            self.last_path = []

@@ -22,8 +22,11 @@ from ..heads import HeadGuesses
 from ..sampling import SamplingParams
 from ..scheduler import BinaryTauParams, LadderParams, SchedulerParams, StaticParams, TreeScheduler, path_score
 from ..topologies import DEFAULT_TREE, default_bank
+from ..tree import Topology
 from ..types import DraftBlock
-from .base import DrafterParams, DraftSource
+from .base import DraftSource
+from .block_length import AdaptiveLengthParams
+from .tree_budget import budget_tree
 
 
 class HeadsSource(Protocol):
@@ -32,7 +35,7 @@ class HeadsSource(Protocol):
         there is one)."""
 
 
-class HeadsParams(DrafterParams):
+class HeadsParams(AdaptiveLengthParams):
     scheduler: Literal["static", "binary_tau", "ladder"] = "static"
     tree: str = Field(DEFAULT_TREE, description="static: the tree; binary_tau: the conservative tree")
     aggressive: Optional[str] = Field(None, description="binary_tau: the tree while the score is high")
@@ -102,8 +105,15 @@ class HeadsDrafter:
             score = guesses.root_prob * float(guesses.top_probs.prod())
         self.last_score = score
         tree = default_bank().limited(self.scheduler.choose(score), min(max_tokens, guesses.tree.max_depth))
-        tokens = guesses.tokens[default_bank().node_index(tree.name, guesses.tree.name).to(guesses.tokens.device)]
-        return DraftBlock(tokens=tokens, tree=tree)
+        nodes = default_bank().node_index(tree.name, guesses.tree.name).to(guesses.tokens.device)
+        return self.block(tree, guesses.tokens[nodes], guesses.node_probs[nodes], batch_rows)
+
+    def block(self, tree: Topology, tokens, node_probs, batch_rows: int) -> DraftBlock:
+        """The step's block: `tree`'s nodes within the node budget (tree_budget.py), or all of
+        them where `adaptive` is off."""
+        if not self.params.adaptive:
+            return DraftBlock(tokens=tokens, tree=tree)
+        return budget_tree(tree, tokens, node_probs, self.params.verify_cost, batch_rows)
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         self.root = new_tokens[-1]

@@ -35,11 +35,11 @@ from ..kv_pool import PagedKV
 from ..sampling import argmax, sample, sampling_probs
 from ..types import DraftBlock
 from .base import Drafter, DraftSource, ahead_outcome, common_prefix_length, sync_cache
-from .block_length import AcceptanceEstimate, AdaptiveLengthParams, BlockChoice, best_block
+from .block_length import AcceptanceEstimate, BlockChoice, DraftCostParams, best_block
 from .pld import AdaptiveLookupParams, PromptLookupDrafter, PromptLookupParams, lookup_continuation
 
 
-class ModelDrafterParams(AdaptiveLengthParams):
+class ModelDrafterParams(DraftCostParams):
     confidence_threshold: float = Field(
         0.0, ge=0.0, le=1.0, description="stop drafting when the draft's top prob is below this"
     )
@@ -49,11 +49,6 @@ class ModelDrafterParams(AdaptiveLengthParams):
         le=1.0,
         description="entropy-gated K: stop once the path value (the product of the draft's top-1 probs "
         "so far, EntMTP's score over a chain) is at or below this; 0: off",
-    )
-    # the embedded pair's: the int4 draft's 1-token step over the fp32 target's, from
-    # `specdec verify-cost` (docs/performance.md)
-    draft_cost: float = Field(
-        0.55, ge=0.0, le=100.0, description="one draft forward, in 1-token target steps (specdec verify-cost)"
     )
 
 

@@ -1,32 +1,48 @@
 """Candidate trees from a draft model's top-k, without training (EntMTP item 3b): a node of path
-(r_1, .., r_d) holds the r_d-th most likely draft token after its parent. Depth by depth, one
-draft forward over the tree so far (tree attention, batching.py) gives the logits at the next
-depth's parents, so a tree of depth D costs D draft forwards.
+(r_1, .., r_d) holds the r_d-th most likely draft token after its parent.
 
-`mla_tree` adds FLy's multi-level acceleration: it drafts the tree's top-1 path as `mla` drafts a
-chain (each forward feeds the path so far and prompt lookup's guess of how it goes on, and keeps
-the path up to the first wrong guess), and the draft's top-k along the path fills every node
-hanging off it. A tree whose nodes all hang off its top-1 path (a spine) then costs what mla's
-chain of its depth costs, one forward when the lookup guessed the whole path; the nodes under
-other parents are filled depth by depth as above. The tree's tokens are the same either way."""
+A tree's top-1 path is drafted as a chain, a forward per token, each kept in the draft's cache,
+and the draft's top-k along the path fills every node hanging off it; the nodes under other
+parents are filled depth by depth, a draft forward over the tree so far (tree attention,
+batching.py) for each depth that has them. A tree whose nodes all hang off its top-1 path (a
+spine) costs what a chain of its depth costs.
+
+`mla_tree` adds FLy's multi-level acceleration: each forward on the path feeds the path so far
+and prompt lookup's guess of how it goes on, and keeps the path up to the first wrong guess (as
+`mla` drafts a chain), so a spine costs one forward where the lookup guessed the whole path. The
+tree's tokens are the same either way. A step verifies the drafted tree's nodes that pay for
+their verify on the target's device (tree_budget.py)."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from pydantic import Field, field_validator
 
 from ..batching import forward_ragged
 from ..kv_pool import PagedKV
-from ..topologies import DEFAULT_DRAFT_TREE, DEFAULT_MLA_TREE, default_bank
+from ..topologies import DEFAULT_DRAFT_TREE, default_bank
 from ..tree import Topology
 from ..types import DraftBlock
-from .base import Drafter, DrafterParams, DraftSource, common_prefix_length, sync_cache
+from .base import Drafter, DraftSource, common_prefix_length, sync_cache
+from .block_length import AcceptanceEstimate, DraftCostParams, best_block
 from .pld import PromptLookupParams, lookup_continuation
+from .tree_budget import budget_tree
 
 # how a sequence goes on, at most n tokens (prompt lookup's guess)
 Lookup = Callable[[list[int], int], list[int]]
+
+
+def no_guess(sequence: list[int], max_tokens: int) -> list[int]:
+    """model_tree's lookup: no guess, so its top-1 path is drafted a token per forward."""
+    return []
+
+
+class DraftedTree(NamedTuple):
+    tokens: list[int]  # [N] the nodes' tokens, in the tree's order
+    probs: torch.Tensor  # [N] float32: each node's draft probability after its parent
+    forwards: int  # draft forwards it took
 
 
 @torch.inference_mode()
@@ -36,49 +52,55 @@ def draft_tree(
     cached: list[int],
     context: Sequence[int],
     tree: Topology,
-    lookup: Optional[Lookup] = None,
-) -> list[int]:
-    """The node tokens of `tree` (a named tree of the default bank, in its order) after `context`,
-    whose last token is the root. `cached`: the tokens `cache` holds, kept in step with it (a
-    prefix shared with the context is reused). `lookup`: with one, the top-1 path is drafted as
-    a chain checking its guesses first."""
+    lookup: Lookup = no_guess,
+) -> DraftedTree:
+    """The nodes of `tree` (a named tree of the default bank) after `context`, whose last token
+    is the root. `cached`: the tokens `cache` holds, kept in step with it (a prefix shared with
+    the context is reused). `lookup`: its guesses of the top-1 path, checked by each of the
+    path's forwards."""
     context = list(context)
     node_top = torch.zeros(tree.num_nodes + 1, tree.top_k, dtype=torch.long)  # each node's draft top-k
+    node_top_probs = torch.zeros(tree.num_nodes + 1, tree.top_k)  # and their probabilities
     known = torch.zeros(tree.num_nodes + 1, dtype=torch.bool)
 
-    def top_k(row: list[int], keep: int, above: Optional[Topology] = None) -> torch.Tensor:
-        """The draft's top-k tokens `[keep, k]` at the last `keep` tokens of `row` (the tree `above`'s)."""
+    forwards = 0
+
+    def top_k(row: list[int], keep: int, above: Optional[Topology] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's top-k tokens and their probabilities `[keep, k]` at the last `keep` tokens
+        of `row` (the tree `above`'s)."""
+        nonlocal forwards
+        forwards += 1
         hidden, _ = forward_ragged(model, [cache], [row], [above])
-        return model.lm_head(hidden[0, -keep:]).topk(tree.top_k, dim=-1).indices.cpu()
+        top = model.lm_head(hidden[0, -keep:]).float().softmax(-1).topk(tree.top_k, dim=-1)
+        return top.indices.cpu(), top.values.cpu()
 
     path = torch.tensor(tree.top1_path)
     path_parents = path[torch.isin(path, tree.parents)]
     path_tokens: list[int] = []  # the top-1 path after the root, as drafted so far
-    while lookup is not None and not known[path_parents].all():
+    while not known[path_parents].all():
         sequence = context + path_tokens
         sync_cache(cache, cached, sequence)
         pending, guess = sequence[len(cached) :], lookup(sequence, len(path) - 1 - len(path_tokens))
-        top = top_k(pending + guess, len(guess) + 1)
+        top, top_probs = top_k(pending + guess, len(guess) + 1)
         cached.extend(pending + guess)
         checked = common_prefix_length(guess, top[:, 0].tolist(), len(guess)) + 1  # rows on the path
         nodes = path[len(path_tokens) : len(path_tokens) + checked]
-        node_top[nodes], known[nodes] = top[: len(nodes)], True
+        node_top[nodes], node_top_probs[nodes], known[nodes] = top[: len(nodes)], top_probs[: len(nodes)], True
         path_tokens += top[:checked, 0].tolist()
 
     tokens = torch.zeros(tree.num_nodes + 1, dtype=torch.long)
+    probs = torch.zeros(tree.num_nodes + 1)
     tokens[0] = context[-1]
     for depth, (nodes, parents, ranks) in enumerate(tree.levels, start=1):
         if not known[parents].all():  # one forward over the tree so far gives every node's top-k above
-            sync_cache(cache, cached, context)
-            if len(cached) < len(context) - 1:
-                forward_ragged(model, [cache], [context[len(cached) : -1]])
-                cached[:] = context[:-1]
+            sync_cache(cache, cached, context)  # the path's forwards cached the context: its last token is the root
             above = default_bank().limited(tree.name, depth - 1) if depth > 1 else None
             count = above.num_nodes + 1 if above else 1
-            node_top[:count], known[:count] = top_k(tokens[:count].tolist(), count, above), True
+            node_top[:count], node_top_probs[:count] = top_k(tokens[:count].tolist(), count, above)
+            known[:count] = True
             cache.crop(len(cached))  # tree rows never stay
-        tokens[nodes] = node_top[parents, ranks]
-    return tokens[1:].tolist()
+        tokens[nodes], probs[nodes] = node_top[parents, ranks], node_top_probs[parents, ranks]
+    return DraftedTree(tokens[1:].tolist(), probs[1:], forwards)
 
 
 @torch.inference_mode()
@@ -91,8 +113,11 @@ def draft_next(model: torch.nn.Module, cache: PagedKV, cached: list[int], contex
     return int(model.lm_head(hidden[0, -1]).argmax())
 
 
-class ModelTreeParams(DrafterParams):
-    tree: str = Field(DEFAULT_DRAFT_TREE, description="a named tree (specdec_core/topologies.py)")
+class ModelTreeParams(DraftCostParams):
+    tree: str = Field(
+        DEFAULT_DRAFT_TREE,
+        description="a named tree (specdec_core/topologies.py); a spine's nodes all hang off its top-1 path",
+    )
 
     @field_validator("tree")
     @classmethod
@@ -101,12 +126,14 @@ class ModelTreeParams(DrafterParams):
 
 
 class MultiLevelTreeParams(ModelTreeParams, PromptLookupParams):
-    tree: str = Field(DEFAULT_MLA_TREE, description="a named tree; a spine's nodes all hang off its top-1 path")
+    pass
 
 
 class ModelTreeDrafter(Drafter):
     """`model_tree`: a candidate tree per step from the draft model's top-k (`draft_tree`),
-    verified in one target forward by a policy with a tree rule (greedy, typical). Near
+    verified in one target forward by a policy with a tree rule (greedy, typical). Adaptive, its
+    depth is the length the cost model (block_length.py) gives a chain for the rate at which the
+    target keeps the tree's top-1 path and the draft's forwards per depth so far; near
     `max_tokens` it proposes the tree's part that fits."""
 
     name = "model_tree"
@@ -119,26 +146,61 @@ class ModelTreeDrafter(Drafter):
         super().__init__(params)
         self.model = model
 
-    def path_lookup(self) -> Optional[Lookup]:
-        """mla_tree's guess of how the top-1 path goes on; model_tree drafts without one."""
-        return None
+    def path_lookup(self) -> Lookup:
+        """How the top-1 path goes on, as guessed before the draft checks it."""
+        return no_guess
 
     def reset(self, prompt_ids, sampling) -> None:
         super().reset(prompt_ids, sampling)
         self.cache = PagedKV.for_request(len(prompt_ids), sampling.max_tokens)
         self.cached: list[int] = []
+        # optimistic, as the model drafter's (model.py): drafting starts priced as paying
+        self.estimate = AcceptanceEstimate(prior_accepted=1.8, prior_rejected=0.2)
+        self.forwards = self.depths = 0  # draft forwards and tree depths drafted in this request
+        self.path: list[int] = []  # the last block's top-1 path, learned from at its commit
+        self.ahead: tuple[list[int], list[int]] = ([], [])  # an ahead proposal's outcome and top-1 path
+
+    def depth(self, max_depth: int, batch_rows: int) -> int:
+        """How deep a tree to draft: alone at least 1, so the estimate keeps learning."""
+        if not self.params.adaptive or max_depth <= 1:
+            return max_depth
+        cost_per_depth = self.params.draft_cost * (self.forwards + 1) / (self.depths + 1)  # mla's guesses save some
+        length, _ = best_block(self.estimate.rate, max_depth, self.params.verify_cost, cost_per_depth, batch_rows)
+        return max(length, 1 if batch_rows == 1 else 0)
 
     def propose(self, max_tokens: int, batch_rows: int = 1, after: Sequence[int] = ()) -> DraftBlock:
         """`after` (run_ahead.py: the top-1 path the target verifies now): the draft's guess of the
         target's next token after it, then the tree after that guess (tokens `[1 + nodes]`)."""
-        if max_tokens <= 0:
-            return DraftBlock.empty()
-        tree = default_bank().limited(self.params.tree, max_tokens)
         context, guess = [*self.context, *after], []
         if after:
             guess = [draft_next(self.model, self.cache, self.cached, context)]
-        tokens = draft_tree(self.model, self.cache, self.cached, context + guess, tree, self.path_lookup())
-        return DraftBlock(tokens=torch.tensor(guess + tokens, dtype=torch.long), tree=tree)
+        depth = self.depth(min(max_tokens, default_bank().get(self.params.tree).max_depth), batch_rows)
+        if depth <= 0:
+            return DraftBlock(tokens=torch.tensor(guess, dtype=torch.long), tree=None)
+        tree = default_bank().limited(self.params.tree, depth)
+        drafted = draft_tree(self.model, self.cache, self.cached, context + guess, tree, self.path_lookup())
+        self.forwards, self.depths = self.forwards + drafted.forwards, self.depths + tree.max_depth
+        path = [drafted.tokens[node - 1] for node in tree.top1_path[1:]]
+        if after:
+            self.ahead = ([*after, *guess], path)
+        else:
+            self.path = path
+        block = torch.tensor(guess + drafted.tokens, dtype=torch.long)
+        if not self.params.adaptive:
+            return DraftBlock(tokens=block, tree=tree)
+        # the target keeps the draft's top-1 at the rate this request has seen, which a draft that
+        # agrees with its target well exceeds its own probabilities; a runner-up is worth its probability
+        probs = drafted.probs.clone()
+        probs[[node - 1 for node in tree.top1_path[1:]]] = self.estimate.rate
+        return budget_tree(tree, block, probs, self.params.verify_cost, batch_rows, offset=len(guess))
+
+    def commit(self, new_tokens: Sequence[int]) -> None:
+        if self.path:
+            self.estimate.update(self.path, new_tokens)
+        # a used ahead proposal (the verdict is the outcome it assumed) is the block verified next
+        (outcome, path), self.ahead = self.ahead, ([], [])
+        self.path = path if outcome and list(new_tokens) == outcome else []
+        super().commit(new_tokens)
 
 
 class MultiLevelTreeDrafter(ModelTreeDrafter):
@@ -147,5 +209,5 @@ class MultiLevelTreeDrafter(ModelTreeDrafter):
     name = "mla_tree"
     Params = MultiLevelTreeParams
 
-    def path_lookup(self) -> Optional[Lookup]:
+    def path_lookup(self) -> Lookup:
         return lambda sequence, max_tokens: lookup_continuation(sequence, self.params, max_tokens)[1]

@@ -52,13 +52,13 @@ def calibration_prompts(engine: SpeculativeEngine, task: str, num_prompts: int) 
 
 
 def measure(engine: SpeculativeEngine, prompts: list[list[int]], params: dict, max_new_tokens: int) -> dict:
-    """Heads decoding with these drafter params over the prompts: tokens/s (wall, prefill
-    included) and tokens per step."""
+    """Heads decoding with these drafter params over the prompts, each tree verified whole (no
+    node budget: the search times its trees): tokens/s (wall, prefill included) and tokens per step."""
     tokens, seconds, steps = 0, 0.0, 0
     for prompt in prompts:
         request = GenerationRequest(
             prompt_ids=prompt,
-            drafter={"name": "heads", "params": params},
+            drafter={"name": "heads", "params": {"adaptive": False, **params}},
             sampling={"max_tokens": max_new_tokens},
             num_draft_tokens=engine.heads.num_heads,
         )

@@ -32,6 +32,7 @@ from .attention_calls import attention_calls
 from .device_clock import seconds_per_call
 from .eagle3_cost import eagle3_costs
 from .step_ops import count_step_ops
+from .verify_cost import block_cost_curve, drafter_cost_params
 
 REPO = Path(__file__).resolve().parents[2]
 METHODS = {"target": ("greedy", "none"), "greedy+model": ("greedy", "model"), "greedy+pld": ("greedy", "pld")}
@@ -173,6 +174,7 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
     out += [prefix_cache_line(engine.target_model), ""]
     ops = [count_step_ops(engine.target_model, n, args["num_draft"] + 1, args["prompt_tokens"]) for n in concurrency]
     out += ["Operations one target verify step dispatches (K + 1 tokens per session):", "", table(ops, list(ops[0]))]
+    out += ["", *verify_cost_section(engine.target_model, args["prompt_tokens"])]
     if on_cuda:
         calls = attention_calls()
         out += ["", "One layer's attention over 64 rows of 5 tokens, 352 keys each:", "", table(calls, list(calls[0]))]
@@ -180,6 +182,20 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
         heading = "A random EAGLE-3 layer beside the target, one session after a 256-token prompt:"
         out += ["", heading, "", table(costs, list(costs[0]))]
     return "\n".join(out)
+
+
+def verify_cost_section(model: torch.nn.Module, prompt_tokens: int, max_tokens: int = 64) -> list[str]:
+    """What one target step over n new tokens costs against one (`specdec verify-cost`): the curve
+    that prices blocks and tree nodes (block_length.VERIFY_COSTS) on this device."""
+    prompt_ids = [1 + index % 1000 for index in range(prompt_tokens)]
+    curve = block_cost_curve(model, prompt_ids, max_tokens, repeats=5)
+    shown = [row for row in curve if row["tokens"] & (row["tokens"] - 1) == 0]  # 1, 2, 4, ..
+    verify_cost = drafter_cost_params(curve, None)["verify_cost"]
+    heading = (
+        f"One target step over n new tokens after {prompt_tokens}, against one token (`specdec verify-cost`); "
+        f"the drafters' `verify_cost` on this device: {verify_cost}"
+    )
+    return [heading, "", table(shown, list(shown[0]))]
 
 
 def decode_section(engine, concurrency: list[int], methods: list[str], args: dict, copy_bytes_s: float) -> list[str]:

@@ -25,11 +25,12 @@ def expand(frontier, tokens):
 
 
 def test_a_dynamic_tree_expands_the_most_valuable_nodes_and_keeps_the_best_as_a_tree():
-    paths, tokens = grow(DynamicTree(top_k=2, depth=3, nodes=6), (PROBS[:2], torch.tensor([10, 11])), expand)
+    paths, tokens, probs = grow(DynamicTree(top_k=2, depth=3, nodes=6), (PROBS[:2], torch.tensor([10, 11])), expand)
     value = {path: sum(math.log([0.6, 0.3, 0.1][rank]) for rank in path) for path in paths}
     # depth 1: (0,) 0.6, (1,) 0.3; the frontier after: (0,0) 0.36, (0,1) 0.18, not (1,0) 0.18 (later in order)
     assert paths == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
     assert tokens == [10, 11, 20, 21, 20, 30]
+    assert probs == pytest.approx([0.6, 0.3, 0.6, 0.3, 0.6, 0.6])  # each node's after its parent
     assert all(path[:-1] in value or len(path) == 1 for path in paths)  # every parent kept
     # the best left out, (0, 0, 1) or (0, 1, 0), are worth 0.108: less than any node kept
     assert min(value.values()) > math.log(0.6 * 0.6 * 0.3)

@@ -30,7 +30,11 @@ def test_the_replay_of_a_tree_is_what_the_engine_accepts_with_it(heads_engine, t
         output = heads_engine.complete(GenerationRequest(prompt_ids=prompt, sampling=sampling)).token_ids
         table = rank_table(heads_engine.target_model, heads, prompt, output, topology.top_k)
         run = heads_engine.complete(
-            GenerationRequest(prompt_ids=prompt, sampling=sampling, drafter={"name": "heads", "params": {"tree": tree}})
+            GenerationRequest(
+                prompt_ids=prompt,
+                sampling=sampling,
+                drafter={"name": "heads", "params": {"tree": tree, "adaptive": False}},
+            )
         )
         lengths = accept_lengths(table, topology.paths)
         starts = visited_starts(lengths)

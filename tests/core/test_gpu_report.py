@@ -37,5 +37,6 @@ def test_small_models_on_the_cpu_fill_every_table(tiny_source, tmp_path):
     # greedy speculation in fp32 on the CPU: every output is target-only's
     assert all(row.rstrip(" |").endswith(("1/1", "3/3")) for row in decode_rows)
     assert "| rows | ops | attention_ops |" in text
+    assert "| tokens | ms_p50 | vs_one_token |" in text and "the drafters' `verify_cost` on this device: [" in text
     # the second prompt's shared 1,500 tokens are 93 full blocks of the prefix cache
     assert "of another that shares its first 1500 tokens" in text and "hits: 1488 of 1529 tokens" in text

@@ -100,8 +100,8 @@ def heads_request(drafter: dict, seed: int = 0, policy: str = "greedy", temperat
 @pytest.mark.parametrize(
     "params",
     [
-        {"tree": "mc_sim_7b_63"},
-        {"tree": "chain_4"},
+        {"tree": "mc_sim_7b_63", "adaptive": False},
+        {"tree": "chain_4", "adaptive": False},
         # the tiny target's scores: top1 about 0.003, path_value 1e-5 to 3e-3
         {
             "scheduler": "binary_tau",
@@ -109,8 +109,14 @@ def heads_request(drafter: dict, seed: int = 0, policy: str = "greedy", temperat
             "aggressive": "mc_sim_7b_63",
             "tau_on": 5e-4,
             "score": "path_value",
+            "adaptive": False,
         },
-        {"scheduler": "ladder", "trees": ["chain_2", "medusa_8", "medusa_32"], "thresholds": [0.0029, 0.0031]},
+        {
+            "scheduler": "ladder",
+            "trees": ["chain_2", "medusa_8", "medusa_32"],
+            "thresholds": [0.0029, 0.0031],
+            "adaptive": False,
+        },
     ],
 )
 def test_greedy_heads_decoding_is_target_only_greedy(heads_engine, params):
@@ -126,6 +132,19 @@ def test_greedy_heads_decoding_is_target_only_greedy(heads_engine, params):
         assert heads.metrics["mean_acceptance_length"] > 1.5
         used |= {name.partition("@")[0] for name in heads.metrics["tree_steps"]}
     assert used == trees  # a scheduler switched between all of its trees
+
+
+def test_greedy_heads_decoding_within_the_node_budget_is_target_only_greedy(heads_engine):
+    """By default each step verifies the default tree's most valuable nodes that pay for their
+    verify on the CPU (tree_budget.py): a handful of mc_sim_7b_63's 63, chosen per step."""
+    sizes = set()
+    for seed in (0, 1):
+        reference = heads_engine.complete(heads_request({"name": "none"}, seed))
+        heads = heads_engine.complete(heads_request({"name": "heads"}, seed))
+        assert heads.token_ids == reference.token_ids
+        assert heads.metrics["mean_acceptance_length"] > 1.5
+        sizes |= {int(name.removeprefix("nodes_")) for name in heads.metrics["tree_steps"]}
+    assert len(sizes) > 1 and max(sizes) < 63
 
 
 def test_heads_sharing_the_targets_lm_head_save_small_load_back_and_guess(tmp_path):
@@ -175,7 +194,9 @@ def test_the_heads_drafter_builds_the_schedulers_tree_from_the_guesses():
             self.asked.append((root_token, tree))
             topology = default_bank().limited(tree, 4)
             tokens = torch.tensor([token_of(path) for path in topology.paths])
-            return HeadGuesses(topology, tokens, torch.full((4,), 0.5), self.root_probs.pop(0))
+            # every node sure: the node budget keeps whole trees, so the blocks are the schedule's
+            certain = torch.ones(topology.num_nodes)
+            return HeadGuesses(topology, tokens, certain, torch.full((4,), 0.5), self.root_probs.pop(0))
 
     def token_of(path):  # a distinct token per path
         return 100 + sum(rank * 10**depth for depth, rank in enumerate(path)) * 10 + len(path)

@@ -80,6 +80,7 @@ def test_a_used_ahead_tree_is_the_tree_drafted_after_its_outcome(engine, drafter
     assert next_block(proposal, 4).tree is expected.tree
     shallow = next_block(proposal, 2)
     assert shallow.tree.max_depth == 2 and shallow.tokens.tolist() == fresh.propose(2).tokens.tolist()
+    assert next_block(proposal, 0).num_tokens == 0  # the request's last token: a plain step
 
 
 def test_a_seed_reproduces_sampled_output_with_run_ahead(engine):

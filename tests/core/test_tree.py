@@ -160,7 +160,7 @@ def test_tree_decoding_is_greedy_decoding_and_keeps_the_cache_consistent_across_
     draft_cache, draft_cached, committed, accepted = PagedKV(), [], list(prompt), 0
     for name in ("medusa_8", "chain_4", "mc_sim_7b_63", "medusa_16", "chain_2", "mc_sim_7b_63", "medusa_32"):
         tree = default_bank().get(name)
-        nodes = draft_tree(draft_model, draft_cache, draft_cached, committed, tree)
+        nodes = draft_tree(draft_model, draft_cache, draft_cached, committed, tree).tokens
         draft = DraftBlock(tokens=torch.tensor(nodes), tree=tree)
         block = scorer.score_tree([committed[-1], *nodes], tree)
         verdict = greedy.verify_tree(draft, block, SamplingParams(), torch.Generator())
@@ -190,7 +190,7 @@ def test_mla_trees_hold_the_draft_models_tokens_in_fewer_forwards(tree_name, mon
 
     draft_model, context, tree = tiny_llama(seed=1), repeating_prompt(3), default_bank().get(tree_name)
     cache, cached = PagedKV(), []
-    reference = model_tree.draft_tree(draft_model, cache, cached, context, tree)  # also caches the context
+    reference, probs, _ = model_tree.draft_tree(draft_model, cache, cached, context, tree)  # also caches the context
     forwards = []
 
     def counted(*args, **kwargs):
@@ -201,14 +201,25 @@ def test_mla_trees_hold_the_draft_models_tokens_in_fewer_forwards(tree_name, mon
     monkeypatch.setattr(model_tree, "forward_ragged", counted)
     path = [reference[node - 1] for node in tree.top1_path[1:]]
     wrong = [(token + 1) % draft_model.config.vocab_size for token in path]
-    for guess, matched in [(path, len(path)), (path[:2] + wrong[2:], 2), (wrong, 0), ([], 0), (None, None)]:
-        lookup = None if guess is None else lambda sequence, limit: guess[len(sequence) - len(context) :][:limit]
+    for guess, matched in [(path, len(path)), (path[:2] + wrong[2:], 2), (wrong, 0), ([], 0)]:
         forwards.clear()
-        assert model_tree.draft_tree(draft_model, cache, cached, context, tree, lookup) == reference
+        lookup = lambda sequence, limit: guess[len(sequence) - len(context) :][:limit]  # noqa: E731
+        tokens, tokens_probs, counted_forwards = model_tree.draft_tree(
+            draft_model, cache, cached, context, tree, lookup
+        )
+        assert tokens == reference and torch.allclose(tokens_probs, probs, atol=1e-6)
+        assert counted_forwards == len(forwards)
         assert cache.length == len(cached) and cached[: len(context) - 1] == context[:-1]
         if tree_name.startswith("spine"):  # the path's forwards: one, then one per node after a wrong guess
-            expected = tree.max_depth if matched is None else 1 + max(tree.max_depth - 1 - matched, 0)
-            assert len(forwards) == expected, (guess, forwards)
+            assert len(forwards) == 1 + max(tree.max_depth - 1 - matched, 0), (guess, forwards)
+    # each node is its parent's rank-th likeliest next token, with its probability: a fresh forward
+    tokens_of = {(): context[-1], **dict(zip(tree.paths, reference))}
+    with torch.inference_mode():
+        for node, node_path in enumerate(tree.paths):
+            sequence = [*context, *(tokens_of[node_path[:depth]] for depth in range(1, len(node_path)))]
+            top = draft_model(torch.tensor([sequence])).logits[0, -1].softmax(-1).topk(node_path[-1] + 1)
+            assert reference[node] == int(top.indices[-1])
+            assert float(probs[node]) == pytest.approx(float(top.values[-1]), abs=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -227,7 +238,8 @@ def test_the_engine_decodes_draft_model_trees_as_target_only_greedy(tiny_engine,
         )
 
     reference = tiny_engine.complete(request({"name": "none"}))
-    trees = tiny_engine.complete(request({"name": drafter, "params": {"tree": tree}}))
+    # the whole tree: the tiny draft's near-flat probabilities would keep no node in the budget
+    trees = tiny_engine.complete(request({"name": drafter, "params": {"tree": tree, "adaptive": False}}))
     assert trees.token_ids == reference.token_ids
     assert trees.metrics["mean_acceptance_length"] > 1.5
     assert len(trees.metrics["spec_decode_num_accepted_tokens_per_pos"]) == default_bank().get(tree).max_depth

@@ -114,7 +114,8 @@ def test_draft_model_trees_travel_the_wire(cluster, tiny_engine, policy, tempera
     req = GenerationRequest(
         prompt_ids=repeating_prompt(7),
         policy={"name": policy},
-        drafter={"name": drafter, "params": {"tree": tree}},
+        # the whole tree (the tiny draft's near-flat probabilities would keep no node in the budget)
+        drafter={"name": drafter, "params": {"tree": tree, "adaptive": False}},
         num_draft_tokens=6,
         sampling={"max_tokens": 32, "temperature": temperature, "seed": 5},
     )
@@ -192,6 +193,7 @@ def test_a_target_worker_checks_heads_calls(heads_engine, tiny_engine):
     )
     try:
         assert workers["none"].stubs["target"].Profile(pb.Empty()).num_heads == 0
+        assert workers["none"].stubs["target"].Profile(pb.Empty()).device_type == "cpu"
         with pytest.raises(grpc.RpcError, match="no multi-token heads"):
             workers["none"].stubs["target"].Reset(reset)
         stub = workers["heads"].stubs["target"]
