@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Coroutine, Optional, Sequence
 
-from .drafters.base import ahead_outcome
+from .drafters.base import ahead_outcome, assumed_tokens
 from .sampling import SamplingParams
 from .sessions import DraftSession
 from .topologies import default_bank
@@ -99,13 +99,6 @@ class RunAhead:
 
     def summary(self) -> dict:
         return {"used": self.used, "discarded": self.discarded, "draft_ms_hidden": round(self.hidden_s * 1e3, 1)}
-
-
-def assumed_tokens(block: DraftBlock) -> list[int]:
-    """What a block's ahead proposal assumes the target keeps: a chain whole, a tree's top-1 path."""
-    if block.tree is None:
-        return block.tokens.tolist()
-    return block.tokens[[node - 1 for node in block.tree.top1_path[1:]]].tolist()
 
 
 def next_block(proposal: DraftBlock, max_tokens: int) -> DraftBlock:

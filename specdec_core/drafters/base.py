@@ -38,6 +38,15 @@ def ahead_outcome(after: Sequence[int], proposal: Sequence[int]) -> list[int]:
     return [*after, *proposal[:1]]
 
 
+def assumed_tokens(block: DraftBlock, offset: int = 0) -> list[int]:
+    """What a block's ahead proposal assumes the target keeps, after its first `offset` tokens: a
+    chain whole, a tree's top-1 path."""
+    tokens = block.tokens[offset:]
+    if block.tree is None:
+        return tokens.tolist()
+    return tokens[[node - 1 for node in block.tree.top1_path[1:]]].tolist()
+
+
 def sync_cache(cache: PagedKV, cached: list[int], sequence: Sequence[int]) -> None:
     """Crop a draft cache (holding the tokens `cached`, kept in step) to its longest prefix
     shared with `sequence`, leaving >= 1 token of it to feed."""

@@ -1,4 +1,5 @@
-"""Adaptive block length, shared by the `pld`, `model` and `mla` drafters.
+"""Adaptive block length, shared by the chain drafters (`pld`, `model`, `mla`, `eagle3`) and the
+depth of the tree drafters (`model_tree`, `mla_tree`, `eagle3`'s dynamic trees).
 
 On CPU a longer block costs real time: the target's verify forward grows with it, and a draft
 model pays a forward per drafted token. So a drafter proposes the length k that maximizes

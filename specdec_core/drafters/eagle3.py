@@ -21,6 +21,7 @@ from ..eagle3 import MAX_DRAFT_DEPTH
 from ..sampling import SamplingParams
 from ..topologies import default_bank
 from ..types import DraftBlock
+from .base import assumed_tokens
 from .block_length import AcceptanceEstimate, best_block
 from .heads import HeadsDrafter, HeadsParams
 
@@ -80,10 +81,12 @@ class Eagle3Drafter(HeadsDrafter):
         guesses = await self.source.guess(self.root, tree)
         if guesses is None:  # nothing committed yet (a one-token prompt): a plain step
             return DraftBlock.empty()
-        self.last_path = guesses.tokens[[node - 1 for node in guesses.tree.top1_path[1:]]].tolist()
         if chains:
-            return DraftBlock(tokens=guesses.tokens, tree=guesses.tree)
-        return self.block(guesses.tree, guesses.tokens, guesses.node_probs, batch_rows)
+            block = DraftBlock(tokens=guesses.tokens, tree=guesses.tree)
+        else:  # alone at least one node, so the estimate keeps learning
+            block = self.block(guesses.tree, guesses.tokens, guesses.node_probs, batch_rows, int(batch_rows == 1))
+        self.last_path = assumed_tokens(block)  # the verified top-1 path, learned from at its commit
+        return block
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         super().commit(new_tokens)

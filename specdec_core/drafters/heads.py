@@ -108,12 +108,12 @@ class HeadsDrafter:
         nodes = default_bank().node_index(tree.name, guesses.tree.name).to(guesses.tokens.device)
         return self.block(tree, guesses.tokens[nodes], guesses.node_probs[nodes], batch_rows)
 
-    def block(self, tree: Topology, tokens, node_probs, batch_rows: int) -> DraftBlock:
-        """The step's block: `tree`'s nodes within the node budget (tree_budget.py), or all of
-        them where `adaptive` is off."""
+    def block(self, tree: Topology, tokens, node_probs, batch_rows: int, min_nodes: int = 0) -> DraftBlock:
+        """The step's block: `tree`'s nodes within the node budget (tree_budget.py), at least
+        `min_nodes`, or all of them where `adaptive` is off."""
         if not self.params.adaptive:
             return DraftBlock(tokens=tokens, tree=tree)
-        return budget_tree(tree, tokens, node_probs, self.params.verify_cost, batch_rows)
+        return budget_tree(tree, tokens, node_probs, self.params.verify_cost, batch_rows, min_nodes=min_nodes)
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         self.root = new_tokens[-1]

@@ -25,7 +25,7 @@ from ..kv_pool import PagedKV
 from ..topologies import DEFAULT_DRAFT_TREE, default_bank
 from ..tree import Topology
 from ..types import DraftBlock
-from .base import Drafter, DraftSource, common_prefix_length, sync_cache
+from .base import Drafter, DraftSource, assumed_tokens, common_prefix_length, sync_cache
 from .block_length import AcceptanceEstimate, DraftCostParams, best_block
 from .pld import PromptLookupParams, lookup_continuation
 from .tree_budget import budget_tree
@@ -174,25 +174,32 @@ class ModelTreeDrafter(Drafter):
         context, guess = [*self.context, *after], []
         if after:
             guess = [draft_next(self.model, self.cache, self.cached, context)]
+        block = self.drafted_block(context, guess, max_tokens, batch_rows)
+        # what the estimate learns from at the commit that shows whether this block was verified
+        path = [] if block.num_tokens <= len(guess) else assumed_tokens(block, len(guess))
+        if after:
+            self.ahead = ([*after, *guess], path)
+        else:
+            self.path = path
+        return block
+
+    def drafted_block(self, context: list[int], guess: list[int], max_tokens: int, batch_rows: int) -> DraftBlock:
         depth = self.depth(min(max_tokens, default_bank().get(self.params.tree).max_depth), batch_rows)
         if depth <= 0:
             return DraftBlock(tokens=torch.tensor(guess, dtype=torch.long), tree=None)
         tree = default_bank().limited(self.params.tree, depth)
         drafted = draft_tree(self.model, self.cache, self.cached, context + guess, tree, self.path_lookup())
         self.forwards, self.depths = self.forwards + drafted.forwards, self.depths + tree.max_depth
-        path = [drafted.tokens[node - 1] for node in tree.top1_path[1:]]
-        if after:
-            self.ahead = ([*after, *guess], path)
-        else:
-            self.path = path
         block = torch.tensor(guess + drafted.tokens, dtype=torch.long)
         if not self.params.adaptive:
             return DraftBlock(tokens=block, tree=tree)
         # the target keeps the draft's top-1 at the rate this request has seen, which a draft that
-        # agrees with its target well exceeds its own probabilities; a runner-up is worth its probability
-        probs = drafted.probs.clone()
-        probs[[node - 1 for node in tree.top1_path[1:]]] = self.estimate.rate
-        return budget_tree(tree, block, probs, self.params.verify_cost, batch_rows, offset=len(guess))
+        # agrees with its target well exceeds its own probability (and which is at least its
+        # siblings', so the top-1 is kept first); a runner-up is worth its probability
+        probs, path_nodes = drafted.probs.clone(), [node - 1 for node in tree.top1_path[1:]]
+        probs[path_nodes] = probs[path_nodes].clamp(min=self.estimate.rate)
+        alone = 1 if batch_rows == 1 else 0  # alone at least one node, so the estimate keeps learning
+        return budget_tree(tree, block, probs, self.params.verify_cost, batch_rows, len(guess), alone)
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         if self.path:

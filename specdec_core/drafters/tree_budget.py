@@ -7,7 +7,8 @@ expects 1 + the sum of their values in tokens. The budget keeps the n most valua
 n that maximizes expected tokens per unit of verify cost (block_length.best_length, the trade the
 chain drafters make for their block length, over the same curve of the target's device). On a
 CPU, where a verify grows with its tokens past ~5, that is a few nodes; on a GPU, where a verify of
-a few hundred tokens costs what one does, the whole tree. A child is never worth more than its
+a few hundred tokens costs little more than one does, every node worth more than the 0.5% of a
+step its verify costs: most of the tree. A child is never worth more than its
 parent (a probability is at most 1), so the n most valuable nodes, ties to the earlier node, hold
 each kept node's parent: they form a tree, named by its paths (`paths:..`, tree.py).
 
@@ -42,14 +43,16 @@ def budget_tree(
     verify_cost: Sequence[float],
     batch_rows: int = 1,
     offset: int = 0,
+    min_nodes: int = 0,
 ) -> DraftBlock:
     """The block of `tree`'s most valuable nodes that pays best for its verify (`tokens` `[offset + N]`:
-    `offset` tokens before the tree's, kept, as a run-ahead guess is); empty where none pays."""
+    `offset` tokens before the tree's, kept, as a run-ahead guess is), at least `min_nodes` of
+    them; empty where none pays."""
     values = path_values(tree, node_probs)  # [N]
     order = sorted(range(tree.num_nodes), key=lambda node: (-float(values[node]), node))
     expected = [1.0, *(1.0 + float(total) for total in values[order].cumsum(0))]
     kept, _ = best_length(expected, verify_cost, batch_rows=batch_rows)
-    return kept_nodes(tree, tokens, sorted(order[:kept]), offset)
+    return kept_nodes(tree, tokens, sorted(order[: max(kept, min_nodes)]), offset)
 
 
 def kept_nodes(tree: Topology, tokens: torch.Tensor, nodes: list[int], offset: int = 0) -> DraftBlock:

@@ -188,7 +188,8 @@ def verify_cost_section(model: torch.nn.Module, prompt_tokens: int, max_tokens: 
     """What one target step over n new tokens costs against one (`specdec verify-cost`): the curve
     that prices blocks and tree nodes (block_length.VERIFY_COSTS) on this device."""
     prompt_ids = [1 + index % 1000 for index in range(prompt_tokens)]
-    curve = block_cost_curve(model, prompt_ids, max_tokens, repeats=5)
+    # each size's new tokens are the prompt's last ones (its cache rolled back): at most all of them
+    curve = block_cost_curve(model, prompt_ids, min(max_tokens, prompt_tokens), repeats=5)
     shown = [row for row in curve if row["tokens"] & (row["tokens"] - 1) == 0]  # 1, 2, 4, ..
     verify_cost = drafter_cost_params(curve, None)["verify_cost"]
     heading = (

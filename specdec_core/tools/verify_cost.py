@@ -16,6 +16,7 @@ from ..questions import DEFAULT_QUESTIONS, first_turn, load_questions
 from ..request import GenerationRequest
 from ..sampling import SamplingParams
 from ..target import Row, TargetScorer, forward_rows
+from .device_clock import synchronize
 
 
 @torch.inference_mode()
@@ -36,11 +37,13 @@ def block_cost_curve(
         if batch_rows > 1:
             start = time.perf_counter()
             scorers[0].score(prompt_ids[-1:])
+            synchronize()  # on CUDA a timer otherwise measures the launches
             one_session.append((time.perf_counter() - start) * 1e3)
             scorers[0].commit(0)
         for num_tokens in range(1, max_tokens + 1):
             start = time.perf_counter()
             forward_rows([Row(scorer, prompt_ids[-num_tokens:]) for scorer in scorers])
+            synchronize()
             samples[num_tokens].append((time.perf_counter() - start) * 1e3)
             for scorer in scorers:
                 scorer.commit(0)

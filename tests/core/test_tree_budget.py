@@ -59,6 +59,7 @@ def test_the_budget_follows_the_device_and_the_batch():
     assert kept([1.0]) == TREE.num_nodes  # a free verify: the whole tree
     assert kept(device_verify_cost("cpu"), rows=64) < cpu  # under load a step holds fewer
     assert kept([100.0]) == 0 and budget_tree(TREE, tokens, probs, [100.0]).tokens.numel() == 0
+    assert budget_tree(TREE, tokens, probs, [100.0], min_nodes=1).tree.paths == ((0,),)  # a learner's least
     assert device_verify_cost("mps") == device_verify_cost("cpu")  # unmeasured: the CPU's
 
 
