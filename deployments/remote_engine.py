@@ -91,9 +91,9 @@ class RemoteEngine:
         there is none); a request keeps the replicas it was given for all its calls."""
         self.frontend = copy.copy(frontend)  # its profile and heads are the target worker's, asked of it
         self.frontend.profile = lambda: self.profiles[self.consulted][0]
-        self.frontend.num_heads = lambda: self.profiles[self.consulted][1]
-        self.frontend.heads_kind = lambda: self.profiles[self.consulted][2] or None
-        self.frontend.target_device = lambda: self.profiles[self.consulted][3] or "cpu"
+        self.frontend.num_heads = lambda: self.profiles[self.consulted][1].num_heads
+        self.frontend.heads_kind = lambda: self.profiles[self.consulted][1].heads_kind or None
+        self.frontend.target_device = lambda: self.profiles[self.consulted][1].device_type or "cpu"
         self.locate = locate
         self.deadline_s = deadline_s
         self.metrics = metrics or NoMetrics()  # told of each finished request; the ingresses tell it of failures
@@ -101,8 +101,8 @@ class RemoteEngine:
         self.coordinator = EventLoopThread("specdec-coordinator")
         self.stubs: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (role, address), least recently used first
         self.channels: dict[tuple[str, str], grpc.aio.Channel] = {}
-        # per target stub: its profile, heads, their kind and its device type
-        self.profiles: dict[Any, tuple[Optional[TargetProfile], int, str, str]] = {}
+        # per target stub: its profile and the Profile reply it came in (heads, device type)
+        self.profiles: dict[Any, tuple[Optional[TargetProfile], Any]] = {}
         self.consulted: Any = None  # the target stub whose profile `prepare` reads
 
     async def stub(self, role: str) -> Any:
@@ -131,7 +131,7 @@ class RemoteEngine:
             except grpc.RpcError as error:
                 raise classify(error, "target") from None
             profile = TargetProfile.model_validate_json(reply.profile_json) if reply.profile_json else None
-            self.profiles[stub] = (profile, reply.num_heads, reply.heads_kind, reply.device_type)
+            self.profiles[stub] = (profile, reply)
         self.consulted = stub  # read by frontend.prepare, with no await between
         return self.frontend.prepare(request), stub
 

@@ -110,6 +110,27 @@ def best_block(
     return best_length(expected, verify_cost, draft_cost, batch_rows)
 
 
+def least_drafts(batch_rows: int) -> int:
+    """The fewest drafts (tokens, depths, tree nodes) a drafter that learns from its blocks
+    proposes: alone 1, so its acceptance estimate keeps learning; under load 0 (no draft work)
+    where drafting does not pay."""
+    return 1 if batch_rows == 1 else 0
+
+
+def learning_block(
+    acceptance_rate: float, max_length: int, verify_cost: Sequence[float], draft_cost: float, batch_rows: int
+) -> BlockChoice:
+    """`best_block`, at least `least_drafts` long."""
+    length, value = best_block(acceptance_rate, max_length, verify_cost, draft_cost, batch_rows)
+    return BlockChoice(max(length, least_drafts(batch_rows)), value)
+
+
+def cost_per_draft(draft_cost: float, forwards: int, drafted: int) -> float:
+    """A drafted token's (or tree depth's) cost: a draft forward's, times this request's forwards
+    per drafted token so far, which mla's lookup guesses push below 1."""
+    return draft_cost * (forwards + 1) / (drafted + 1)
+
+
 class AcceptanceEstimate:
     """Posterior mean of the per-token acceptance rate under a Beta prior: a proposal counts its
     kept tokens as successes and its rejection, if any, as one failure (geometric likelihood)."""

@@ -22,7 +22,7 @@ from ..sampling import SamplingParams
 from ..topologies import default_bank
 from ..types import DraftBlock
 from .base import assumed_tokens
-from .block_length import AcceptanceEstimate, best_block
+from .block_length import AcceptanceEstimate, learning_block, least_drafts
 from .heads import HeadsDrafter, HeadsParams
 
 DEFAULT_EAGLE3_TREE = "chain_8"
@@ -69,8 +69,7 @@ class Eagle3Drafter(HeadsDrafter):
             max_tokens = min(self.params.depth, max_tokens)
         if self.params.adaptive and max_tokens > 1:  # a chain's length, a dynamic tree's depth
             curve, cost = self.params.verify_cost, self.params.draft_cost
-            length, _ = best_block(self.estimate.rate, max_tokens, curve, cost, batch_rows)
-            max_tokens = max(length, 1 if batch_rows == 1 else 0)  # alone at least 1: the estimate learns
+            max_tokens = learning_block(self.estimate.rate, max_tokens, curve, cost, batch_rows).length
         if max_tokens <= 0:
             return DraftBlock.empty()
         # the layer drafts only what the step verifies: a chain that long, a tree that deep
@@ -83,8 +82,8 @@ class Eagle3Drafter(HeadsDrafter):
             return DraftBlock.empty()
         if chains:
             block = DraftBlock(tokens=guesses.tokens, tree=guesses.tree)
-        else:  # alone at least one node, so the estimate keeps learning
-            block = self.block(guesses.tree, guesses.tokens, guesses.node_probs, batch_rows, int(batch_rows == 1))
+        else:
+            block = self.block(guesses.tree, guesses.tokens, guesses.node_probs, batch_rows, least_drafts(batch_rows))
         self.last_path = assumed_tokens(block)  # the verified top-1 path, learned from at its commit
         return block
 

@@ -35,7 +35,7 @@ from ..kv_pool import PagedKV
 from ..sampling import argmax, sample, sampling_probs
 from ..types import DraftBlock
 from .base import Drafter, DraftSource, ahead_outcome, common_prefix_length, sync_cache
-from .block_length import AcceptanceEstimate, BlockChoice, DraftCostParams, best_block
+from .block_length import AcceptanceEstimate, BlockChoice, DraftCostParams, cost_per_draft, learning_block
 from .pld import AdaptiveLookupParams, PromptLookupDrafter, PromptLookupParams, lookup_continuation
 
 
@@ -89,12 +89,8 @@ class ModelDrafter(Drafter):
         under load 0 (no draft forward) where drafting does not pay."""
         if not self.params.adaptive or max_tokens <= 1:
             return BlockChoice(max_tokens, 1.0)
-        # mla's lookup guesses let one forward yield several tokens: price a drafted token at
-        # this request's forwards per drafted token so far
-        cost_per_token = self.params.draft_cost * (self.forwards + 1) / (self.drafted + 1)
-        rate, curve = self.estimate.rate, self.params.verify_cost
-        length, value = best_block(rate, max_tokens, curve, cost_per_token, batch_rows)
-        return BlockChoice(max(length, 1 if batch_rows == 1 else 0), value)
+        cost = cost_per_draft(self.params.draft_cost, self.forwards, self.drafted)
+        return learning_block(self.estimate.rate, max_tokens, self.params.verify_cost, cost, batch_rows)
 
     def propose(self, max_tokens: int, batch_rows: int = 1, after: Sequence[int] = ()) -> DraftBlock:
         return propose_together(self.model, [self.drafting_after(after, max_tokens, batch_rows)])[0]

@@ -26,7 +26,7 @@ from ..topologies import DEFAULT_DRAFT_TREE, default_bank
 from ..tree import Topology
 from ..types import DraftBlock
 from .base import Drafter, DraftSource, assumed_tokens, common_prefix_length, sync_cache
-from .block_length import AcceptanceEstimate, DraftCostParams, best_block
+from .block_length import AcceptanceEstimate, DraftCostParams, cost_per_draft, learning_block, least_drafts
 from .pld import PromptLookupParams, lookup_continuation
 from .tree_budget import budget_tree
 
@@ -164,9 +164,8 @@ class ModelTreeDrafter(Drafter):
         """How deep a tree to draft: alone at least 1, so the estimate keeps learning."""
         if not self.params.adaptive or max_depth <= 1:
             return max_depth
-        cost_per_depth = self.params.draft_cost * (self.forwards + 1) / (self.depths + 1)  # mla's guesses save some
-        length, _ = best_block(self.estimate.rate, max_depth, self.params.verify_cost, cost_per_depth, batch_rows)
-        return max(length, 1 if batch_rows == 1 else 0)
+        cost = cost_per_draft(self.params.draft_cost, self.forwards, self.depths)
+        return learning_block(self.estimate.rate, max_depth, self.params.verify_cost, cost, batch_rows).length
 
     def propose(self, max_tokens: int, batch_rows: int = 1, after: Sequence[int] = ()) -> DraftBlock:
         """`after` (run_ahead.py: the top-1 path the target verifies now): the draft's guess of the
@@ -198,8 +197,8 @@ class ModelTreeDrafter(Drafter):
         # siblings', so the top-1 is kept first); a runner-up is worth its probability
         probs, path_nodes = drafted.probs.clone(), [node - 1 for node in tree.top1_path[1:]]
         probs[path_nodes] = probs[path_nodes].clamp(min=self.estimate.rate)
-        alone = 1 if batch_rows == 1 else 0  # alone at least one node, so the estimate keeps learning
-        return budget_tree(tree, block, probs, self.params.verify_cost, batch_rows, len(guess), alone)
+        least = least_drafts(batch_rows)
+        return budget_tree(tree, block, probs, self.params.verify_cost, batch_rows, len(guess), least)
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         if self.path:

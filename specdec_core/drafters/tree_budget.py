@@ -49,7 +49,8 @@ def budget_tree(
     `offset` tokens before the tree's, kept, as a run-ahead guess is), at least `min_nodes` of
     them; empty where none pays."""
     values = path_values(tree, node_probs)  # [N]
-    order = sorted(range(tree.num_nodes), key=lambda node: (-float(values[node]), node))
+    value_of = values.tolist()
+    order = sorted(range(tree.num_nodes), key=lambda node: (-value_of[node], node))
     expected = [1.0, *(1.0 + float(total) for total in values[order].cumsum(0))]
     kept, _ = best_length(expected, verify_cost, batch_rows=batch_rows)
     return kept_nodes(tree, tokens, sorted(order[: max(kept, min_nodes)]), offset)
