@@ -41,6 +41,7 @@ class ServeMetrics:
                 ("used", "proposals drafted ahead and verified next"),
                 ("discarded", "proposals drafted ahead and dropped (another verdict)"),
                 ("draft_ms_hidden", "draft milliseconds spent while the target verified"),
+                ("forwarded", "proposals used that the target scored from the draft worker, before the server asked"),
             )
         }
         self.tokens = {

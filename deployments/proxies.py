@@ -69,6 +69,8 @@ class RemoteTarget:
         self.full_rows_bytes = 0  # what full fp32 rows would have cost
         self.pending_keep = 0  # a commit not yet sent: it rides on the next Score
         self.pending_path: list[int] = []  # likewise after a tree
+        self.takes_forwarded = False  # the draft worker forwards ahead blocks here (run_ahead.py)
+        self.forwarded_blocks = 0  # Scores answered from them
 
     async def reset(
         self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams, with_heads: bool = False
@@ -79,6 +81,7 @@ class RemoteTarget:
             sampling=sampling_to_proto(sampling),
             policy=component_to_proto(ComponentSpec(name=policy.name, params=policy.params.model_dump())),
             with_heads=with_heads,
+            takes_forwarded=self.takes_forwarded,
         )
         try:
             reply = await self.stub.Reset(request, timeout=self.deadline_s * RESET_DEADLINES)
@@ -100,6 +103,7 @@ class RemoteTarget:
         except grpc.RpcError as error:
             raise classify(error, "target") from None
         self.pending_keep, self.pending_path = 0, []
+        self.forwarded_blocks += reply.forwarded
         self.bytes_received += reply.ByteSize()
         self.full_rows_bytes += len(tokens) * reply.vocab_size * 4
         if reply.HasField("logits"):
@@ -175,6 +179,8 @@ class RemoteDrafter:
         self.remote = drafter_source(spec.name) is not DraftSource.NOTHING
         self.bytes_received = 0
         self.pending_tokens: list[int] = []  # committed, not yet sent: they ride on the next Propose
+        self.forward_to: Optional[str] = None  # run-ahead: the target replica its ahead blocks go to
+        self.length = 0  # the sequence's tokens: the prompt and those committed
 
     def _fall_back(self, error: grpc.RpcError) -> None:
         cause = classify(error, "draft")
@@ -188,6 +194,7 @@ class RemoteDrafter:
         logger.warning("request %s continues target-only: %s", self.session_id, why)
 
     async def reset(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+        self.length = len(prompt_ids)
         if self.failed or not self.remote:
             return
         request = pb.DraftReset(
@@ -214,6 +221,8 @@ class RemoteDrafter:
             batch_rows=batch_rows,
             after_tokens=list(after),
         )
+        if after and self.forward_to is not None:
+            request.forward.CopyFrom(pb.ForwardTo(address=self.forward_to, after_length=self.length))
         try:
             reply = await self.stub.Propose(request, timeout=self.deadline_s)
         except grpc.RpcError as error:
@@ -227,6 +236,7 @@ class RemoteDrafter:
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         self.pending_tokens.extend(new_tokens)
+        self.length += len(new_tokens)
 
     async def release(self) -> None:
         if self.remote and not self.failed:

@@ -100,6 +100,7 @@ class RemoteEngine:
         self.secret = secret  # the workers' shared secret, sent with every call
         self.coordinator = EventLoopThread("specdec-coordinator")
         self.stubs: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (role, address), least recently used first
+        self.addresses: dict[Any, str] = {}  # stub -> its replica's address
         self.channels: dict[tuple[str, str], grpc.aio.Channel] = {}
         # per target stub: its profile and the Profile reply it came in (heads, device type)
         self.profiles: dict[Any, tuple[Optional[TargetProfile], Any]] = {}
@@ -115,9 +116,11 @@ class RemoteEngine:
         interceptors = [SendSecret(self.secret)] if self.secret else None
         self.channels[key] = grpc.aio.insecure_channel(key[1], options=MESSAGE_LIMITS, interceptors=interceptors)
         self.stubs[key] = STUBS[role](self.channels[key])
+        self.addresses[self.stubs[key]] = key[1]
         while len(self.stubs) > MAX_WORKER_CHANNELS:  # a restarted replica's old address is never given again
             old, stub = self.stubs.popitem(last=False)
             self.profiles.pop(stub, None)
+            self.addresses.pop(stub, None)
             await self.channels.pop(old).close()
         return self.stubs[key]
 
@@ -166,6 +169,10 @@ class RemoteEngine:
                     remote_drafter.fall_back(str(error))
             if request.run_ahead:  # the draft worker drafts while the target verifies
                 drafter = RunAhead(remote_drafter, asyncio.ensure_future)
+                # and sends its blocks on to the target, where the target can decide verdicts itself
+                if request.policy.decided_by_target_rows(request.sampling):
+                    target.takes_forwarded = True
+                    remote_drafter.forward_to = self.addresses[target_stub]
         timings, last_chunk_at = RequestTimings(), arrival
         loop = speculative_loop(request, drafter, target, self.frontend.output(request))
         try:
@@ -181,6 +188,8 @@ class RemoteEngine:
                     if chunk.metrics is not None:
                         steps = max(chunk.metrics["num_steps"], 1)
                         received = target.bytes_received + (remote_drafter.bytes_received if remote_drafter else 0)
+                        if "run_ahead" in chunk.metrics:
+                            chunk.metrics["run_ahead"]["forwarded"] = target.forwarded_blocks
                         chunk.metrics.update(
                             wire_bytes_per_step=round(received / steps, 1),
                             full_logits_bytes_per_step=round(target.full_rows_bytes / steps, 1),

@@ -15,11 +15,14 @@ from pydantic import ValidationError
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
+from specdec_core.drafters.base import ahead_outcome
 from specdec_core.errors import GroupBroken, SpecdecError
+from specdec_core.run_ahead import next_block
 
 from .admission import Overloaded
 from .auth import RequireSecret
 from .draft_service import DraftService
+from .forwarded_blocks import BlockForwarder, ForwardedBlock
 from .steps import WorkerStopping
 from .target_service import TargetService
 from .wire import component_from_proto, prompt_scores_to_proto, sampling_from_proto, tensor_to_proto
@@ -78,6 +81,11 @@ class SessionServicer:
 class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
     service: DraftService
 
+    def __init__(self, service: DraftService, secret: Optional[str] = None):
+        """`secret`: the workers' shared secret, sent with the blocks forwarded to a target."""
+        super().__init__(service)
+        self.forwarder = BlockForwarder(secret)
+
     @checked
     def Reset(self, request, context):
         drafter, sampling = component_from_proto(request.drafter), sampling_from_proto(request.sampling)
@@ -94,11 +102,26 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
             list(request.after_tokens),
         )
         reply = pb.DraftReply(tokens=block.tokens.tolist(), tree=block.tree.name if block.tree is not None else "")
+        if request.HasField("forward") and request.after_tokens and block.num_tokens > 1:
+            self.forward(request, block)
         if block.sampled:
             reply.token_probs.extend(block.token_probs.tolist())
         if block.logits is not None and (with_logits or block.sampled):
             reply.logits.CopyFrom(tensor_to_proto(block.logits))
         return reply
+
+    def forward(self, request: pb.ProposeRequest, proposal) -> None:
+        """Send an ahead proposal on to the target (run_ahead.py), as the server would use it."""
+        tokens = proposal.tokens.tolist()
+        block = next_block(proposal, request.max_tokens)
+        forwarded = pb.ForwardedBlock(
+            session_id=request.session_id,
+            after_length=request.forward.after_length,
+            assumed=ahead_outcome(list(request.after_tokens), tokens),
+            tokens=[tokens[0], *block.tokens.tolist()],
+            tree=block.tree.name if block.tree is not None else "",
+        )
+        self.forwarder.send(request.forward.address, forwarded)
 
 
 class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
@@ -118,7 +141,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
     def Reset(self, request, context):
         policy, sampling = component_from_proto(request.policy), sampling_from_proto(request.sampling)
         prefilled = self.service.reset(
-            request.session_id, list(request.prompt_ids), policy, sampling, request.with_heads
+            request.session_id, list(request.prompt_ids), policy, sampling, request.with_heads, request.takes_forwarded
         )
         scores = prefilled.prompt_scores
         return pb.TargetResetReply(
@@ -133,7 +156,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
             request.session_id, list(request.tokens), request.commit_keep, list(request.commit_path), request.tree
         )
         block = scored.block
-        reply = pb.ScoreReply(vocab_size=block.vocab_size, step_rows=block.batch_rows)
+        reply = pb.ScoreReply(vocab_size=block.vocab_size, step_rows=block.batch_rows, forwarded=scored.forwarded)
         if scored.top_ids is None:
             reply.logits.CopyFrom(tensor_to_proto(block.logits))
         else:
@@ -144,6 +167,12 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         if block.token_log_probs is not None:
             reply.token_log_probs.CopyFrom(tensor_to_proto(block.token_log_probs))
         return reply
+
+    @checked
+    def Forward(self, request, context):
+        block = ForwardedBlock(request.after_length, list(request.assumed), list(request.tokens), request.tree)
+        self.service.forward(request.session_id, block)
+        return pb.Empty()
 
     @checked
     def Heads(self, request, context):

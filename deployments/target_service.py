@@ -5,6 +5,7 @@ request's policy reads no more (compact.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from specdec_core.compact import compact_rows, wire_top_k
+from specdec_core.compact import compact_rows, expand_rows, wire_top_k
 from specdec_core.dynamic_tree import check_guess_tree
 from specdec_core.errors import SpecdecError, check_token_ids
 from specdec_core.frontend import Frontend
@@ -21,15 +22,17 @@ from specdec_core.loader import ModelSpec
 from specdec_core.policies import make_policy
 from specdec_core.profile import CalibrationSettings, TargetProfile, calibration_progress, measure_profile
 from specdec_core.request import MAX_DRAFT_TOKENS, ComponentSpec
+from specdec_core.run_ahead import target_outcome
 from specdec_core.sampling import SamplingParams
 from specdec_core.target import PREFILL_CHUNK, Row, TargetScorer, forward_rows
 from specdec_core.topologies import default_bank
 from specdec_core.types import Prefilled, TargetBlock
 
 from .admission import Admission
+from .forwarded_blocks import ForwardedBlock, ForwardedBlocks
 from .steps import PendingRow
 from .tensor_parallel import ControlChannel
-from .worker_ops import Guess, MeasureProfile, OpenTarget, TargetRow, TargetStep
+from .worker_ops import Guess, MeasureProfile, OpenTarget, Release, TargetRow, TargetStep
 from .worker_service import WorkerService
 
 
@@ -41,6 +44,7 @@ class ScoredRows:
     block: TargetBlock
     top_ids: Optional[torch.Tensor] = None
     top_log_probs: Optional[torch.Tensor] = None
+    forwarded: bool = False  # scored from the draft worker's forwarded block, before the Score came
 
 
 class TargetService(WorkerService):
@@ -66,12 +70,23 @@ class TargetService(WorkerService):
         self.operations.update(
             {OpenTarget: self.open, TargetStep: self.step, Guess: self.guess_after, MeasureProfile: self.measure}
         )
+        self.operations[Release] = self.release
+        self.forwarded = ForwardedBlocks(self.batcher.submit)  # rank 0's: the other ranks follow its steps
 
     def reset(
-        self, session_id: str, prompt_ids: list[int], policy: ComponentSpec, sampling: SamplingParams, with_heads: bool
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        policy: ComponentSpec,
+        sampling: SamplingParams,
+        with_heads: bool,
+        takes_forwarded: bool = False,
     ) -> Prefilled:
-        """Open a session and prefill its prompt (in steps); the prompt's scores when asked."""
+        """Open a session and prefill its prompt (in steps); the prompt's scores when asked.
+        `takes_forwarded`: the draft worker forwards the session's ahead blocks (`forward`)."""
         policy_object = make_policy(policy.name, policy.params)
+        if takes_forwarded and not policy_object.decided_by_target_rows(sampling):
+            raise SpecdecError(f"policy {policy.name!r} decides with the server: it takes no forwarded blocks")
         if policy_object.needs_profile:
             policy_object = policy_object.for_target(self.profile)
         prompt_ids = self.check_prompt(prompt_ids)
@@ -89,6 +104,8 @@ class TargetService(WorkerService):
         prefill = self.open_session(op, self.heads.cache_bytes_per_token() if with_heads else 0.0)
         if prefill:
             self.batcher.submit(TargetRow(session_id=session_id, tokens=prefill, prefill=True)).result()
+        if takes_forwarded:
+            self.forwarded.open(session_id)
         return self.session(session_id).prefilled()
 
     def open(self, op: OpenTarget) -> list[int]:
@@ -120,7 +137,33 @@ class TargetService(WorkerService):
         row = TargetRow(
             session_id=session_id, tokens=tokens, commit_keep=commit_keep, commit_path=commit_path, tree=tree
         )
+        scored_ahead, row = self.forwarded.claim(row)
+        if scored_ahead is not None:
+            return dataclasses.replace(scored_ahead.result(), forwarded=True)
         return self.batcher.submit(row).result()
+
+    def forward(self, session_id: str, block: ForwardedBlock) -> None:
+        """A block the draft worker sends ahead (run-ahead): scored before the server's Score for
+        it comes, when the target's verdict on the session's last block is the one it assumed."""
+        self.session(session_id)
+        if not self.forwarded.takes(session_id):
+            raise SpecdecError(f"session {session_id!r} was not reset to take forwarded blocks")
+        self.check_tokens(block.assumed, "assumed", 1, MAX_DRAFT_TOKENS + 1)
+        tokens = self.check_tokens(block.tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)
+        if block.tree and len(tokens) != (wanted := default_bank().get(block.tree).num_nodes + 1):
+            raise SpecdecError(f"tree {block.tree!r} takes {wanted} tokens (root and nodes)")
+        self.forwarded.on_forwarded(session_id, block)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "forwarded_scored": self.forwarded.scored, "forwarded_used": self.forwarded.used}
+
+    def release(self, op: Release) -> None:
+        super().release(op)
+        self.forwarded.close(op.session_id)
+
+    def on_expire(self, session_id: str) -> None:
+        super().on_expire(session_id)
+        self.forwarded.close(session_id)
 
     def check_row(self, row: PendingRow) -> None:
         scorer = self.session(row.session_id)
@@ -131,15 +174,21 @@ class TargetService(WorkerService):
         reach = scorer.committed_len + step_row.commit_keep + len(step_row.commit_path) + len(step_row.tokens)
         if reach > self.max_positions:
             raise SpecdecError(f"the session would exceed {self.max_positions} positions")
-        row.reply = functools.partial(self.scored_rows, scorer)
+        row.reply = functools.partial(self.scored_rows, scorer, step_row)
 
-    @staticmethod
-    def scored_rows(scorer: TargetScorer, block: TargetBlock) -> ScoredRows:
+    def scored_rows(self, scorer: TargetScorer, row: TargetRow, block: TargetBlock) -> ScoredRows:
         # a top-k row with its stop tokens masked would be flat where they led: ship it whole
-        top_k = None if scorer.within_min_tokens() else wire_top_k(scorer.policy, scorer.sampling)
-        if top_k is None:
-            return ScoredRows(block)
-        return ScoredRows(block, *compact_rows(block.logits, top_k))
+        early = scorer.within_min_tokens()
+        top_k = None if early else wire_top_k(scorer.policy, scorer.sampling)
+        scored = ScoredRows(block) if top_k is None else ScoredRows(block, *compact_rows(block.logits, top_k))
+        if not early and self.forwarded.takes(row.session_id):  # the server's verdict, on the rows it receives
+            rows = (
+                block.logits if top_k is None else expand_rows(scored.top_ids, scored.top_log_probs, block.vocab_size)
+            )
+            tree = default_bank().get(row.tree) if row.tree else None
+            outcome = target_outcome(scorer.policy, scorer.sampling, row.tokens, tree, rows)
+            self.forwarded.on_scored(row.session_id, scorer.committed_len + 1, outcome)
+        return scored
 
     def guess(
         self, session_id: str, commit_keep: int, commit_path: list[int], root_token: int, tree: str

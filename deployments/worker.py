@@ -133,7 +133,7 @@ class WorkerRank:
             service = DraftService(
                 model, target_config, idle_timeout_s, sending, admission, batch_window_s=worker.batch_window_ms / 1000
             )
-            servicer, add = DraftServicer(service), pb_grpc.add_DrafterServicer_to_server
+            servicer, add = DraftServicer(service, config.worker_secret), pb_grpc.add_DrafterServicer_to_server
         else:
             if config.target_heads:
                 self.note(f"loading the target's heads ({config.target_heads})")

@@ -19,7 +19,15 @@ output is target-only output. Sampled drafts of an ahead proposal are drawn from
 distribution after `d_1..d_K, g`, which is where they are used, so the lossless policies keep
 the target's distribution; a request's draws follow its own tokens only (the ahead proposal
 always runs, and is always awaited before the next call), so a seed reproduces its output,
-though not the output without run-ahead (the draft's generator is also drawn by dropped ones)."""
+though not the output without run-ahead (the draft's generator is also drawn by dropped ones).
+
+Forwarded blocks: where the policy's verdict follows from the target's rows alone (greedy, and
+rejection at T = 0: `decided_by_target_rows`), the draft worker also sends the ahead proposal
+straight to the target worker, which decides block t's verdict itself (`target_outcome`, on the
+rows the server receives, so it is the server's verdict exactly) and, when it is the one the
+proposal assumed, scores block t+1 before the server asks (deployments/forwarded_blocks.py).
+The lossy policies read the draft's rows or draw from the server's generator, so their verdicts
+stay with the server, and their ahead blocks go to the target from there."""
 
 from __future__ import annotations
 
@@ -27,11 +35,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Coroutine, Optional, Sequence
 
+import torch
+
 from .drafters.base import ahead_outcome, assumed_tokens
+from .policies import AcceptancePolicy
 from .sampling import SamplingParams
 from .sessions import DraftSession
 from .topologies import default_bank
-from .types import DraftBlock
+from .tree import Topology
+from .types import DraftBlock, TargetBlock
 
 
 @dataclass
@@ -127,3 +139,33 @@ def run_now(coroutine: Coroutine) -> Awaitable:
         return value
 
     return result()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A verdict as the target worker applies it: the tokens it adds to the sequence (the kept
+    drafts, then the next token) and the commit of the block scored (`commit_keep` tokens or a
+    tree's `commit_path`, as on the wire)."""
+
+    new_tokens: list[int]
+    commit_keep: int = 0
+    commit_path: tuple[int, ...] = ()
+
+
+def target_outcome(
+    policy: AcceptancePolicy,
+    sampling: SamplingParams,
+    tokens: Sequence[int],
+    tree: Optional[Topology],
+    rows: torch.Tensor,
+) -> Outcome:
+    """The verdict on a block `tokens` = [root, drafts..] (a chain, or `tree`'s nodes) whose
+    target rows `[T, V]` are those the server receives, by a policy `decided_by_target_rows`:
+    the server's own verdict, decided where the target runs."""
+    draft = DraftBlock(torch.tensor(list(tokens[1:]), dtype=torch.long, device=rows.device), tree=tree)
+    verify = policy.verify if tree is None else policy.verify_tree
+    verdict = verify(draft, TargetBlock(logits=rows), sampling, None)
+    new_tokens = [*verdict.kept_tokens(draft), verdict.next_token]
+    if verdict.path is None:
+        return Outcome(new_tokens, commit_keep=verdict.num_accepted + 1)
+    return Outcome(new_tokens, commit_path=tuple(verdict.path))

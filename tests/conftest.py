@@ -69,6 +69,19 @@ def tiny_engine(tiny_target):
 
 
 @pytest.fixture(scope="session")
+def sharp_engine():
+    """A tiny target whose next-token distributions are peaked, as a trained LM's are (random
+    weights' are near uniform: a sampled token would almost never be the draft's guess, and a
+    tree's top-1 path seldom the branch kept), with a draft close to it."""
+    from specdec_core import SpeculativeEngine
+
+    target = tiny_llama(seed=0)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(20.0)
+    return SpeculativeEngine(target, None, perturbed_copy(target, 0.002))
+
+
+@pytest.fixture(scope="session")
 def smol_engine():
     """SmolLM2-135M-Instruct target (fp32) with the default int4 draft; converted once per
     machine into the specdec cache."""

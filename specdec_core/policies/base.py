@@ -80,6 +80,12 @@ class AcceptancePolicy(ABC):
         means it needs the full rows. The base rule at T = 0 reads only the argmax."""
         return 1 if sampling.greedy else None
 
+    def decided_by_target_rows(self, sampling: SamplingParams) -> bool:
+        """Whether a verdict follows from the target's rows and the draft's tokens alone (no draft
+        rows, no random draws), so that the target worker can decide it as the server will
+        (run-ahead's forwarded blocks, run_ahead.py)."""
+        return False
+
     @abstractmethod
     def verify(
         self,

@@ -17,6 +17,9 @@ class GreedyPolicy(AcceptancePolicy):
     supports_sampling = False
     supports_trees = True
 
+    def decided_by_target_rows(self, sampling) -> bool:
+        return True
+
     def verify(self, draft, target, sampling, generator) -> Verdict:
         decision = base_decision(draft, target, sampling, generator)
         num_accepted = first_false(decision.accepted)

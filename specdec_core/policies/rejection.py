@@ -10,6 +10,9 @@ class RejectionPolicy(AcceptancePolicy):
     name = "rejection"
     lossless = True
 
+    def decided_by_target_rows(self, sampling) -> bool:
+        return sampling.greedy  # the base rule at T = 0: the target's argmax
+
     def verify(self, draft, target, sampling, generator) -> Verdict:
         decision = base_decision(draft, target, sampling, generator)
         num_accepted = first_false(decision.accepted)

@@ -7,27 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturbed_copy, repeating_prompt, tiny_llama
+from conftest import repeating_prompt
 from scipy.stats import chisquare
 
-from specdec_core import GenerationRequest, SpeculativeEngine
+from specdec_core import GenerationRequest
 from specdec_core.drafters import make_drafter
 from specdec_core.sampling import SamplingParams, sampling_probs
 
 
 @pytest.fixture(scope="module")
-def sharp_target():
-    """A tiny target whose next-token distributions are peaked, as a trained LM's are (random
-    weights' are near uniform: a sampled token would almost never be the draft's guess)."""
-    target = tiny_llama(seed=0)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(20.0)
-    return target
-
-
-@pytest.fixture(scope="module")
-def engine(sharp_target):
-    return SpeculativeEngine(sharp_target, None, perturbed_copy(sharp_target, 0.002))
+def engine(sharp_engine):
+    return sharp_engine
 
 
 def request(drafter: str, run_ahead: bool, policy: str = "greedy", k: int = 4, **sampling) -> GenerationRequest:
@@ -111,7 +101,7 @@ def test_an_ahead_block_carries_the_draft_rows_of_the_positions_it_is_verified_a
     torch.testing.assert_close(ahead.token_probs[1:], expected, atol=1e-5, rtol=1e-4)
 
 
-def test_tokens_verified_from_ahead_proposals_follow_the_target(engine, sharp_target):
+def test_tokens_verified_from_ahead_proposals_follow_the_target(engine):
     """rejection, K = 1, 4 tokens, 1,500 seeds: the third token is verified from the ahead
     proposal whenever the first step kept its draft and the target's bonus was the draft's guess
     (about a third of the runs here). Each third token's randomized probability integral transform
@@ -127,7 +117,7 @@ def test_tokens_verified_from_ahead_proposals_follow_the_target(engine, sharp_ta
     with torch.inference_mode():
         for completion in completions:
             first_two, third = completion.token_ids[:2], completion.token_ids[2]
-            logits = sharp_target(torch.tensor([repeating_prompt(6) + first_two])).logits[0, -1]
+            logits = engine.target_model(torch.tensor([repeating_prompt(6) + first_two])).logits[0, -1]
             probs = sampling_probs(logits[None], SamplingParams(**sampling))[0].double()
             transforms.append(float(probs[:third].sum() + torch.rand((), generator=generator) * probs[third]))
     counts = torch.histc(torch.tensor(transforms), bins=10, min=0.0, max=1.0)

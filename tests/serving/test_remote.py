@@ -88,7 +88,8 @@ def test_remote_output_equals_in_process_engine(cluster, tiny_engine, policy, te
 def test_run_ahead_serves_the_in_process_tokens(cluster, tiny_engine, policy, temperature, drafter):
     """Served, the ahead proposal (a chain or a tree) runs on the draft worker while the target
     worker verifies; the tokens and the proposals used and dropped are the in-process engine's
-    (where they run one after the other), and at T = 0 target-only's."""
+    (where they run one after the other), and at T = 0 target-only's, with the ahead blocks
+    forwarded to the target worker and scored there before the server asks."""
     req = request(policy, drafter, temperature).model_copy(update={"run_ahead": True})
     tokens, metrics = remote_complete(cluster, req)
     local = tiny_engine.complete(req)
@@ -101,6 +102,13 @@ def test_run_ahead_serves_the_in_process_tokens(cluster, tiny_engine, policy, te
         # a tree's top-1 path is seldom the branch kept on these near-flat logits (the sharp
         # target of tests/core/test_run_ahead.py uses tree proposals)
         assert metrics["run_ahead"]["used"] > 0 or drafter.endswith("tree")
+    # greedy verdicts are the target's to decide: the draft worker forwards its ahead blocks
+    # there, and most of those used were scored before their Score (forwarded_blocks.py)
+    forwarded, used = metrics["run_ahead"]["forwarded"], metrics["run_ahead"]["used"]
+    if policy == "greedy":
+        assert forwarded <= used and (forwarded > 0 or drafter.endswith("tree"))
+    else:  # sampled verdicts draw from the server's generator: they stay there
+        assert forwarded == 0
 
 
 @pytest.mark.parametrize(
