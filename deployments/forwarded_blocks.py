@@ -28,10 +28,12 @@ import grpc
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
+from specdec_core.errors import SpecdecError
 from specdec_core.run_ahead import Outcome
 
 from .auth import SECRET_METADATA
 from .worker_ops import TargetRow
+from .worker_service import SessionMissing
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +58,14 @@ class SessionForwards:
     waiting: Optional[ForwardedBlock] = None  # arrived before its block's verdict
     prescored: Optional[Prescored] = None
     stale_below: int = 0  # forwarded blocks for shorter sequences come too late
+    claiming: bool = False  # a Score is settling the block scored ahead
 
 
 class ForwardedBlocks:
     """The forwarded blocks of a target worker's sessions that take them (`open`); `submit(row)`
-    runs a row in the worker's next step and returns its future (the step batcher's)."""
+    runs a row in the worker's next step and returns its future (the step batcher's). The lock is
+    never held while submitting: the batcher's own lock is taken before this one where a step
+    expires idle sessions (`close`)."""
 
     def __init__(self, submit: Callable[[TargetRow], Future]):
         self.submit = submit
@@ -85,9 +90,11 @@ class ForwardedBlocks:
         before the block's answer goes out)."""
         with self.lock:
             state = self.sessions.get(session_id)
-            if state is not None:
-                state.verdict = (after_length, outcome)
-                self._start(session_id, state)
+            if state is None:
+                return
+            state.verdict = (after_length, outcome)
+            started = self._start(session_id, state)
+        self._launch(started)
 
     def on_forwarded(self, session_id: str, block: ForwardedBlock) -> None:
         """A block the draft worker forwarded; unknown sessions (released, or not taking them) drop it."""
@@ -96,18 +103,20 @@ class ForwardedBlocks:
             if state is None or block.after_length < state.stale_below:
                 return
             state.waiting = block
-            self._start(session_id, state)
+            started = self._start(session_id, state)
+        self._launch(started)
 
-    def _start(self, session_id: str, state: SessionForwards) -> None:
-        """Score the waiting block if the verdict is the one it assumed and none is unclaimed."""
-        if state.prescored is not None or state.verdict is None or state.waiting is None:
-            return
+    def _start(self, session_id: str, state: SessionForwards) -> Optional[Prescored]:
+        """(Under the lock.) The waiting block as a row to score ahead, when the verdict is the one
+        it assumed and no block scored ahead is unclaimed or being claimed."""
+        if state.prescored is not None or state.claiming or state.verdict is None or state.waiting is None:
+            return None
         after_length, outcome = state.verdict
         if state.waiting.after_length > after_length:
-            return  # for a later block: it waits for that block's verdict
+            return None  # for a later block: it waits for that block's verdict
         block, state.waiting = state.waiting, None
         if block.after_length < after_length or block.assumed != outcome.new_tokens:
-            return  # stale, or the verdict went otherwise: the server's next Score drafts anew
+            return None  # stale, or the verdict went otherwise: the server's next Score drafts anew
         row = TargetRow(
             session_id=session_id,
             tokens=block.tokens,
@@ -115,9 +124,20 @@ class ForwardedBlocks:
             commit_path=list(outcome.commit_path),
             tree=block.tree,
         )
-        state.prescored = Prescored(row, self.submit(row))
-        state.verdict = None
+        state.prescored, state.verdict = Prescored(row, Future()), None
         self.scored += 1
+        return state.prescored
+
+    def _launch(self, prescored: Optional[Prescored]) -> None:
+        """(Outside the lock.) Submit a row `_start` made; its answer goes to its future."""
+        if prescored is None:
+            return
+        try:
+            answer = self.submit(prescored.row)
+        except Exception as error:  # noqa: BLE001 - the claimant's to see (a stopping worker)
+            prescored.future.set_exception(error)
+            return
+        answer.add_done_callback(lambda done: chain(done, prescored.future))
 
     def claim(self, row: TargetRow) -> tuple[Optional[Future], TargetRow]:
         """The server's Score `row` (on a gRPC handler thread): the future of the same row scored
@@ -133,23 +153,41 @@ class ForwardedBlocks:
                     state.stale_below = state.verdict[0] + 1
                 state.verdict = None
                 return None, row
-        error = prescored.future.exception()  # waits for its step
-        if error is not None:  # the claimant's to see (its session failed or was released)
-            raise error
-        ahead = prescored.row
-        same_commit = (row.commit_keep, row.commit_path) == (ahead.commit_keep, ahead.commit_path)
-        if not same_commit:
-            raise RuntimeError(
-                f"session {row.session_id}: the server committed {row.commit_keep} / {row.commit_path}, "
-                f"the target's own verdict {ahead.commit_keep} / {ahead.commit_path}"
-            )
-        with self.lock:
-            if (row.tokens, row.tree) == (ahead.tokens, ahead.tree):
+            state.claiming = True  # no block starts ahead until this claim settles
+        try:
+            error = prescored.future.exception()  # waits for its step
+            if isinstance(error, (SpecdecError, SessionMissing)):  # refused by its checks: nothing applied
+                with self.lock:
+                    state.verdict = None
+                return None, row
+            if error is not None:  # its forward failed: the session's state is the claimant's error
+                raise error
+            ahead = prescored.row
+            if (row.commit_keep, row.commit_path) != (ahead.commit_keep, ahead.commit_path):
+                raise RuntimeError(
+                    f"session {row.session_id}: the server committed {row.commit_keep} / {row.commit_path}, "
+                    f"the target's own verdict {ahead.commit_keep} / {ahead.commit_path}"
+                )
+            with self.lock:
+                state.claiming = False
+                if (row.tokens, row.tree) != (ahead.tokens, ahead.tree):
+                    state.verdict = None  # the verdict on the unused block is not the server's
+                    return None, row.model_copy(update={"commit_keep": 0, "commit_path": []})
                 self.used += 1
-                self._start(row.session_id, state)  # the block after it may be waiting
-                return prescored.future, row
-            state.verdict = None  # the verdict on the unused block is not the server's
-        return None, row.model_copy(update={"commit_keep": 0, "commit_path": []})
+                started = self._start(row.session_id, state)  # the block after it may be waiting
+            self._launch(started)
+            return prescored.future, row
+        finally:
+            with self.lock:
+                state.claiming = False
+
+
+def chain(source: Future, target: Future) -> None:
+    error = source.exception()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(source.result())
 
 
 MAX_TARGET_CHANNELS = 16  # target replicas a draft worker keeps a channel to, least recently used dropped
@@ -177,10 +215,17 @@ class BlockForwarder:
             return self.stubs[address][1]
 
     def send(self, address: str, block: pb.ForwardedBlock) -> None:
-        call = self.stub(address).Forward.future(block, timeout=self.deadline_s, metadata=self.metadata)
+        try:
+            call = self.stub(address).Forward.future(block, timeout=self.deadline_s, metadata=self.metadata)
+        except ValueError as error:  # its channel was closed meanwhile (evicted): the block is only lost
+            logger.warning("forwarding session %s's block to %s failed: %s", block.session_id, address, error)
+            return
         call.add_done_callback(lambda done: self.check(done, block.session_id, address))
 
     @staticmethod
     def check(call: grpc.Future, session_id: str, address: str) -> None:
-        if call.code() != grpc.StatusCode.OK:
-            logger.warning("forwarding session %s's block to %s failed: %s", session_id, address, call.code().name)
+        code = call.code()
+        if code == grpc.StatusCode.NOT_FOUND:  # the request ended first (its session released)
+            logger.debug("forwarded block of session %s came after its release", session_id)
+        elif code != grpc.StatusCode.OK:
+            logger.warning("forwarding session %s's block to %s failed: %s", session_id, address, code.name)

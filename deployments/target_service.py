@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +35,8 @@ from .steps import PendingRow
 from .tensor_parallel import ControlChannel
 from .worker_ops import Guess, MeasureProfile, OpenTarget, Release, TargetRow, TargetStep
 from .worker_service import WorkerService
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -181,14 +184,24 @@ class TargetService(WorkerService):
         early = scorer.within_min_tokens()
         top_k = None if early else wire_top_k(scorer.policy, scorer.sampling)
         scored = ScoredRows(block) if top_k is None else ScoredRows(block, *compact_rows(block.logits, top_k))
-        if not early and self.forwarded.takes(row.session_id):  # the server's verdict, on the rows it receives
-            rows = (
-                block.logits if top_k is None else expand_rows(scored.top_ids, scored.top_log_probs, block.vocab_size)
-            )
-            tree = default_bank().get(row.tree) if row.tree else None
-            outcome = target_outcome(scorer.policy, scorer.sampling, row.tokens, tree, rows)
-            self.forwarded.on_scored(row.session_id, scorer.committed_len + 1, outcome)
+        if not early and self.forwarded.takes(row.session_id):
+            try:
+                self.decide(scorer, row, scored)
+            except Exception:  # noqa: BLE001 - logged; the block's answer stands, only its head start is lost
+                logger.exception("session %s: deciding its verdict on the target failed", row.session_id)
         return scored
+
+    def decide(self, scorer: TargetScorer, row: TargetRow, scored: ScoredRows) -> None:
+        """The server's verdict on a scored block, decided here on the rows the server receives
+        (a CPU copy of the wire's tensors, expanded as the server expands them)."""
+        block = scored.block
+        if scored.top_ids is None:
+            rows = block.logits.cpu()
+        else:
+            rows = expand_rows(scored.top_ids.cpu(), scored.top_log_probs.cpu(), block.vocab_size)
+        tree = default_bank().get(row.tree) if row.tree else None
+        outcome = target_outcome(scorer.policy, scorer.sampling, row.tokens, tree, rows)
+        self.forwarded.on_scored(row.session_id, scorer.committed_len + 1, outcome)
 
     def guess(
         self, session_id: str, commit_keep: int, commit_path: list[int], root_token: int, tree: str

@@ -18,7 +18,7 @@ class GreedyPolicy(AcceptancePolicy):
     supports_trees = True
 
     def decided_by_target_rows(self, sampling) -> bool:
-        return True
+        return sampling.greedy
 
     def verify(self, draft, target, sampling, generator) -> Verdict:
         decision = base_decision(draft, target, sampling, generator)

@@ -96,6 +96,7 @@ def sweep(
             }
             ahead = [sent.metrics["run_ahead"] for sent in results if "run_ahead" in sent.metrics]
             ahead_proposals = sum(counts["used"] + counts["discarded"] for counts in ahead)
+            ahead_used = sum(counts["used"] for counts in ahead)
             latencies = [sent.latency_s for sent in results]
             firsts = [sent.time_to_first_token_s for sent in results if sent.time_to_first_token_s is not None]
             drafts = total(results, "spec_decode_num_drafts")
@@ -114,8 +115,10 @@ def sweep(
                     **split,
                     "identical_to_first_level": sum(a == b for a, b in zip(outputs, first_outputs)),
                     "identical_to_first_method": sum(a == b for a, b in zip(outputs, baseline)),
-                    "ahead_used": round(sum(counts["used"] for counts in ahead) / ahead_proposals, 3)
-                    if ahead_proposals
+                    "ahead_used": round(ahead_used / ahead_proposals, 3) if ahead_proposals else None,
+                    # of those used, the share the target scored from the draft worker's forward
+                    "ahead_forwarded": round(sum(counts.get("forwarded", 0) for counts in ahead) / ahead_used, 3)
+                    if ahead_used
                     else None,
                 }
             )
