@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union
 import torch
 from torch import nn
 
+from .shard_loader import activation_dtype
 from .topologies import default_bank
 from .tree import Topology
 
@@ -58,12 +59,11 @@ def load_heads(setting: Optional[str], target_source: str, model: nn.Module) -> 
         heads = HydraHeads.load(directory, model.config)
     else:
         heads = MedusaHeads.load(directory)
-    lm_head = model.get_output_embeddings().weight
-    if heads.hidden_size != lm_head.shape[-1]:
-        raise ValueError(f"heads of hidden size {heads.hidden_size} do not fit a target of {lm_head.shape[-1]}")
+    if heads.hidden_size != model.config.hidden_size:
+        raise ValueError(f"heads of hidden size {heads.hidden_size} do not fit a target of {model.config.hidden_size}")
     if heads.kind == "eagle3":
         keep_aux_states(model, heads.aux_layers)  # what the layer reads, from every target forward
-    return heads.to(lm_head.device, lm_head.dtype).eval()
+    return heads.to(model.device, activation_dtype(model)).eval()
 
 
 class ResidualBlock(nn.Module):

@@ -2,10 +2,13 @@
 (`specdec plan`).
 
 The parameter count comes from the model built on the meta device (no weights, any
-architecture transformers knows). Sharding follows what the tensor-parallel backends do for
-decoder LMs: every linear inside a decoder layer is split over the ranks, and so is an untied LM
-head; the embedding and the norms are replicated. `fp8` means FP8 decoder-layer linears with the
-embedding, LM head and norms in bf16 (the usual FP8 checkpoints of Llama-3.1).
+architecture transformers knows). Sharding follows what the loaders do for decoder LMs
+(shard_loader.py): every linear inside a decoder layer is split over the ranks, and so is an
+untied LM head; the embedding and the norms are whole. With pipeline stages the first stage
+holds the embedding, the last the LM head (and, tied, the embedding). Every rank holds a
+step's logits over the whole vocabulary (gathered over the tp ranks, passed on between stages).
+`fp8` means FP8 decoder-layer linears with the embedding, LM head and norms in bf16 (the usual
+FP8 checkpoints of Llama-3.1).
 
 The KV cache of a rank holds its share of the KV heads: tp must divide the query and KV heads
 (`shard_problem`), so at most 8 ranks for Llama-3.1. Besides weights and KV cache a rank needs the
@@ -52,11 +55,12 @@ def load_model_config(model: str) -> Any:
 class ParameterCounts:
     layer_linears: int  # split over the tp ranks
     lm_head: int  # split over the tp ranks (0 when tied to the embedding)
-    replicated: int  # whole on every rank: embedding, norms
+    embedding: int  # whole on the ranks that hold it
+    replicated: int  # whole on every rank: the norms
 
     @property
     def total(self) -> int:
-        return self.layer_linears + self.lm_head + self.replicated
+        return self.layer_linears + self.lm_head + self.embedding + self.replicated
 
 
 def count_parameters(config: Any) -> ParameterCounts:
@@ -64,11 +68,14 @@ def count_parameters(config: Any) -> ParameterCounts:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    counts = ParameterCounts(0, 0, 0)
+    counts = ParameterCounts(0, 0, 0, 0)
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     for name, parameter in model.named_parameters():  # a tied head is the embedding, counted once
         if ".layers." in name and parameter.dim() == 2:
             counts.layer_linears += parameter.numel()
-        elif name.startswith("lm_head"):
+        elif parameter is embedding:
+            counts.embedding += parameter.numel()
+        elif parameter is head:
             counts.lm_head += parameter.numel()
         else:
             counts.replicated += parameter.numel()
@@ -146,8 +153,7 @@ def plan(
     """Per-rank memory of `config` over `pp` pipeline stages of `tp` ranks of `gpu_gib` each,
     for the rank that needs most; `step_tokens` per request in a verify step (K + 1); `max_len`
     defaults to the model's context length. A stage holds ceil(layers / pp) layers (the first
-    stages take the remainder); with stages, every rank holds the embedding and the whole LM
-    head and computes the whole vocabulary's logits (pipeline.py: each rank applies the head)."""
+    stages take the remainder); the first holds the embedding, the last the LM head."""
     problem = shard_problem(config, tp)
     if problem:
         raise ValueError(problem)
@@ -155,13 +161,20 @@ def plan(
     largest_stage = len(stage_layers(layers, 0, pp))  # the first stages take the remainder
     counts = count_parameters(config)
     other_width = BYTES_PER_VALUE["bfloat16" if dtype == "fp8" else dtype]
-    ends = counts.replicated + counts.lm_head / (tp if pp == 1 else 1)  # embedding, norms, head
-    weight_bytes = counts.layer_linears * largest_stage / layers / tp * BYTES_PER_VALUE[dtype] + ends * other_width
+
+    def stage_bytes(stage: int) -> float:
+        first, last = stage == 0, stage == pp - 1
+        ends = (
+            counts.replicated + counts.lm_head / tp * last + counts.embedding * (first or (last and not counts.lm_head))
+        )
+        linears = counts.layer_linears * len(stage_layers(layers, stage, pp)) / layers / tp
+        return linears * BYTES_PER_VALUE[dtype] + ends * other_width
+
+    weight_bytes = max(stage_bytes(0), stage_bytes(pp - 1))
     kv_per_token = kv_bytes_per_token(config, tp, BYTES_PER_VALUE[kv_dtype]) * largest_stage / layers
     max_len = max_len or config.max_position_embeddings
     rows = max_batch * step_tokens  # fp32 logits and the widest activations (MLP, both halves)
-    vocab_share = config.vocab_size / (tp if pp == 1 else 1)
-    step_bytes = rows * (vocab_share + 2 * config.intermediate_size / tp + 4 * config.hidden_size) * 4
+    step_bytes = rows * (config.vocab_size + 2 * config.intermediate_size / tp + 4 * config.hidden_size) * 4
     return Plan(
         tp=tp,
         pp=pp,

@@ -6,9 +6,12 @@ Every rank runs every forward (its worker's ranks apply the same operations in t
 deployments/tensor_parallel.py), each over its own layers and its own KV pool: stage 0 embeds
 the tokens and runs its layers, then sends the hidden states `[1, N, H]` to the rank of the
 same tp index in the next stage, which runs its layers on them, and so on; the last stage's
-final hidden states (after the model's norm) are broadcast to every rank, which applies the LM
-head itself, so that every rank holds the step's logits as with tensor parallelism alone. A
-rank's rollback and tree commits touch its own layers' KV only, the same on every stage.
+final hidden states (after the model's norm) are broadcast to every rank. Only the first stage
+holds the embedding, and only the last the norm and the LM head (split over its tp ranks,
+shard_loader.py): its logits are broadcast to the other stages (`PipelineHead`), so that every
+rank holds the step's logits as with tensor parallelism alone (rank 0, on the first stage,
+answers the step). A rank's rollback and tree commits touch its own layers' KV only, the same
+on every stage.
 
 A step of several rows fills the pipeline: its rows run as micro-batches (`microbatches`), so
 that while stage 1 computes the first rows, stage 0 computes the next ones; a step of S stages
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .errors import GroupBroken
+from .shard_loader import activation_dtype
 
 # the fewest tokens a micro-batch holds: a forward costs more than its tokens' work (on the Zen 4
 # VM, about 2 ms a layer on one thread: 8 one-token rows took 134 ms split against 108 whole, 8
@@ -46,17 +50,18 @@ def stage_layers(num_layers: int, stage: int, num_stages: int) -> range:
 
 
 def make_stage(model: torch.nn.Module, stage: int, num_stages: int, tp: int) -> torch.nn.Module:
-    """Turn `model` (holding `stage`'s layers only, shard_loader.load_shard) into that stage of
-    a pipeline over the default process group: its base forward passes hidden states on. Every
-    rank calls it at once (it makes the process groups of the stages' tp columns)."""
+    """Turn `model` (holding `stage`'s layers only, and its ends: shard_loader.load_shard) into
+    that stage of a pipeline over the default process group: its base forward passes hidden
+    states on, its LM head logits. Every rank calls it at once (it makes the process groups of
+    the stages' tp columns)."""
     base = model.model
-    if stage < num_stages - 1:
-        base.norm = torch.nn.Identity()  # the last stage normalizes the final hidden states
     # one group per tp index: that rank of every stage (each rank makes every group, in order)
     columns = [dist.new_group([s * tp + column for s in range(num_stages)]) for column in range(tp)]
     column = dist.get_rank() % tp
-    base.pipeline_stage = PipelineStage(base.forward, stage, num_stages, tp, columns[column])
+    dtype = activation_dtype(model)
+    base.pipeline_stage = PipelineStage(base.forward, stage, num_stages, tp, columns[column], dtype)
     base.forward = base.pipeline_stage
+    model.lm_head = PipelineHead(model.lm_head, model.config.vocab_size, base.pipeline_stage)
     return model
 
 
@@ -65,12 +70,13 @@ class PipelineStage:
     tp index (stage 0: the tokens), its output to the next; every rank gets the last stage's
     final hidden states `[1, N, H]` (`column_group`: this rank's tp index in every stage)."""
 
-    def __init__(self, forward, stage: int, num_stages: int, tp: int, column_group):
+    def __init__(self, forward, stage: int, num_stages: int, tp: int, column_group, dtype: torch.dtype):
+        """`dtype`: the hidden states' (the model's activations')."""
         self.forward, self.stage, self.num_stages, self.column_group = forward, stage, num_stages, column_group
         rank = dist.get_rank()
         self.previous, self.following, self.last = rank - tp, rank + tp, (num_stages - 1) * tp + rank % tp
         base = forward.__self__
-        self.hidden_size, self.dtype = base.config.hidden_size, next(base.parameters()).dtype
+        self.hidden_size, self.dtype = base.config.hidden_size, dtype
         self.min_tokens = MICROBATCH_MIN_TOKENS.get(base.device.type, MICROBATCH_MIN_TOKENS["cuda"])
 
     def microbatches(self, lengths: list[int]) -> list[range]:
@@ -106,6 +112,25 @@ class PipelineStage:
         for hidden in outputs:
             passing(dist.broadcast, hidden, src=self.last, group=self.column_group)
         return [BaseModelOutputWithPast(last_hidden_state=hidden) for hidden in outputs]
+
+
+class PipelineHead(torch.nn.Module):
+    """The LM head of a pipeline's stage: the last stage applies its own (`head`) and broadcasts
+    the logits `[1, N, V]` to the same tp index of every stage, whose ranks hold no head
+    (`head` None) and receive them. Every rank of the column calls it for the same rows, as
+    every rank runs the same step."""
+
+    def __init__(self, head: torch.nn.Module | None, vocab_size: int, stage: "PipelineStage"):
+        super().__init__()
+        self.head, self.vocab_size, self.stage = head, vocab_size, stage
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            logits = self.head(hidden).contiguous()
+        else:
+            logits = torch.empty(*hidden.shape[:-1], self.vocab_size, dtype=self.stage.dtype, device=hidden.device)
+        passing(dist.broadcast, logits, src=self.stage.last, group=self.stage.column_group)
+        return logits
 
 
 def split_rows(lengths: list[int], count: int) -> list[range]:

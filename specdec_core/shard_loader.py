@@ -2,14 +2,17 @@
 pipeline stage (pipeline.py), its shard of each decoder linear over the `tp` ranks of a
 tensor-parallel group (parallel.py), and FP8 linears where the checkpoint has them
 (fp8_checkpoint.py). The model is built on the meta device and takes the tensors as they are
-read, each once (a slice where the rank needs only a part). Every rank keeps the embedding and
-the whole LM head (a pipeline's ranks each apply the head, pipeline.py).
+read, each once (a slice where the rank needs only a part). A pipeline's first stage holds the
+embedding, its last the final norm and the LM head (and, tied, the embedding it reads); the
+other stages hold neither (pipeline.py passes the logits on).
 
 Tensor parallelism follows transformers' `tp_plan` for the architecture: a colwise linear (q, k,
 v, gate, up) keeps its rows (and, FP8, their scales), a rowwise one (o, down) its columns with
-every row's scale (a per-row scale multiplies each rank's partial sum alike); transformers' own
-tensor-parallel forwards then run on these modules (`apply_tensor_parallelism`: a rowwise output
-is all-reduced over the group). The embedding, norms and LM head are whole on every rank."""
+every row's scale (a per-row scale multiplies each rank's partial sum alike), and an untied LM
+head its rows of the vocabulary, whose logits are gathered (`colwise_gather_output`); transformers'
+own tensor-parallel forwards then run on these modules (`apply_tensor_parallelism`: a rowwise
+output is all-reduced over the group). The embedding and the norms are whole on every rank that
+holds them, as is a head tied to the embedding (split, it would be a second copy of its rows)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from .fp8_checkpoint import fp8_scheme, quantization_config
 from .kernels.fp8 import FP8, fp8_linear, plain_linear
 
 LAYER = re.compile(r"\.layers\.(\d+)\.")
+READ_DIM = {"colwise": 0, "rowwise": 1, "colwise_gather_output": 0, "colwise_rep": 0}  # a style's split weight dim
 
 
 def checkpoint_directory(source: str, layers: Optional[range] = None) -> Path:
@@ -111,8 +115,10 @@ def load_shard(
     tp_mesh=None,
 ) -> torch.nn.Module:
     """The causal LM of a checkpoint (a directory or a hub id) on `device`, its unquantized
-    tensors in `dtype`: only the decoder layers `layers` (renumbered from 0; all by default), and
-    over `tp_mesh` (a 1-D device mesh of this rank's tensor-parallel group) this rank's shard."""
+    tensors in `dtype`: only the decoder layers `layers` (renumbered from 0; all by default) and
+    what its stage needs around them (the embedding first, the norm and LM head last; None where
+    a stage has none), and over `tp_mesh` (a 1-D device mesh of this rank's tensor-parallel
+    group) this rank's shard."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(source)
@@ -123,6 +129,7 @@ def load_shard(
             raise ValueError(f"{source}: quantization {quantization.get('quant_method')!r} does not load by shards")
         del config.quantization_config  # the model is built plain; its linears are replaced below
     layers = layers if layers is not None else range(config.num_hidden_layers)
+    first, last = layers.start == 0, layers.stop == config.num_hidden_layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[layers.start : layers.stop]
     config.num_hidden_layers = len(layers)
@@ -130,8 +137,23 @@ def load_shard(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     checkpoint = Checkpoint(checkpoint_directory(source, layers), device)
     names = stage_names(checkpoint.files, layers)  # this stage's name -> the checkpoint's
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight is embedding.weight
+    module_names = {module: name for name, module in model.named_modules()}
+    ends = {  # what the stage keeps of the modules around the layers (the model is built whole, on meta)
+        module_names[embedding]: (first or (tied and last), None),
+        module_names[head]: (last, None),
+        f"{model.base_model_prefix}.norm": (last, torch.nn.Identity()),
+    }
+    for module, (keep, instead) in ends.items():
+        if not keep:
+            parent, _, attribute = module.rpartition(".")
+            setattr(model.get_submodule(parent), attribute, instead)
+            names = {name: stored for name, stored in names.items() if not name.startswith(f"{module}.")}
     shard = (tp_mesh.get_local_rank(), tp_mesh.size()) if tp_mesh is not None else (0, 1)
     styles = tensor_parallel_styles(model) if tp_mesh is not None else {}
+    if styles and last and not tied:
+        styles[module_names[head]] = head_style(model, module_names[head])
     for name, module in list(model.named_modules()):
         style = styles.get(name)
         if isinstance(module, torch.nn.Linear) and (style or f"{name}.weight_scale" in names):
@@ -145,7 +167,8 @@ def load_shard(
     missing, unexpected = model.load_state_dict(
         {name: tensor.to(dtype) for name, tensor in tensors.items()}, strict=False, assign=True
     )
-    model.tie_weights()
+    if tied and last:
+        model.tie_weights()
     missing = [name for name in missing if getattr(model.get_parameter(name), "is_meta", False)]
     if missing or unexpected:
         raise ValueError(f"{source}: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -156,6 +179,22 @@ def load_shard(
         apply_tensor_parallelism(model, tp_mesh, styles)
     model._tp_size = shard[1]  # transformers' `tp_size`: this rank holds 1 / tp_size of the KV heads
     return model.eval()
+
+
+def activation_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of a model's hidden states (and KV cache): its embedding's, or, on a pipeline
+    stage that holds none, the one it was loaded in."""
+    embeddings = model.get_input_embeddings()
+    return embeddings.weight.dtype if embeddings is not None else model.config.dtype
+
+
+def head_style(model: torch.nn.Module, name: str) -> str:
+    """The LM head's (module `name`'s) tensor-parallel style in transformers' plan for the
+    architecture: split over the vocabulary, its logits gathered on every rank."""
+    style = (getattr(model, "_tp_plan", None) or {}).get(name)
+    if READ_DIM.get(style) != 0:
+        raise ValueError(f"{type(model).__name__}'s LM head has no vocabulary-split style in transformers ({style!r})")
+    return style
 
 
 def stage_names(stored, layers: range) -> dict[str, str]:
@@ -178,8 +217,8 @@ def read_linear(
     """The linear of the checkpoint's `weight_name` (this rank's shard under `style`): FP8
     where the checkpoint scales it (`scheme`)."""
     name = weight_name.removesuffix(".weight")
-    rows = {"colwise": 0, "rowwise": None}.get(style)  # what of the per-row scales and bias a rank holds
-    weight = checkpoint.read(f"{name}.weight", {"colwise": 0, "rowwise": 1}.get(style), shard)
+    rows = 0 if READ_DIM.get(style) == 0 else None  # what of the per-row scales and bias a rank holds
+    weight = checkpoint.read(f"{name}.weight", READ_DIM.get(style), shard)
     bias = checkpoint.read(f"{name}.bias", rows, shard) if f"{name}.bias" in checkpoint.files else None
     if f"{name}.weight_scale" in checkpoint.files:
         if weight.dtype != FP8:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import tiny_llama
+from conftest import TINY_VOCAB, tiny_llama
 
 from deployments.tensor_parallel import ControlChannel
 from specdec_core.loader import ModelSpec, load_model
@@ -46,6 +46,15 @@ def steps(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(block.logits, block.features["path_tokens"]) for block in blocks if block is not None]
 
 
+def vocabulary_rows(module) -> int | None:
+    """The rows of the vocabulary a rank holds of an embedding or LM head (None: it holds none)."""
+    module = getattr(module, "head", module)  # a pipeline stage's head wraps the stage's own, if any
+    if module is None:
+        return None
+    weight = module.weight
+    return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
+
+
 def rank_main(rank: int, world_size: int, port: int, checkpoint: str, backend: str, pp: int, results) -> None:
     torch.set_num_threads(1)
     group = join_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
@@ -53,7 +62,9 @@ def rank_main(rank: int, world_size: int, port: int, checkpoint: str, backend: s
     smallest_budget = ControlChannel(group).smallest(10.0 * (rank + 1))  # how the ranks size their pools
     with torch.no_grad():
         # numpy arrays travel by value (a tensor's shared memory would die with this process)
-        results.put((rank, ([(logits.numpy(), paths.numpy()) for logits, paths in steps(model)], smallest_budget)))
+        scored = [(logits.numpy(), paths.numpy()) for logits, paths in steps(model)]
+    ends = (vocabulary_rows(model.get_input_embeddings()), vocabulary_rows(model.get_output_embeddings()))
+    results.put((rank, (scored, smallest_budget, ends)))
     dist.destroy_process_group()
 
 
@@ -75,8 +86,9 @@ def fp8_checkpoint(tmp_path_factory):
 
 
 def sharded_steps(checkpoint: str, backend: str, world_size: int = 2, pp: int = 1) -> dict:
-    """Each rank's (steps, smallest budget) from `world_size` processes loading `checkpoint`
-    sharded: `pp` pipeline stages of world_size / pp tensor-parallel ranks."""
+    """Each rank's (steps, smallest budget, vocabulary rows of its embedding and LM head) from
+    `world_size` processes loading `checkpoint` sharded: `pp` pipeline stages of world_size / pp
+    tensor-parallel ranks."""
     store = open_store("127.0.0.1", world_size, timeout_s=120)  # the rendezvous, hosted here
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -94,7 +106,7 @@ def sharded_steps(checkpoint: str, backend: str, world_size: int = 2, pp: int = 
 
 
 def assert_every_rank_scores_as(outputs: dict, reference) -> None:
-    for rank, (rank_steps, smallest_budget) in outputs.items():
+    for rank, (rank_steps, smallest_budget, _) in outputs.items():
         assert smallest_budget == 10.0
         for (logits, paths), (want_logits, want_paths) in zip(rank_steps, reference):
             assert (torch.from_numpy(logits) - want_logits).abs().max() < 1e-5, rank
@@ -118,7 +130,10 @@ def test_an_fp8_checkpoint_shards_its_fp8_linears_and_scores_as_one_process(fp8_
     FP8 linears; transformers' tensor-parallel forwards all-reduce the rowwise outputs."""
     with torch.no_grad():
         reference = steps(load_model(ModelSpec(source=fp8_checkpoint, device="cpu")))
-    assert_every_rank_scores_as(sharded_steps(fp8_checkpoint, "transformers"), reference)
+    outputs = sharded_steps(fp8_checkpoint, "transformers")
+    assert_every_rank_scores_as(outputs, reference)
+    # the embedding whole on each rank, the (untied) LM head split over the vocabulary
+    assert {ends for _, _, ends in outputs.values()} == {(TINY_VOCAB, TINY_VOCAB // 2)}
 
 
 def test_a_model_splits_only_over_a_divisor_of_its_heads():

@@ -47,12 +47,19 @@ def test_fp8_halves_the_layer_linears_only_and_405b_needs_fp8_or_more_memory():
 
 def test_stages_split_the_layers_and_the_ends_go_to_the_first_and_last():
     """pp 2 of Llama-3.1-8B: each stage 16 layers, so half the layer linears and KV per rank;
-    every rank holds the embedding and the whole (untied) LM head, which it applies itself."""
+    the first stage holds the embedding, the last the (untied) LM head split over its ranks: the
+    first needs more. Tied (Llama-3.2-1B), the last holds the embedding as its head."""
     config = load_model_config("llama-3.1-8b-instruct")
     for tp in (1, 4):
         one, two = plan(config, tp, 80, max_len=8192), plan(config, tp, 80, max_len=8192, pp=2)
         assert two.kv_bytes_per_token == one.kv_bytes_per_token / 2
-        assert two.weight_bytes == 2 * (LAYER_LINEARS / 2 / tp + 2 * EMBEDDING + NORMS)
+        assert two.weight_bytes == 2 * (LAYER_LINEARS / 2 / tp + EMBEDDING + NORMS)
+        assert one.weight_bytes - two.weight_bytes == 2 * (LAYER_LINEARS / 2 / tp + EMBEDDING / tp)
+    tied = load_model_config("llama-3.2-1b-instruct")
+    counts = plan(tied, 1, 80).parameters
+    assert counts.lm_head == 0 and plan(tied, 1, 80, pp=2).weight_bytes == 2 * (
+        counts.layer_linears / 2 + counts.embedding + counts.replicated
+    )
     with pytest.raises(ValueError, match="pp_size 33"):
         plan(config, 1, 80, pp=33)
 
