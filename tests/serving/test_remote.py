@@ -102,13 +102,11 @@ def test_run_ahead_serves_the_in_process_tokens(cluster, tiny_engine, policy, te
         # a tree's top-1 path is seldom the branch kept on these near-flat logits (the sharp
         # target of tests/core/test_run_ahead.py uses tree proposals)
         assert metrics["run_ahead"]["used"] > 0 or drafter.endswith("tree")
-    # greedy verdicts are the target's to decide: the draft worker forwards its ahead blocks
-    # there, and most of those used were scored before their Score (forwarded_blocks.py)
-    forwarded, used = metrics["run_ahead"]["forwarded"], metrics["run_ahead"]["used"]
-    if policy == "greedy":
-        assert forwarded <= used and (forwarded > 0 or drafter.endswith("tree"))
-    else:  # sampled verdicts draw from the server's generator: they stay there
-        assert forwarded == 0
+    # greedy verdicts are the target's to decide: the draft worker forwards its ahead blocks there
+    # (whether each is scored before its Score is a race: test_forwarded_blocks.py counts them)
+    assert metrics["run_ahead"]["forwarded"] <= metrics["run_ahead"]["used"]
+    if policy != "greedy":  # sampled verdicts draw from the server's generator: they stay there
+        assert metrics["run_ahead"]["forwarded"] == 0
 
 
 @pytest.mark.parametrize(
@@ -133,7 +131,7 @@ def test_draft_model_trees_travel_the_wire(cluster, tiny_engine, policy, tempera
     assert metrics["spec_decode_num_accepted_tokens"] == local.metrics["spec_decode_num_accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("typical", 0.8)])
+@pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("typical", 0.8), ("rejection", 0.8)])
 @pytest.mark.parametrize("heads", ["medusa", "hydra"])
 def test_heads_trees_come_from_the_target_worker(request, heads, policy, temperature):
     """The heads drafter asks the target worker for its heads' guesses (Heads, which carries the
@@ -154,7 +152,10 @@ def test_heads_trees_come_from_the_target_worker(request, heads, policy, tempera
         local = heads_engine.complete(req)
         assert tokens == local.token_ids
         assert metrics["tree_steps"] == local.metrics["tree_steps"] and len(metrics["tree_steps"]) > 1
-        assert metrics["spec_decode_num_accepted_tokens"] == local.metrics["spec_decode_num_accepted_tokens"] > 0
+        accepted = metrics["spec_decode_num_accepted_tokens"]
+        assert accepted == local.metrics["spec_decode_num_accepted_tokens"]
+        # (rejection accepts a node with its target probability: about 1 / V in these flat rows)
+        assert accepted > 0 or policy == "rejection"
         assert workers.stubs["draft"].Stats(pb.Empty()).requests == 0
     finally:
         workers.stop()
@@ -162,7 +163,12 @@ def test_heads_trees_come_from_the_target_worker(request, heads, policy, tempera
 
 @pytest.mark.parametrize(
     ("policy", "temperature", "params"),
-    [("greedy", 0.0, {}), ("greedy", 0.0, {"dynamic": True, "nodes": 24}), ("typical", 0.8, {"tree": "medusa_16"})],
+    [
+        ("greedy", 0.0, {}),
+        ("greedy", 0.0, {"dynamic": True, "nodes": 24}),
+        ("typical", 0.8, {"tree": "medusa_16"}),
+        ("rejection", 0.8, {"dynamic": True, "nodes": 24}),
+    ],
 )
 def test_eagle3_chains_and_dynamic_trees_come_from_the_target_worker(eagle3_engine, policy, temperature, params):
     """The eagle3 drafter asks the target worker's EAGLE-3 layer (a dynamic tree comes back by its
