@@ -59,6 +59,8 @@ def load_heads(setting: Optional[str], target_source: str, model: nn.Module) -> 
         heads = HydraHeads.load(directory, model.config)
     else:
         heads = MedusaHeads.load(directory)
+    if heads.kind == "hydra" and model.get_input_embeddings() is None:
+        raise ValueError("Hydra's heads read the target's token embeddings, which only a pipeline's first stage holds")
     if heads.hidden_size != model.config.hidden_size:
         raise ValueError(f"heads of hidden size {heads.hidden_size} do not fit a target of {model.config.hidden_size}")
     if heads.kind == "eagle3":

@@ -74,7 +74,8 @@ def load_sharded_model(spec: ModelSpec, backend: TpBackend, pp_size: int = 1) ->
         stage = dist.get_rank() // tp
         layers = stage_layers(spec.num_layers or config.num_hidden_layers, stage, pp_size)
         mesh = init_device_mesh(spec.torch_device.type, (pp_size, tp), mesh_dim_names=("pp", "tp")) if tp > 1 else None
-        model = load_shard(source, dtype, spec.torch_device, layers, mesh["tp"] if mesh is not None else None)
+        tp_mesh = mesh["tp"] if mesh is not None else None
+        model = load_shard(source, dtype, spec.torch_device, layers, tp_mesh, spec.num_layers)
         if pp_size > 1:
             make_stage(model, stage, pp_size, tp)
     else:

@@ -113,12 +113,13 @@ def load_shard(
     device: torch.device,
     layers: Optional[range] = None,
     tp_mesh=None,
+    num_layers: Optional[int] = None,
 ) -> torch.nn.Module:
     """The causal LM of a checkpoint (a directory or a hub id) on `device`, its unquantized
-    tensors in `dtype`: only the decoder layers `layers` (renumbered from 0; all by default) and
-    what its stage needs around them (the embedding first, the norm and LM head last; None where
-    a stage has none), and over `tp_mesh` (a 1-D device mesh of this rank's tensor-parallel
-    group) this rank's shard."""
+    tensors in `dtype`: only the decoder layers `layers` (renumbered from 0; all by default) of
+    the model's first `num_layers` (all by default), what its stage needs around them (the
+    embedding first, the norm and LM head after the last layer; None where a stage has none), and
+    over `tp_mesh` (a 1-D device mesh of this rank's tensor-parallel group) this rank's shard."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(source)
@@ -128,13 +129,15 @@ def load_shard(
         if scheme is None:
             raise ValueError(f"{source}: quantization {quantization.get('quant_method')!r} does not load by shards")
         del config.quantization_config  # the model is built plain; its linears are replaced below
-    layers = layers if layers is not None else range(config.num_hidden_layers)
-    first, last = layers.start == 0, layers.stop == config.num_hidden_layers
+    num_layers = num_layers or config.num_hidden_layers
+    layers = layers if layers is not None else range(num_layers)
+    first, last = layers.start == 0, layers.stop == num_layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[layers.start : layers.stop]
     config.num_hidden_layers = len(layers)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.config.dtype = dtype  # the activations' (activation_dtype, where a stage has no embedding)
     checkpoint = Checkpoint(checkpoint_directory(source, layers), device)
     names = stage_names(checkpoint.files, layers)  # this stage's name -> the checkpoint's
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -152,8 +155,8 @@ def load_shard(
             names = {name: stored for name, stored in names.items() if not name.startswith(f"{module}.")}
     shard = (tp_mesh.get_local_rank(), tp_mesh.size()) if tp_mesh is not None else (0, 1)
     styles = tensor_parallel_styles(model) if tp_mesh is not None else {}
-    if styles and last and not tied:
-        styles[module_names[head]] = head_style(model, module_names[head])
+    if styles and last and not tied and (style := head_style(model, module_names[head])):
+        styles[module_names[head]] = style
     for name, module in list(model.named_modules()):
         style = styles.get(name)
         if isinstance(module, torch.nn.Linear) and (style or f"{name}.weight_scale" in names):
@@ -188,13 +191,12 @@ def activation_dtype(model: torch.nn.Module) -> torch.dtype:
     return embeddings.weight.dtype if embeddings is not None else model.config.dtype
 
 
-def head_style(model: torch.nn.Module, name: str) -> str:
+def head_style(model: torch.nn.Module, name: str) -> Optional[str]:
     """The LM head's (module `name`'s) tensor-parallel style in transformers' plan for the
-    architecture: split over the vocabulary, its logits gathered on every rank."""
+    architecture where it splits the vocabulary and gathers the logits on every rank; None
+    (the head stays whole) where the plan has none."""
     style = (getattr(model, "_tp_plan", None) or {}).get(name)
-    if READ_DIM.get(style) != 0:
-        raise ValueError(f"{type(model).__name__}'s LM head has no vocabulary-split style in transformers ({style!r})")
-    return style
+    return style if READ_DIM.get(style) == 0 else None
 
 
 def stage_names(stored, layers: range) -> dict[str, str]:

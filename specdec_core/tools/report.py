@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from ..policies import POLICY_COUNTERS
+from ..topologies import default_bank
 
 if TYPE_CHECKING:
     from .bench import BenchConfig, MethodRun
@@ -78,9 +79,11 @@ def aggregate(results: list[MethodResult], methods: list[str]) -> list[dict]:
                 for key in ("draft_ms_p50", "target_ms_p50", "verify_ms_p50")
             }
             tree_steps: dict[str, int] = defaultdict(int)  # a tree scheduler's choices
+            tree_nodes = 0  # the nodes those steps verified
             for run in runs:
                 for tree, count in run.metrics.get("tree_steps", {}).items():
                     tree_steps[tree.partition("@")[0]] += count
+                    tree_nodes += count * tree_size(tree)
             identical = [entry.identical for entry in entries if entry.identical is not None]
             graded = [entry.correct for entry in entries if entry.correct is not None]
             nll_total = sum(entry.nll * len(entry.run.token_ids) for entry in entries)
@@ -99,6 +102,7 @@ def aggregate(results: list[MethodResult], methods: list[str]) -> list[dict]:
                     "accuracy": round(sum(graded) / len(graded), 4) if graded else None,
                     **{key: round(statistics.median(values), 4) if values else None for key, values in step_ms.items()},
                     **({"tree_steps": dict(tree_steps)} if tree_steps else {}),
+                    **({"mean_tree_nodes": round(tree_nodes / sum(tree_steps.values()), 2)} if tree_steps else {}),
                     **{
                         counter: sum(run.metrics.get(counter, 0) for run in runs)
                         for counter in POLICY_COUNTERS
@@ -191,3 +195,11 @@ def plot_quality(rows: list[dict], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def tree_size(name: str) -> int:
+    """The nodes of a tree as `tree_steps` names it: `nodes_N` (a tree built for its step), or a
+    tree of the bank (NAME, NAME@D)."""
+    if name.startswith("nodes_"):
+        return int(name.removeprefix("nodes_"))
+    return default_bank().get(name).num_nodes

@@ -62,3 +62,17 @@ def test_a_tied_head_is_the_last_stages_embedding(tmp_path):
     outputs = sharded_steps(str(tmp_path), "transformers", 2, 2)
     assert_every_rank_scores_as(outputs, reference)
     assert [outputs[rank][2] for rank in (0, 1)] == [(TINY_VOCAB, None), (TINY_VOCAB, TINY_VOCAB)]
+
+
+def test_a_truncated_model_ends_on_the_last_stage_of_its_kept_layers(checkpoint):
+    """`num_layers` 2 of the 3-layer checkpoint over 2 stages: the second stage holds layer 1,
+    the norm and the head, as one process truncated to 2 layers."""
+    from specdec_core.loader import truncate_layers
+
+    reference_model = tiny_llama(seed=3, prepared=False, num_layers=3)
+    truncate_layers(reference_model, 2)
+    with torch.no_grad():
+        reference = steps(reference_model)
+    outputs = sharded_steps(checkpoint, "transformers", 2, 2, num_layers=2)
+    assert_every_rank_scores_as(outputs, reference)
+    assert outputs[1][2] == (None, TINY_VOCAB)

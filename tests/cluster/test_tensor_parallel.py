@@ -55,10 +55,12 @@ def vocabulary_rows(module) -> int | None:
     return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
 
 
-def rank_main(rank: int, world_size: int, port: int, checkpoint: str, backend: str, pp: int, results) -> None:
+def rank_main(
+    rank: int, world_size: int, port: int, checkpoint: str, backend: str, pp: int, results, num_layers=None
+) -> None:
     torch.set_num_threads(1)
     group = join_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
-    model = load_sharded_model(ModelSpec(source=checkpoint), backend, pp)
+    model = load_sharded_model(ModelSpec(source=checkpoint, num_layers=num_layers), backend, pp)
     smallest_budget = ControlChannel(group).smallest(10.0 * (rank + 1))  # how the ranks size their pools
     with torch.no_grad():
         # numpy arrays travel by value (a tensor's shared memory would die with this process)
@@ -85,15 +87,17 @@ def fp8_checkpoint(tmp_path_factory):
     return str(path)
 
 
-def sharded_steps(checkpoint: str, backend: str, world_size: int = 2, pp: int = 1) -> dict:
+def sharded_steps(checkpoint: str, backend: str, world_size: int = 2, pp: int = 1, num_layers=None) -> dict:
     """Each rank's (steps, smallest budget, vocabulary rows of its embedding and LM head) from
-    `world_size` processes loading `checkpoint` sharded: `pp` pipeline stages of world_size / pp
-    tensor-parallel ranks."""
+    `world_size` processes loading `checkpoint` (its first `num_layers`) sharded: `pp` pipeline
+    stages of world_size / pp tensor-parallel ranks."""
     store = open_store("127.0.0.1", world_size, timeout_s=120)  # the rendezvous, hosted here
     context = mp.get_context("spawn")
     results = context.Queue()
     processes = [
-        context.Process(target=rank_main, args=(rank, world_size, store.port, checkpoint, backend, pp, results))
+        context.Process(
+            target=rank_main, args=(rank, world_size, store.port, checkpoint, backend, pp, results, num_layers)
+        )
         for rank in range(world_size)
     ]
     for process in processes:

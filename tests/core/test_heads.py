@@ -250,7 +250,7 @@ def test_heads_requests_are_checked(heads_engine, tiny_engine):
         prepare(heads_engine, {"scheduler": "ladder", "trees": ["chain_2", "nope"], "thresholds": [0.5]})
     with pytest.raises(SpecdecError, match="has no tree rule"):
         heads_engine.frontend.prepare(
-            GenerationRequest(prompt_ids=[1, 2], drafter={"name": "heads"}, policy={"name": "rejection"})
+            GenerationRequest(prompt_ids=[1, 2], drafter={"name": "heads"}, policy={"name": "easd"})
         )
 
 

@@ -125,6 +125,10 @@ def test_unsupported_hydra_checkpoints_are_refused_with_a_message(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hydra_head_arch": "mlp"}))
     with pytest.raises(ValueError, match="not a Hydra head weight"):
         load_heads(str(tmp_path), "tiny", target)
+    hydra.save(tmp_path, "mlp")  # a pipeline's later stage holds no embedding for the heads to read
+    target.model.embed_tokens = None
+    with pytest.raises(ValueError, match="only a pipeline's first stage holds"):
+        load_heads(str(tmp_path), "tiny", target)
 
 
 def test_only_heads_sessions_run_the_heads_and_a_worker_reserves_their_prefix_cache(tmp_path):

@@ -251,9 +251,9 @@ def test_the_engine_decodes_draft_model_trees_as_target_only_greedy(tiny_engine,
 def test_a_tree_drafter_needs_a_policy_with_a_tree_rule_and_a_known_tree(tiny_engine):
     from specdec_core import GenerationRequest, SpecdecError
 
-    with pytest.raises(SpecdecError, match="policy 'rejection' has no tree rule.*greedy, typical"):
+    with pytest.raises(SpecdecError, match="policy 'easd' has no tree rule.*greedy, rejection, typical"):
         tiny_engine.frontend.prepare(
-            GenerationRequest(prompt_ids=[1, 2, 3], drafter={"name": "model_tree"}, policy={"name": "rejection"})
+            GenerationRequest(prompt_ids=[1, 2, 3], drafter={"name": "model_tree"}, policy={"name": "easd"})
         )
     with pytest.raises(SpecdecError, match="unknown tree 'nope'"):
         tiny_engine.frontend.prepare(
