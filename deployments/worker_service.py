@@ -11,13 +11,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from specdec_core.batching import fix_pool
+from specdec_core.batching import fix_pool, kv_cache_dtype
 from specdec_core.errors import SpecdecError, check_token_ids
 from specdec_core.kv_pool import BLOCK_SIZE, blocks_for
 from specdec_core.memory import kv_bytes_per_token
 from specdec_core.request import session_positions
 from specdec_core.sampling import SamplingParams
-from specdec_core.shard_loader import activation_dtype
 from specdec_core.target import PREFILL_CHUNK
 
 from .admission import Admission
@@ -72,10 +71,10 @@ class WorkerService:
         self.channel = channel
         self.admission = admission
         self.kv_bytes_per_token = 0.0
-        if model is not None:  # the KV cache holds activations (activation_dtype)
+        if model is not None:
             # this rank's share of the KV heads: its stage's tp ranks (transformers' tp_size), or the group's
             tp_size = model.tp_size or (channel.size if channel is not None else 1)
-            width = activation_dtype(model).itemsize
+            width = kv_cache_dtype(model).itemsize
             self.kv_bytes_per_token = kv_bytes_per_token(model.config, tp_size, width)
             if admission is not None and admission.budget_bytes is not None:
                 fix_pool(model, admission.budget_bytes, self.kv_bytes_per_token)

@@ -24,8 +24,9 @@ from typing import Optional, Sequence
 import torch
 
 from .kernels.int4 import kernels_by_chunk
-from .kv_pool import BLOCK_SIZE, KVPool, PagedKV, blocks_for
+from .kv_pool import BLOCK_SIZE, KV_CACHE_DTYPES, KVPool, PagedKV, blocks_for
 from .ragged_attention import RowGroup, StepLayout, attention_backends, use_ragged_attention
+from .shard_loader import activation_dtype
 from .tree import Topology
 
 # rows with more new tokens than this (prompt chunks) attend in a call of their own: padded to a
@@ -50,8 +51,20 @@ def pool_of(base_model: torch.nn.Module) -> KVPool:
     `fix_pool` sized it."""
     pool = getattr(base_model, "kv_pool", None)
     if pool is None:
-        pool = base_model.kv_pool = KVPool(num_layers=len(base_model.layers))
+        dtype = getattr(base_model, "kv_cache_dtype", None)
+        pool = base_model.kv_pool = KVPool(num_layers=len(base_model.layers), dtype=dtype)
     return pool
+
+
+def set_kv_cache_dtype(model: torch.nn.Module, name: str) -> None:
+    """Keep `model`'s KV cache in the dtype a model spec names (`KV_CACHE_DTYPES`), from its
+    pool's first allocation on."""
+    model.model.kv_cache_dtype = KV_CACHE_DTYPES[name]
+
+
+def kv_cache_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype `model`'s KV pool holds: its spec's, or its activations'."""
+    return getattr(model.model, "kv_cache_dtype", None) or activation_dtype(model)
 
 
 def fix_pool(model: torch.nn.Module, budget_bytes: float, bytes_per_token: float) -> KVPool:
@@ -59,7 +72,8 @@ def fix_pool(model: torch.nn.Module, budget_bytes: float, bytes_per_token: float
     budget, within which its admission keeps every session's blocks (`bytes_per_token`: what a
     position costs in all layers of this rank; the pool's scratch block is one more)."""
     num_blocks = int(budget_bytes // (bytes_per_token * BLOCK_SIZE))
-    model.model.kv_pool = KVPool(len(model.model.layers), num_blocks=num_blocks, growable=False)
+    dtype = getattr(model.model, "kv_cache_dtype", None)
+    model.model.kv_pool = KVPool(len(model.model.layers), num_blocks=num_blocks, growable=False, dtype=dtype)
     return model.model.kv_pool
 
 

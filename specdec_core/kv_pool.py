@@ -29,6 +29,10 @@ import torch
 
 BLOCK_SIZE = 16  # positions per block, vLLM's default
 INITIAL_BLOCKS = 64
+# a model spec's `kv_cache_dtype` -> the pool's (None: the activations'); FP8 as vLLM's fp8 cache
+# without calibrated scales (scale 1): entries saturate at +-448, read back in the activations' dtype
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 class KVPoolExhausted(RuntimeError):
@@ -58,8 +62,11 @@ class KVPool:
         growable: bool = True,
         block_size: int = BLOCK_SIZE,
         prefix_caching: bool = True,
+        dtype: Optional[torch.dtype] = None,
     ):
+        """`dtype`: the entries' (None: the model's activations', known at the first write)."""
         self.num_layers, self.num_blocks, self.growable, self.block_size = num_layers, num_blocks, growable, block_size
+        self.dtype = dtype
         self.prefix_caching = prefix_caching
         self.keys: Optional[torch.Tensor] = None
         self.values: Optional[torch.Tensor] = None
@@ -142,8 +149,8 @@ class KVPool:
         head_dim]`, a forward's new keys, tells the first call what to allocate."""
         if self.keys is None:
             shape = (self.num_layers, (self.num_blocks + 1) * self.block_size, key.shape[1], key.shape[3])
-            self.keys = torch.zeros(shape, dtype=key.dtype, device=key.device)
-            self.values = torch.zeros(shape, dtype=key.dtype, device=key.device)
+            self.keys = torch.zeros(shape, dtype=self.dtype or key.dtype, device=key.device)
+            self.values = torch.zeros(shape, dtype=self.dtype or key.dtype, device=key.device)
             self.mark_static()
         return self.keys[layer], self.values[layer]
 
@@ -159,6 +166,15 @@ class KVPool:
         positions = torch.as_tensor(list(positions), dtype=torch.long)
         blocks = torch.as_tensor(list(table), dtype=torch.long)[positions // self.block_size]
         return blocks * self.block_size + positions % self.block_size
+
+
+def write(storage: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor) -> None:
+    """`storage[slots] = entries` `[N, kv_heads, head_dim]`, as a pool of `storage`'s dtype holds
+    them: FP8 saturated (not NaN), and copied as its bytes (the CPU's index_copy_ has no FP8)."""
+    if entries.dtype != storage.dtype and storage.dtype == torch.float8_e4m3fn:
+        entries = entries.clamp(-FP8_MAX, FP8_MAX).to(storage.dtype)
+        storage, entries = storage.view(torch.uint8), entries.view(torch.uint8)
+    storage.index_copy_(0, slots, entries)
 
 
 def blocks_for(positions: int, block_size: int) -> int:

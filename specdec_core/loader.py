@@ -21,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm.auto import tqdm
 
+from .batching import set_kv_cache_dtype
 from .compiled_step import compile_step
 from .fp8_checkpoint import checkpoint_fp8_scheme
 from .kernels import prepare_model
@@ -53,6 +54,9 @@ class ModelSpec(BaseModel):
     device: str = Field("auto", description="auto: CUDA when present (int4 stays on the CPU), else the CPU")
     compile: bool = Field(
         False, description="torch.compile the step (compiled_step.compile_step): compiles a few graphs at first use"
+    )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto", description="the KV cache's: auto, the activations'; fp8: e4m3, half of bf16's bytes (kv_pool.py)"
     )
 
     @field_validator("device")
@@ -235,6 +239,7 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
         if spec.dtype == "int4":
             quantize_int4(model)
         model = prepare_model(model)
+    set_kv_cache_dtype(model, spec.kv_cache_dtype)
     if spec.compile:
         compile_step(model)
     return model

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from .batching import set_kv_cache_dtype
 from .compiled_step import compile_step
 from .fp8_checkpoint import checkpoint_fp8_scheme
 from .loader import DTYPES, ModelSpec, resolve_source, truncate_layers
@@ -85,6 +86,7 @@ def load_sharded_model(spec: ModelSpec, backend: TpBackend, pp_size: int = 1) ->
             model = deepspeed_autotp(AutoModelForCausalLM.from_pretrained(source, dtype=dtype), tp, dtype)
         if spec.num_layers is not None:
             truncate_layers(model, spec.num_layers)
+    set_kv_cache_dtype(model, spec.kv_cache_dtype)
     if spec.compile:
         compile_step(model)
     return model.eval()

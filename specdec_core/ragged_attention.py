@@ -16,7 +16,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kernels.attention import grouped_low_precision_attention, grouped_sdpa
-from .kv_pool import KVPool
+from .kv_pool import KVPool, write
 
 RAGGED_ATTENTION = "specdec_ragged"
 
@@ -60,8 +60,8 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if ragged is None:
         return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     pool_keys, pool_values = ragged.pool.storage(module.layer_idx, key)  # [slots, kv_heads, head_dim] each
-    pool_keys.index_copy_(0, ragged.write_slots, key[0].transpose(0, 1))
-    pool_values.index_copy_(0, ragged.write_slots, value[0].transpose(0, 1))
+    write(pool_keys, ragged.write_slots, key[0].transpose(0, 1))
+    write(pool_values, ragged.write_slots, value[0].transpose(0, 1))
     outputs = [attend(group, query, pool_keys, pool_values, scaling).flatten(0, 1) for group in ragged.groups]
     output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [sum of B * Q, heads, head_dim]
     return (output if ragged.output_index is None else output[ragged.output_index])[None], None
@@ -74,6 +74,8 @@ def attend(group: RowGroup, query, pool_keys, pool_values, scaling) -> torch.Ten
     else:
         keys, values = pool_keys[group.read], pool_values[group.read]  # [B, L, kv_heads, head_dim]
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, kv_heads, L, head_dim]
+    if keys.dtype != query.dtype:  # an FP8 cache, read back in the activations' dtype
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
     queries = query if group.query_index is None else query[0].transpose(0, 1)[group.query_index].transpose(1, 2)
     if queries.dtype in (torch.bfloat16, torch.float16) and queries.device.type == "cpu":
         return grouped_low_precision_attention(queries, keys, values, group.mask, scaling)  # [B, Q, heads, head_dim]
