@@ -131,8 +131,10 @@ class KVPool:
         if self.keys is not None:
             extra = (self.num_layers, extra_blocks * self.block_size, *self.keys.shape[2:])
             held = self.scratch_slot  # the new blocks go before the scratch block
-            self.keys = torch.cat([self.keys[:, :held], self.keys.new_zeros(extra), self.keys[:, held:]], 1)
-            self.values = torch.cat([self.values[:, :held], self.values.new_zeros(extra), self.values[:, held:]], 1)
+            grown = []
+            for entries in (as_bytes(self.keys), as_bytes(self.values)):
+                grown.append(torch.cat([entries[:, :held], entries.new_zeros(extra), entries[:, held:]], 1))
+            self.keys, self.values = (entries.view(self.keys.dtype) for entries in grown)
             self.mark_static()
         self.free += range(self.num_blocks, self.num_blocks + extra_blocks)
         self.holders += [0] * extra_blocks
@@ -168,13 +170,23 @@ class KVPool:
         return blocks * self.block_size + positions % self.block_size
 
 
+def as_bytes(entries: torch.Tensor) -> torch.Tensor:
+    """FP8 entries as their bytes (a view), for the copies and gathers torch has no FP8 kernel
+    for (index_copy_ on the CPU; indexing on older versions); other entries as they are."""
+    return entries.view(torch.uint8) if entries.dtype == torch.float8_e4m3fn else entries
+
+
 def write(storage: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor) -> None:
     """`storage[slots] = entries` `[N, kv_heads, head_dim]`, as a pool of `storage`'s dtype holds
-    them: FP8 saturated (not NaN), and copied as its bytes (the CPU's index_copy_ has no FP8)."""
+    them (FP8: saturated, not NaN)."""
     if entries.dtype != storage.dtype and storage.dtype == torch.float8_e4m3fn:
         entries = entries.clamp(-FP8_MAX, FP8_MAX).to(storage.dtype)
-        storage, entries = storage.view(torch.uint8), entries.view(torch.uint8)
-    storage.index_copy_(0, slots, entries)
+    as_bytes(storage).index_copy_(0, slots, as_bytes(entries))
+
+
+def gather(storage: torch.Tensor, index) -> torch.Tensor:
+    """`storage[index]` (a slice or indices), through its bytes where it is FP8."""
+    return as_bytes(storage)[index].view(storage.dtype)
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -258,6 +270,6 @@ class PagedKV:
         pool = self.pool
         source = pool.slots(self.table, positions).to(pool.keys.device)
         target = pool.slots(self.table, range(start, start + len(positions))).to(pool.keys.device)
-        for held in (pool.keys, pool.values):
+        for held in (as_bytes(pool.keys), as_bytes(pool.values)):
             held[:, target] = held[:, source]
         self.crop(start + len(positions))

@@ -16,7 +16,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kernels.attention import grouped_low_precision_attention, grouped_sdpa
-from .kv_pool import KVPool, write
+from .kv_pool import KVPool, gather, write
 
 RAGGED_ATTENTION = "specdec_ragged"
 
@@ -69,10 +69,9 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 def attend(group: RowGroup, query, pool_keys, pool_values, scaling) -> torch.Tensor:
     """One group's attention: `[B, Q, heads, head_dim]`."""
-    if isinstance(group.read, slice):
-        keys, values = pool_keys[group.read][None], pool_values[group.read][None]  # [1, L, kv_heads, head_dim]
-    else:
-        keys, values = pool_keys[group.read], pool_values[group.read]  # [B, L, kv_heads, head_dim]
+    keys, values = gather(pool_keys, group.read), gather(pool_values, group.read)  # [B, L, kv_heads, head_dim]
+    if isinstance(group.read, slice):  # one row's consecutive blocks, read as a view: [L, ..]
+        keys, values = keys[None], values[None]
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, kv_heads, L, head_dim]
     if keys.dtype != query.dtype:  # an FP8 cache, read back in the activations' dtype
         keys, values = keys.to(query.dtype), values.to(query.dtype)

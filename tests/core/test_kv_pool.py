@@ -166,6 +166,14 @@ def test_an_fp8_cache_holds_a_quarter_of_fp32s_bytes_and_scores_close_to_it():
             scorer.commit(2)
             last = block[1]
         logits[name] = torch.cat(rows)  # [50, V]
+    # several sessions in one forward (a gather of their blocks, not a view) score as alone
+    from specdec_core.target import Row, forward_rows
+
+    together = [TargetScorer(fp8) for _ in range(2)]
+    for scorer, head in zip(together, (prompt, prompt[::-1])):
+        scorer.reset(head, make_policy("greedy"), SamplingParams())
+    both = forward_rows([Row(scorer, [head[-1], *blocks[0]]) for scorer, head in zip(together, (prompt, prompt[::-1]))])
+    torch.testing.assert_close(both[0].logits, logits["fp8"][:6], rtol=0, atol=1e-5)
     assert pool_of(fp8.model).keys.dtype == torch.float8_e4m3fn
     assert pool_of(exact.model).keys.element_size() == 4 * pool_of(fp8.model).keys.element_size()
     error = (logits["fp8"] - logits["exact"]).norm() / logits["exact"].norm()
