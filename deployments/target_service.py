@@ -134,9 +134,7 @@ class TargetService(WorkerService):
     ) -> ScoredRows:
         """Commit the last score (`commit_keep` tokens or a tree's `commit_path`), then score
         `[last committed, drafts]` (or a tree's root and nodes) in the next step."""
-        tokens = self.check_tokens(tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)
-        if tree and len(tokens) != (wanted := default_bank().get(tree).num_nodes + 1):
-            raise SpecdecError(f"tree {tree!r} takes {wanted} tokens (root and nodes)")
+        tokens = self.check_block(tokens, tree)
         row = TargetRow(
             session_id=session_id, tokens=tokens, commit_keep=commit_keep, commit_path=commit_path, tree=tree
         )
@@ -152,10 +150,15 @@ class TargetService(WorkerService):
         if not self.forwarded.takes(session_id):
             raise SpecdecError(f"session {session_id!r} was not reset to take forwarded blocks")
         self.check_tokens(block.assumed, "assumed", 1, MAX_DRAFT_TOKENS + 1)
-        tokens = self.check_tokens(block.tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)
-        if block.tree and len(tokens) != (wanted := default_bank().get(block.tree).num_nodes + 1):
-            raise SpecdecError(f"tree {block.tree!r} takes {wanted} tokens (root and nodes)")
+        self.check_block(block.tokens, block.tree)
         self.forwarded.on_forwarded(session_id, block)
+
+    def check_block(self, tokens: list[int], tree: str) -> list[int]:
+        """A block to score: `[last committed, drafts]`, or a named tree's root and nodes."""
+        tokens = self.check_tokens(tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)
+        if tree and len(tokens) != (wanted := default_bank().get(tree).num_nodes + 1):
+            raise SpecdecError(f"tree {tree!r} takes {wanted} tokens (root and nodes)")
+        return tokens
 
     def stats(self) -> dict:
         return {**super().stats(), "forwarded_scored": self.forwarded.scored, "forwarded_used": self.forwarded.used}

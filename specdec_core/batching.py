@@ -51,8 +51,7 @@ def pool_of(base_model: torch.nn.Module) -> KVPool:
     `fix_pool` sized it."""
     pool = getattr(base_model, "kv_pool", None)
     if pool is None:
-        dtype = getattr(base_model, "kv_cache_dtype", None)
-        pool = base_model.kv_pool = KVPool(num_layers=len(base_model.layers), dtype=dtype)
+        pool = base_model.kv_pool = KVPool(num_layers=len(base_model.layers), dtype=spec_kv_dtype(base_model))
     return pool
 
 
@@ -62,9 +61,14 @@ def set_kv_cache_dtype(model: torch.nn.Module, name: str) -> None:
     model.model.kv_cache_dtype = KV_CACHE_DTYPES[name]
 
 
+def spec_kv_dtype(base_model: torch.nn.Module) -> Optional[torch.dtype]:
+    """The KV dtype `set_kv_cache_dtype` gave a base model (None: its activations')."""
+    return getattr(base_model, "kv_cache_dtype", None)
+
+
 def kv_cache_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype `model`'s KV pool holds: its spec's, or its activations'."""
-    return getattr(model.model, "kv_cache_dtype", None) or activation_dtype(model)
+    return spec_kv_dtype(model.model) or activation_dtype(model)
 
 
 def fix_pool(model: torch.nn.Module, budget_bytes: float, bytes_per_token: float) -> KVPool:
@@ -72,7 +76,7 @@ def fix_pool(model: torch.nn.Module, budget_bytes: float, bytes_per_token: float
     budget, within which its admission keeps every session's blocks (`bytes_per_token`: what a
     position costs in all layers of this rank; the pool's scratch block is one more)."""
     num_blocks = int(budget_bytes // (bytes_per_token * BLOCK_SIZE))
-    dtype = getattr(model.model, "kv_cache_dtype", None)
+    dtype = spec_kv_dtype(model.model)
     model.model.kv_pool = KVPool(len(model.model.layers), num_blocks=num_blocks, growable=False, dtype=dtype)
     return model.model.kv_pool
 

@@ -47,9 +47,9 @@ def sample_path(
     """`node_tokens` [N] (each node's token), `target_logits` [N + 1, V] (the target's rows at the
     root and at each node, warped by `sampling` where the path goes); returns the root (0) and the
     accepted path, then the next token, drawn by the module's point-mass rule from `generator`."""
-    parents, ranks = tree.parents.tolist(), [0] + [path[-1] for path in tree.paths]
+    parents = tree.parents.tolist()
     children: list[list[int]] = [[] for _ in parents]
-    for node in sorted(range(1, len(parents)), key=lambda node: ranks[node]):
+    for node in range(1, len(parents)):  # a tree lists siblings in rank order (tree.check_paths)
         children[parents[node]].append(node)
     tokens = node_tokens.tolist()
     path = [0]
