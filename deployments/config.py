@@ -79,7 +79,8 @@ class AppConfig(BaseModel):
     target_heads: Optional[str] = Field(
         AUTO,
         description="the target's heads (drafters `heads`, `eagle3`): a directory of Medusa or Hydra heads or of "
-        "an EAGLE-3 layer, auto (those shipped for the embedded target), or None",
+        "an EAGLE-3 layer, two separated by a comma (heads and a layer), auto (those shipped for the embedded "
+        "target: Medusa heads and an EAGLE-3 layer), or None",
     )
     tree_banks: list[str] = Field(
         default_factory=list,

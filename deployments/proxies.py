@@ -73,14 +73,18 @@ class RemoteTarget:
         self.forwarded_blocks = 0  # Scores answered from them
 
     async def reset(
-        self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams, with_heads: bool = False
+        self,
+        prompt_ids: Sequence[int],
+        policy: AcceptancePolicy,
+        sampling: SamplingParams,
+        heads_kind: Optional[str] = None,
     ) -> Prefilled:
         request = pb.TargetReset(
             session_id=self.session_id,
             prompt_ids=list(prompt_ids),
             sampling=sampling_to_proto(sampling),
             policy=component_to_proto(ComponentSpec(name=policy.name, params=policy.params.model_dump())),
-            with_heads=with_heads,
+            heads_kind=heads_kind or "",
             takes_forwarded=self.takes_forwarded,
         )
         try:

@@ -91,8 +91,7 @@ class RemoteEngine:
         there is none); a request keeps the replicas it was given for all its calls."""
         self.frontend = copy.copy(frontend)  # its profile and heads are the target worker's, asked of it
         self.frontend.profile = lambda: self.profiles[self.consulted][0]
-        self.frontend.num_heads = lambda: self.profiles[self.consulted][1].num_heads
-        self.frontend.heads_kind = lambda: self.profiles[self.consulted][1].heads_kind or None
+        self.frontend.heads = lambda: dict(self.profiles[self.consulted][1].heads)
         self.frontend.target_device = lambda: self.profiles[self.consulted][1].device_type or "cpu"
         self.locate = locate
         self.deadline_s = deadline_s

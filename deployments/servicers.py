@@ -132,8 +132,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
         profile, heads = self.service.profile, self.service.heads
         return pb.TargetProfileReply(
             profile_json=profile.model_dump_json() if profile else "",
-            num_heads=heads.num_heads if heads is not None else 0,
-            heads_kind=heads.kind if heads is not None else "",
+            heads={kind: held.num_heads for kind, held in heads.items()},
             device_type=self.service.target_model.device.type,
         )
 
@@ -141,7 +140,12 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
     def Reset(self, request, context):
         policy, sampling = component_from_proto(request.policy), sampling_from_proto(request.sampling)
         prefilled = self.service.reset(
-            request.session_id, list(request.prompt_ids), policy, sampling, request.with_heads, request.takes_forwarded
+            request.session_id,
+            list(request.prompt_ids),
+            policy,
+            sampling,
+            request.heads_kind or None,
+            request.takes_forwarded,
         )
         scores = prefilled.prompt_scores
         return pb.TargetResetReply(

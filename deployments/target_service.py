@@ -60,16 +60,16 @@ class TargetService(WorkerService):
         batch_window_s: float = 0.005,
         prefill_chunk: int = PREFILL_CHUNK,
         admission: Optional[Admission] = None,
-        heads: Optional[Heads] = None,
+        heads: Optional[dict[str, Heads]] = None,
     ):
         """`profile`: the target's, measured at load (the defaults of policies that need one);
-        `heads`: its multi-token heads (drafter `heads`), on its device."""
+        `heads`: its multi-token heads by kind (drafters `heads`, `eagle3`), on its device."""
         super().__init__(
             target_model.config, idle_timeout_s, channel, admission, target_model, batch_window_s, prefill_chunk
         )
         self.target_model = target_model
         self.profile = profile
-        self.heads = heads
+        self.heads = heads or {}
         self.operations.update(
             {OpenTarget: self.open, TargetStep: self.step, Guess: self.guess_after, MeasureProfile: self.measure}
         )
@@ -82,7 +82,7 @@ class TargetService(WorkerService):
         prompt_ids: list[int],
         policy: ComponentSpec,
         sampling: SamplingParams,
-        with_heads: bool,
+        heads_kind: Optional[str],
         takes_forwarded: bool = False,
     ) -> Prefilled:
         """Open a session and prefill its prompt (in steps); the prompt's scores when asked.
@@ -93,8 +93,8 @@ class TargetService(WorkerService):
         if policy_object.needs_profile:
             policy_object = policy_object.for_target(self.profile)
         prompt_ids = self.check_prompt(prompt_ids)
-        if with_heads and self.heads is None:
-            raise SpecdecError("this target has no multi-token heads")
+        if heads_kind is not None and heads_kind not in self.heads:
+            raise SpecdecError(f"this target has no {heads_kind} heads (it has: {', '.join(self.heads) or 'none'})")
         # the policy travels with its target-dependent parameters filled in, for every rank
         filled = ComponentSpec(name=policy_object.name, params=json.loads(policy_object.params.model_dump_json()))
         op = OpenTarget(
@@ -102,9 +102,9 @@ class TargetService(WorkerService):
             prompt_ids=prompt_ids,
             policy=filled,
             sampling=sampling.seeded(),
-            with_heads=with_heads,
+            heads_kind=heads_kind,
         )
-        prefill = self.open_session(op, self.heads.cache_bytes_per_token() if with_heads else 0.0)
+        prefill = self.open_session(op, self.heads[heads_kind].cache_bytes_per_token() if heads_kind else 0.0)
         if prefill:
             self.batcher.submit(TargetRow(session_id=session_id, tokens=prefill, prefill=True)).result()
         if takes_forwarded:
@@ -115,7 +115,7 @@ class TargetService(WorkerService):
         """Open the session; returns the prompt tokens to prefill (in steps)."""
         scorer = TargetScorer(self.target_model, self.heads)
         policy = make_policy(op.policy.name, op.policy.params)
-        prefill = scorer.start(op.prompt_ids, policy, op.sampling, op.with_heads)
+        prefill = scorer.start(op.prompt_ids, policy, op.sampling, op.heads_kind)
         self.table.put(op.session_id, scorer)
         return prefill
 
@@ -211,7 +211,7 @@ class TargetService(WorkerService):
     ) -> Optional[HeadGuesses]:
         """After the last score's commit: the heads' node tokens of `tree` after `root_token`."""
         if self.session(session_id).heads_session is None:
-            raise SpecdecError("this session was not reset with_heads")
+            raise SpecdecError("this session was not reset with heads (heads_kind)")
         check_token_ids([root_token], self.vocab_size, "root_token")
         check_guess_tree(tree)
         op = Guess(

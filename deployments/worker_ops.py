@@ -5,7 +5,7 @@ same order. They travel between ranks as JSON (nothing is pickled) and are check
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -43,7 +43,7 @@ class OpenTarget(Message):
     prompt_ids: list[int]
     policy: ComponentSpec
     sampling: SamplingParams
-    with_heads: bool
+    heads_kind: Optional[str]  # the kind of the target's heads the drafter reads; None: none
 
 
 class DraftRow(Message):

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
 import torch
 
-from .drafters import DraftSource, drafter_source, make_drafter
+from .drafters import DraftSource, make_drafter
 from .frontend import Frontend, PreparedRequest
 from .heads import AUTO, Heads, load_heads
 from .loader import ModelSpec, load_model, load_tokenizer
@@ -33,8 +33,7 @@ async def speculative_loop(
     verify_rng = sampling.generator("verify")
     metrics = SpecMetrics(counters=dict.fromkeys(policy.counters, 0))
     clock = time.perf_counter()
-    with_heads = drafter_source(request.drafter.name) is DraftSource.TARGET_HEADS
-    prefilled = await target.reset(request.prompt_ids, policy, sampling, with_heads=with_heads)
+    prefilled = await target.reset(request.prompt_ids, policy, sampling, request.heads_kind)
     metrics.prefix_cache_queries = prefilled.prefix_cache_queries
     metrics.prefix_cache_hits = prefilled.prefix_cache_hits
     if output.remaining:
@@ -100,18 +99,17 @@ class SpeculativeEngine:
         draft_model: Optional[torch.nn.Module] = None,
         defaults: Optional[RequestDefaults] = None,
         profile: Optional[Callable[[torch.nn.Module, Frontend], TargetProfile]] = None,
-        heads: Optional[Heads] = None,
+        heads: Optional[dict[str, Heads]] = None,
     ):
         """`profile(target_model, frontend)` gives the target's profile (profile.py), on first need
         only; by default it is measured then, which needs a tokenizer (without one there is none).
-        `heads`: the target's multi-token heads (drafter `heads`), on its device."""
+        `heads`: the target's multi-token heads by kind (drafters `heads`, `eagle3`), on its device."""
         self.target_model = target_model
         self.draft_model = draft_model
-        self.heads = heads
+        self.heads = heads or {}
         generation_config = getattr(target_model, "generation_config", None)
         self.frontend = Frontend(tokenizer, target_model.config, generation_config, defaults)
-        self.frontend.num_heads = lambda: heads.num_heads if heads is not None else 0
-        self.frontend.heads_kind = lambda: heads.kind if heads is not None else None
+        self.frontend.heads = lambda: {kind: held.num_heads for kind, held in self.heads.items()}
         self.frontend.target_device = lambda: target_model.device.type
         if profile is None and tokenizer is not None:
             profile = lambda model, frontend: measure_profile(model, frontend, CalibrationSettings())  # noqa: E731

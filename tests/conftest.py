@@ -113,7 +113,9 @@ def heads_engine(trained_heads, tiny_target):
     from specdec_core import SpeculativeEngine
 
     draft = perturbed_copy(tiny_target, 0.002)
-    return SpeculativeEngine(tiny_target, None, draft, profile=lambda *_: tiny_profile(), heads=trained_heads[0])
+    return SpeculativeEngine(
+        tiny_target, None, draft, profile=lambda *_: tiny_profile(), heads={"medusa": trained_heads[0]}
+    )
 
 
 def repeating_prompt(seed: int, length: int = 24, vocab_size: int = TINY_VOCAB) -> list[int]:
@@ -227,15 +229,22 @@ def hydra_engine(trained_heads, tiny_target, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def eagle3_engine(tmp_path_factory):
-    """A tiny 8-layer target (its layers 2, 4 and 5 read) with a random EAGLE-3 head in the
-    authors' format, and a perturbed copy as draft model."""
+    """A tiny 8-layer target (its layers 2, 4 and 5 read) holding a random EAGLE-3 head in the
+    authors' format beside random Medusa heads (`heads` drafts from those, `eagle3` from the
+    layer), and a perturbed copy as draft model."""
     from eagle3_heads import write_eagle3
 
     from specdec_core import SpeculativeEngine
-    from specdec_core.heads import load_heads
+    from specdec_core.heads import MedusaHeads, load_heads
 
     target = tiny_llama(seed=5, num_layers=8)
-    heads = load_heads(str(write_eagle3(tmp_path_factory.mktemp("eagle3"), target, "authors")), "tiny", target)
+    medusa = MedusaHeads(target.config.hidden_size, target.config.vocab_size, 3, own_lm_head=False)
+    with torch.no_grad():
+        for parameter in medusa.parameters():
+            parameter.normal_(0, 0.05, generator=torch.Generator().manual_seed(parameter.numel()))
+    medusa.save(medusa_dir := tmp_path_factory.mktemp("medusa"))
+    eagle3_dir = write_eagle3(tmp_path_factory.mktemp("eagle3"), target, "authors")
+    heads = load_heads(f"{medusa_dir},{eagle3_dir}", "tiny", target)
     return SpeculativeEngine(
         target, None, perturbed_copy(target, 0.002), profile=lambda *_: tiny_profile(), heads=heads
     )

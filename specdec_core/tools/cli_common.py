@@ -37,7 +37,8 @@ DraftLayersOpt = typer.Option(DEFAULT_DRAFT.num_layers, "--draft-layers", help="
 HeadsOpt = typer.Option(
     AUTO,
     "--heads",
-    help="the target's heads: a directory of Medusa or Hydra heads or an EAGLE-3 layer, auto (shipped ones), none",
+    help="the target's heads: a directory of Medusa or Hydra heads or an EAGLE-3 layer, two separated by a comma "
+    "(heads and a layer), auto (shipped ones), none",
 )
 TreesOpt = typer.Option([], "--trees", help="a tree bank file of `specdec frontier` (its trees by name), repeatable")
 QuestionsOpt = typer.Option(

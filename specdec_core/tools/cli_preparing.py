@@ -43,18 +43,25 @@ def train_heads_command(
         "tools/train_eagle3.py)",
     ),
     kind: str = typer.Option("medusa", "--kind", help="medusa: heads on the final state; eagle3: an EAGLE-3 layer"),
+    answers: str = typer.Option(
+        "target",
+        "--answers",
+        help="target: the target's own greedy continuations (one decode step a token); sharegpt: ShareGPT's answers, "
+        "read teacher-forced and labelled with the target's next tokens (one forward a sequence; eagle3 only)",
+    ),
     target: str = TargetOpt,
     target_dtype: str = TargetDtypeOpt,
 ):
     """Train Medusa-style heads (or an EAGLE-3 layer, `--kind eagle3`) for a target by
     self-distillation on ShareGPT (or a local corpus in its format): the target's own greedy
-    continuations of the first turns (its weights frozen). Resumable: rerun the same command to
-    go on from the last checkpoint."""
+    continuations of the first turns, or (`--answers sharegpt`) the target's own next tokens over
+    the corpus' answers (its weights frozen). Resumable: rerun the same command to go on from the
+    last checkpoint."""
     from pydantic import ValidationError
 
     from ..engine import SpeculativeEngine
     from ..kernels.cpu import configure_cpu
-    from ..questions import sharegpt_first_turns
+    from ..questions import SHAREGPT_HELD_OUT, sharegpt_exchanges
     from .train_eagle3 import Eagle3TrainSettings, train_eagle3_heads
     from .train_heads import DistillSettings, TrainSettings, train_heads
 
@@ -62,6 +69,8 @@ def train_heads_command(
     if kind not in trainers:
         fail(f"--kind is one of {', '.join(trainers)}; got {kind!r}")
     settings_class, trainer = trainers[kind]
+    if answers not in ("target", "sharegpt") or (answers == "sharegpt" and kind != "eagle3"):
+        fail(f"--answers is target, or sharegpt with --kind eagle3; got {answers!r} with --kind {kind}")
     try:
         distill_settings = DistillSettings(continuation_tokens=continuation_tokens, batch_size=distill_batch)
         train_settings = settings_class(**parse_params(setting))
@@ -72,22 +81,24 @@ def train_heads_command(
     tokenizer = engine.frontend.tokenizer
     if tokenizer is None:
         fail("train-heads needs a target with a tokenizer (its prompts are ShareGPT's text)")
-    prompt_ids = []
+    prompt_ids, answer_ids = [], []
     try:
-        turns = sharegpt_first_turns(prompts * 4, corpus)
+        exchanges = sharegpt_exchanges(prompts * 4 if corpus else min(prompts * 4, SHAREGPT_HELD_OUT), corpus)
     except (OSError, ValueError) as error:
         fail(f"cannot read the corpus: {error}")
-    for turn in turns:
+    for turn, answer in exchanges:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": turn}], tokenize=False, add_generation_prompt=True
         )
         ids = tokenizer(text, add_special_tokens=False).input_ids
-        if len(ids) <= max_prompt_tokens:
+        if len(ids) <= max_prompt_tokens and (answers == "target" or answer.strip()):
             prompt_ids.append(ids)
+            answer_ids.append(tokenizer(answer, add_special_tokens=False).input_ids)
         if len(prompt_ids) == prompts:
             break
+    given = {"answers": answer_ids} if answers == "sharegpt" else {}
     _, log = trainer(
-        engine.target_model, prompt_ids, out, distill_settings, train_settings, engine.frontend.eos_ids, target
+        engine.target_model, prompt_ids, out, distill_settings, train_settings, engine.frontend.eos_ids, target, **given
     )
     shown = ("before", "after") if kind == "medusa" else ("accuracy_before", "accuracy_after")
     console.print(json.dumps({key: log[key] for key in (*shown, "train_seconds")}))

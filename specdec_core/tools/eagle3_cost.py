@@ -29,10 +29,10 @@ def random_eagle3(target: torch.nn.Module, seed: int = 0) -> Eagle3Draft:
 
 def eagle3_costs(target: torch.nn.Module, prompt_tokens: int = 256, repeats: int = 10) -> list[dict]:
     """Milliseconds of each call after a `prompt_tokens` prompt (one session)."""
-    scorer = TargetScorer(target, random_eagle3(target))
+    scorer = TargetScorer(target, {"eagle3": random_eagle3(target)})
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size, (prompt_tokens,), generator=generator).tolist()
-    scorer.reset(prompt, make_policy("greedy"), SamplingParams(temperature=0.0), with_heads=True)
+    scorer.reset(prompt, make_policy("greedy"), SamplingParams(temperature=0.0), "eagle3")
     root = prompt[-1]
     tree = scorer.guess(root, "dynamic_k10_d8_n59")
     chain = scorer.guess(root, "chain_4").tokens.tolist()

@@ -19,8 +19,7 @@ from typing import Optional
 from tqdm.auto import tqdm
 
 from ..engine import SpeculativeEngine
-from ..heads import MedusaHeads
-from ..questions import DEFAULT_QUESTIONS, first_turn, load_questions, sharegpt_first_turns
+from ..questions import DEFAULT_QUESTIONS, SHAREGPT_HELD_OUT, first_turn, load_questions, sharegpt_first_turns
 from ..request import GenerationRequest
 from ..topologies import DEFAULT_TREE, default_bank
 from .frontier_search import FrontierPoint, acceptance_frontier, own_acceptance, rank_table
@@ -29,9 +28,6 @@ from .frontier_search import FrontierPoint, acceptance_frontier, own_acceptance,
 # 10 questions each, so its calibration questions are among any 10-per-category bench's)
 TASKS = {"mt_bench": ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]}
 SHAREGPT = "sharegpt"
-# train-heads reads ShareGPT's first turns from the start (up to 4 per prompt it keeps): the
-# `sharegpt` task's prompts come from here on, unseen by heads trained on up to 1,024 prompts
-SHAREGPT_HELD_OUT = 4096
 MAX_SHAREGPT_PROMPT_TOKENS = 256  # train-heads' default bound: a long first turn is mostly prefill
 
 
@@ -60,7 +56,7 @@ def measure(engine: SpeculativeEngine, prompts: list[list[int]], params: dict, m
             prompt_ids=prompt,
             drafter={"name": "heads", "params": {"adaptive": False, **params}},
             sampling={"max_tokens": max_new_tokens},
-            num_draft_tokens=engine.heads.num_heads,
+            num_draft_tokens=engine.heads["medusa"].num_heads,
         )
         start = time.perf_counter()
         completion = engine.complete(request)
@@ -79,7 +75,7 @@ def run_task(
     rerank: int,
     taus: list[float],
 ) -> dict:
-    heads = engine.heads
+    heads = engine.heads["medusa"]
     prompts = calibration_prompts(engine, task, num_prompts)
     width = budget  # a tree of `budget` nodes has no rank past budget - 1
     tables = []
@@ -176,10 +172,9 @@ def frontier(
     taus: list[float],
     out: Path,
 ) -> list[dict]:
-    if engine.heads is None:
-        raise ValueError("the target has no heads: give --heads")
-    if not isinstance(engine.heads, MedusaHeads):  # rank_table reads each head on its own
-        raise ValueError("the tree search replays Medusa heads; Hydra's heads read the path they extend")
+    if "medusa" not in engine.heads:  # rank_table reads each head on its own
+        held = ", ".join(engine.heads) or "none"
+        raise ValueError(f"the tree search replays Medusa heads (give --heads); the target has {held}")
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for task in tasks:

@@ -1,16 +1,19 @@
 """Training an EAGLE-3 layer (eagle3.py) for any causal LM by self-distillation, as the EAGLE-3
-authors train theirs: the target greedily continues a set of prompts (train_heads.py's
-`greedy_continuations`); its states at the layer's three depths over each prompt and continuation
-are kept (one more forward per sequence, aux_states.py); the layer learns the target's own tokens
-with EAGLE-3's training-time test: `ttt_steps` draft steps, step j fed its own outputs of step
+authors train theirs. Each sequence is a prompt and an answer: the target's own greedy
+continuation (train_heads.py's `greedy_continuations`: one decode step per token), or a given
+answer such as ShareGPT's own, read teacher-forced (EAGLE-1's fixed data: one forward per
+sequence, so far more data per hour). One forward over each sequence keeps the target's states at
+the layer's three depths (aux_states.py) and its own next token at each position, the labels:
+the token greedy verification accepts there. The layer learns them with EAGLE-3's training-time
+test: `ttt_steps` draft steps, step j fed its own outputs of step
 j - 1 (and the true tokens), attending as a drafted chain does (the target's positions up to its
 anchor, and its own earlier steps at that anchor), step j's loss weighted `step_decay`**j.
 
 Vocabulary: n a sequence's positions, A = n - 1 anchors (the positions a draft starts from), H
 the hidden size, Vd the draft vocabulary: the `draft_vocab` tokens the continuations use most,
 the LM head starting from the target's rows of them; a label outside it is left out of the loss.
-Step j at anchor a reads token a + j + 1 at position a + j and predicts token a + j + 2; only the
-continuation's tokens are labels.
+Step j at anchor a reads token a + j + 1 at position a + j and predicts the target's next token
+after position a + j + 1; only predictions of the answer's tokens count.
 
 Resumable as train_heads.py (`distilled_eagle3.pt`, then `train_state.pt` every
 `checkpoint_every` steps); writes the EAGLE authors' format (eagle3_checkpoint.save_eagle3) and
@@ -19,6 +22,7 @@ position j + 1 when the positions before it were accepted)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -56,22 +60,37 @@ class Eagle3TrainSettings(BaseModel):
 
 @torch.inference_mode()
 def distill_eagle3(
-    model: torch.nn.Module, prompts: Sequence[Sequence[int]], settings: DistillSettings, out_dir: Path, eos_ids=()
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    settings: DistillSettings,
+    out_dir: Path,
+    eos_ids=(),
+    answers: Optional[Sequence[Sequence[int]]] = None,
 ) -> dict:
-    """Per prompt: its tokens and continuation (`tokens`, `prompt_lengths`) and the target's kept
-    states `[n, A * H]` (fp16) over them; from `out_dir` when made with these settings."""
+    """Per prompt: its tokens and answer (`tokens`, `prompt_lengths`), the target's kept states
+    `[n, A * H]` (fp16) and its next token after each position (`labels` `[n]`) over them. The
+    answers are the target's greedy continuations, or `answers`' first `continuation_tokens`.
+    From `out_dir` when made with these settings and data."""
     path = out_dir / DISTILLED_FILE
-    key = json.dumps({"settings": settings.model_dump(), "num_prompts": len(prompts)})
+    given = None if answers is None else json.dumps([[int(token) for token in answer] for answer in answers])
+    digest = given and hashlib.sha256(given.encode()).hexdigest()
+    key = json.dumps({"settings": settings.model_dump(), "num_prompts": len(prompts), "answers": digest})
     if path.exists() and (data := torch.load(path, weights_only=True))["key"] == key:
         return data
-    _, continuations = greedy_continuations(model, prompts, settings, set(eos_ids))
+    if answers is None:
+        _, continuations = greedy_continuations(model, prompts, settings, set(eos_ids))
+    else:
+        continuations = [list(answer)[: settings.continuation_tokens] for answer in answers]
     keep_aux_states(model, default_aux_layers(model.config.num_hidden_layers))
-    sequences = [list(prompt) + continuation for prompt, continuation in zip(prompts, continuations)]
-    states = []
+    lm_head = model.get_output_embeddings()
+    sequences = [list(prompt) + list(continuation) for prompt, continuation in zip(prompts, continuations)]
+    states, labels = [], []
     for sequence in tqdm(sequences, desc="distilling (the target's states)", unit="sequence"):
         hidden, _ = forward_ragged(model, [PagedKV()], [sequence])
         states.append(aux_states(model, hidden.shape[1])[0].half().cpu())
+        labels.append(lm_head(hidden[0]).argmax(-1).int().cpu())
     data = {"key": key, "tokens": sequences, "prompt_lengths": [len(p) for p in prompts], "states": states}
+    data["labels"] = labels
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.save(data, path)
     return data
@@ -79,11 +98,11 @@ def distill_eagle3(
 
 def new_layer(target: torch.nn.Module, data: dict, settings: Eagle3TrainSettings) -> tuple[Eagle3Draft, torch.Tensor]:
     """A fresh layer shaped for `target` and the draft vocabulary `used` `[Vd]` (ascending target
-    ids): the continuations' most used tokens, its LM head the target's rows of them."""
+    ids): the labels' most used tokens over the answers, its LM head the target's rows of them."""
     config = target.config
     counts = torch.zeros(config.vocab_size)
-    for tokens, start in zip(data["tokens"], data["prompt_lengths"]):
-        counts += torch.bincount(torch.tensor(tokens[start:], dtype=torch.long), minlength=config.vocab_size)
+    for labels, start in zip(data["labels"], data["prompt_lengths"]):
+        counts += torch.bincount(labels[start - 1 :].long(), minlength=config.vocab_size)
     used = counts.topk(min(settings.draft_vocab, config.vocab_size)).indices.sort().values  # [Vd]
     draft = Eagle3Draft.for_target(config, len(used))
     draft.d2t.copy_(used - torch.arange(len(used)))
@@ -123,17 +142,17 @@ def ttt_logits(draft: Eagle3Draft, embed: torch.nn.Module, states: torch.Tensor,
     return logits
 
 
-def ttt_loss(draft, embed, states, tokens, prompt_length, to_draft, settings) -> tuple[torch.Tensor, list, list]:
+def ttt_loss(draft, embed, states, tokens, labels, prompt_length, to_draft, settings) -> tuple:
     """The weighted loss of one sequence, and each step's (correct, counted) top-1 predictions."""
     n = len(tokens)
     total, correct, counted = states.new_zeros((), dtype=torch.float32), [], []
     for step, logits in enumerate(ttt_logits(draft, embed, states, tokens, settings.ttt_steps)):
-        label_at = torch.arange(n - 1) + step + 2  # [A]
-        labels = to_draft[tokens[label_at.clamp(max=n - 1)]]  # [A] draft ids, -1 outside the vocabulary
-        valid = (label_at < n) & (label_at >= prompt_length) & (labels >= 0)
+        predicted_at = torch.arange(n - 1) + step + 1  # [A] the position whose next token step j predicts
+        wanted = to_draft[labels[predicted_at.clamp(max=n - 1)].long()]  # [A] draft ids, -1 outside its vocabulary
+        valid = (predicted_at < n) & (predicted_at + 1 >= prompt_length) & (wanted >= 0)
         if valid.any():
-            total = total + settings.step_decay**step * torch.nn.functional.cross_entropy(logits[valid], labels[valid])
-        correct.append(int((logits[valid].argmax(-1) == labels[valid]).sum()))
+            total = total + settings.step_decay**step * torch.nn.functional.cross_entropy(logits[valid], wanted[valid])
+        correct.append(int((logits[valid].argmax(-1) == wanted[valid]).sum()))
         counted.append(int(valid.sum()))
     return total, correct, counted
 
@@ -157,7 +176,8 @@ def train_eagle3(
     parts = {"draft": draft, "optimizer": optimizer, "schedule": schedule}
 
     def sequence(index: int):
-        return data["states"][index], torch.tensor(data["tokens"][index]), data["prompt_lengths"][index]
+        tokens, labels = torch.tensor(data["tokens"][index]), data["labels"][index]
+        return data["states"][index], tokens, labels, data["prompt_lengths"][index]
 
     @torch.no_grad()
     def evaluate(indices: list[int]) -> list[float]:
@@ -206,7 +226,9 @@ def train_eagle3_heads(
     train_settings: Optional[Eagle3TrainSettings] = None,
     eos_ids=(),
     base_model: str = "",
+    answers: Optional[Sequence[Sequence[int]]] = None,
 ) -> tuple[Eagle3Draft, dict]:
-    """Both stages: distill the target's continuations and states, then train the layer."""
-    data = distill_eagle3(target, prompts, distill_settings or DistillSettings(), out_dir, eos_ids)
+    """Both stages: distill the target's states and labels over the prompts and their answers
+    (its own continuations, or `answers`), then train the layer."""
+    data = distill_eagle3(target, prompts, distill_settings or DistillSettings(), out_dir, eos_ids, answers)
     return train_eagle3(target, data, train_settings or Eagle3TrainSettings(), out_dir, base_model)

@@ -16,7 +16,7 @@ from conftest import repeating_prompt, tiny_llama
 from eagle3_heads import write_eagle3
 from safetensors.torch import load_file, save_file
 
-from specdec_core.heads import load_heads
+from specdec_core.heads import load_heads_from
 from specdec_core.policies import make_policy
 from specdec_core.sampling import SamplingParams
 from specdec_core.target import TargetScorer
@@ -88,11 +88,11 @@ def reference_chain(directory: Path, layout: str, target, committed: list[int], 
 @pytest.mark.parametrize("layout", ["authors", "speculators"])
 def test_a_published_eagle3_head_guesses_what_its_reference_drafts_after_every_commit(tmp_path, target, layout):
     directory = write_eagle3(tmp_path / layout, target, layout)
-    draft = load_heads(str(directory), "tiny", target)
+    draft = load_heads_from(str(directory), target)
     assert draft.aux_layers == (2, 4, 5) and (draft.embed_tokens is not None) == (layout == "speculators")
-    scorer = TargetScorer(target, draft)
+    scorer = TargetScorer(target, {"eagle3": draft})
     prompt = repeating_prompt(0, length=12)
-    scorer.reset(prompt, make_policy("greedy"), SamplingParams(temperature=0.0), with_heads=True)
+    scorer.reset(prompt, make_policy("greedy"), SamplingParams(temperature=0.0), "eagle3")
     committed, root = prompt[:-1], prompt[-1]
     for keep, block in ((3, [9, 40, 7, 88]), (1, [5, 6]), (4, [17, 2, 99, 31, 64])):
         guesses = scorer.guess(root, "chain_4")
@@ -149,7 +149,7 @@ def test_a_format_variant_it_does_not_read_is_refused(tmp_path, target):
     [
         {"name": "eagle3"},
         {"name": "eagle3", "params": {"dynamic": True, "nodes": 24}},
-        {"name": "heads", "params": {"tree": "mc_sim_7b_63"}},
+        {"name": "eagle3", "params": {"tree": "mc_sim_7b_63"}},  # a fixed tree
     ],
 )
 def test_greedy_decoding_over_eagle3_drafts_is_target_only_greedy(eagle3_engine, drafter):
@@ -172,8 +172,28 @@ def test_the_eagle3_drafter_needs_an_eagle3_layer_on_the_target(tiny_engine, hea
 
     request = GenerationRequest(prompt_ids=repeating_prompt(0), drafter={"name": "eagle3"})
     for engine, has in ((tiny_engine, "none"), (heads_engine, "medusa")):
-        with pytest.raises(SpecdecError, match=f"needs an EAGLE-3 layer on the target; this one has {has}"):
+        with pytest.raises(SpecdecError, match=f"needs an EAGLE-3 layer on the target; it has {has}"):
             engine.complete(request)
+
+
+def test_a_target_holds_medusa_heads_and_an_eagle3_layer_and_each_drafter_reads_its_own(eagle3_engine, tmp_path):
+    """`heads` drafts from the Medusa heads, `eagle3` from the layer, on one target; both give
+    target-only greedy output; two sets of one kind, or Medusa beside Hydra, are refused."""
+    from specdec_core import GenerationRequest
+    from specdec_core.heads import load_heads
+
+    assert list(eagle3_engine.heads) == ["medusa", "eagle3"]
+    prompt = repeating_prompt(2)
+    none = GenerationRequest(prompt_ids=prompt, drafter={"name": "none"}, sampling={"max_tokens": 24})
+    reference = eagle3_engine.complete(none).token_ids
+    for drafter, kind in (("heads", "medusa"), ("eagle3", "eagle3")):
+        request = GenerationRequest(prompt_ids=prompt, drafter={"name": drafter}, sampling={"max_tokens": 24})
+        assert eagle3_engine.frontend.prepare(request).heads_kind == kind
+        assert eagle3_engine.complete(request).token_ids == reference
+    eagle3_engine.heads["medusa"].save(first := tmp_path / "first")
+    eagle3_engine.heads["medusa"].save(second := tmp_path / "second")
+    with pytest.raises(ValueError, match="one set of Medusa or Hydra heads and one EAGLE-3 layer"):
+        load_heads(f"{first},{second}", "tiny", eagle3_engine.target_model)
 
 
 def test_the_eagle3_cost_report_times_each_call_at_its_size():

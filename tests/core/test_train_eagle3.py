@@ -9,7 +9,7 @@ import json
 import torch
 from conftest import repeating_prompt, tiny_llama, tiny_profile
 
-from specdec_core.heads import load_heads
+from specdec_core.heads import load_heads_from
 from specdec_core.tools.train_eagle3 import Eagle3TrainSettings, train_eagle3_heads, ttt_logits
 from specdec_core.tools.train_heads import DistillSettings
 from specdec_core.tools.training_state import STATE_FILE
@@ -34,9 +34,9 @@ def test_an_eagle3_layer_trained_on_the_targets_continuations_drafts_them(tmp_pa
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
 
-    heads = load_heads(str(tmp_path), "tiny", target)
+    heads = load_heads_from(str(tmp_path), target)
     assert torch.equal(heads.d2t, draft.d2t)
-    engine = SpeculativeEngine(target, None, None, profile=lambda *_: tiny_profile(), heads=heads)
+    engine = SpeculativeEngine(target, None, None, profile=lambda *_: tiny_profile(), heads={"eagle3": heads})
     for seed in (0, 1):
         requests = [
             GenerationRequest(
@@ -82,8 +82,8 @@ def test_training_sees_what_drafting_sees():
     target = tiny_llama(seed=9, num_layers=8)
     draft = random_eagle3(target)
     prompt = repeating_prompt(3, length=14)
-    scorer = TargetScorer(target, draft)
-    scorer.reset(prompt, make_policy("greedy"), SamplingParams(temperature=0.0), with_heads=True)
+    scorer = TargetScorer(target, {"eagle3": draft})
+    scorer.reset(prompt, make_policy("greedy"), SamplingParams(temperature=0.0), "eagle3")
     chain = scorer.guess(prompt[-1], "chain_4").tokens.tolist()
     sequence = torch.tensor(prompt + chain[:3])
     with torch.no_grad():
@@ -92,3 +92,31 @@ def test_training_sees_what_drafting_sees():
         logits = ttt_logits(draft, target.get_input_embeddings(), states, sequence, steps=4)
     anchor = len(prompt) - 2  # the last committed position
     assert [int(draft.target_ids(step[anchor].argmax())) for step in logits] == chain
+
+
+def test_given_answers_read_teacher_forced_are_labelled_with_the_targets_own_next_tokens(tmp_path):
+    """Distilled over given answers, each position's label is the target's argmax there; given the
+    target's own greedy continuations as the answers, the data is the self-distilled data."""
+    from specdec_core.tools.train_eagle3 import distill_eagle3
+
+    target = tiny_llama(seed=7, num_layers=8)
+    prompts = [repeating_prompt(seed, length=16) for seed in range(4)]
+    own = distill_eagle3(target, prompts, DISTILL, tmp_path / "own")
+    continuations = [tokens[len(prompt) :] for tokens, prompt in zip(own["tokens"], prompts)]
+    given = distill_eagle3(target, prompts, DISTILL, tmp_path / "given", answers=continuations)
+    assert given["tokens"] == own["tokens"]
+    for own_labels, given_labels, tokens, prompt in zip(own["labels"], given["labels"], own["tokens"], prompts):
+        assert torch.equal(own_labels, given_labels)
+        assert own_labels[len(prompt) - 1 : -1].tolist() == tokens[len(prompt) :]  # greedy: the next token
+
+    answers = [
+        torch.randint(0, target.config.vocab_size, (30,), generator=torch.Generator().manual_seed(seed)).tolist()
+        for seed in range(4)
+    ]
+    text = distill_eagle3(target, prompts, DISTILL, tmp_path / "text", answers=answers)
+    for tokens, labels in zip(text["tokens"], text["labels"]):
+        assert len(tokens) == 16 + DISTILL.continuation_tokens  # answers cut to continuation_tokens
+        with torch.no_grad():
+            assert torch.equal(labels.long(), target(torch.tensor([tokens])).logits[0].argmax(-1))
+    again = distill_eagle3(target, prompts, DISTILL, tmp_path / "text", answers=[answer[::-1] for answer in answers])
+    assert again["tokens"] != text["tokens"]  # other answers: distilled again, not the stored data

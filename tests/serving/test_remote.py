@@ -184,7 +184,7 @@ def test_eagle3_chains_and_dynamic_trees_come_from_the_target_worker(eagle3_engi
         sampling={"max_tokens": 32, "temperature": temperature, "seed": 5},
     )
     try:
-        assert workers.stubs["target"].Profile(pb.Empty()).heads_kind == "eagle3"
+        assert dict(workers.stubs["target"].Profile(pb.Empty()).heads) == {"medusa": 3, "eagle3": 8}
         tokens, metrics = remote_complete(workers.engine, req)
         local = eagle3_engine.complete(req)
         assert tokens == local.token_ids
@@ -203,18 +203,23 @@ def test_a_target_worker_checks_heads_calls(heads_engine, tiny_engine):
     workers = {"heads": Workers(heads_engine, target=with_heads), "none": Workers(tiny_engine)}
     prompt, greedy = repeating_prompt(7), component_to_proto(ComponentSpec(name="greedy"))
     reset = pb.TargetReset(
-        session_id="s", prompt_ids=prompt, sampling=sampling_to_proto(SamplingParams()), policy=greedy, with_heads=True
+        session_id="s",
+        prompt_ids=prompt,
+        sampling=sampling_to_proto(SamplingParams()),
+        policy=greedy,
+        heads_kind="medusa",
     )
     try:
-        assert workers["none"].stubs["target"].Profile(pb.Empty()).num_heads == 0
+        assert not workers["none"].stubs["target"].Profile(pb.Empty()).heads
         assert workers["none"].stubs["target"].Profile(pb.Empty()).device_type == "cpu"
-        with pytest.raises(grpc.RpcError, match="no multi-token heads"):
+        with pytest.raises(grpc.RpcError, match="no medusa heads"):
             workers["none"].stubs["target"].Reset(reset)
         stub = workers["heads"].stubs["target"]
         stub.Reset(reset)
-        assert stub.Profile(pb.Empty()).num_heads == heads_engine.heads.num_heads
+        num_heads = heads_engine.heads["medusa"].num_heads
+        assert dict(stub.Profile(pb.Empty()).heads) == {"medusa": num_heads}
         first = stub.Heads(pb.HeadsRequest(session_id="s", root_token=prompt[-1], tree="mc_sim_7b_63"))
-        cut = f"mc_sim_7b_63@{heads_engine.heads.num_heads}"  # the tree cut to the heads' depth
+        cut = f"mc_sim_7b_63@{num_heads}"  # the tree cut to the heads' depth
         assert first.tree == cut and list(first.tokens.shape) == [default_bank().get(cut).num_nodes]
         for fields, message in [
             ({"root_token": -1, "tree": "chain_2"}, "root_token"),
