@@ -44,6 +44,7 @@ class TargetScorer:
         self.scored_tokens: Optional[torch.Tensor] = None  # [T] its tokens
         self.scored_features: Optional[torch.Tensor] = None  # [T, A * H] its kept states (aux_states.py)
         self.heads_session: Optional[HeadsSession] = None
+        self.reads_aux_states = False  # its heads session reads the target's kept states
         self.prompt_parts: Optional[list[PromptScores]] = None  # per prefill chunk, when the request asks
 
     def start(
@@ -75,6 +76,8 @@ class TargetScorer:
         self.num_scored = 0
         self.scored_hidden = self.scored_tokens = self.scored_features = None
         self.heads_session = None
+        # only an EAGLE-3 layer reads the kept states of the target's forward (aux_states.py)
+        self.reads_aux_states = heads_kind is not None and hasattr(self.heads.get(heads_kind), "aux_layers")
         if heads_kind is not None:
             if heads_kind not in self.heads:
                 raise ValueError(f"this target has no {heads_kind} heads (it has: {', '.join(self.heads) or 'none'})")
@@ -229,7 +232,7 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
     # per-row work in a handful of ops for the whole step: split views, one LM head for every
     # verify row, their tokens as one tensor
     parts = hidden[0].split([len(row.tokens) for row in rows])  # [T_i, H] each
-    reading = any(row.scorer.heads_session is not None for row in rows)
+    reading = any(row.scorer.reads_aux_states for row in rows)
     features = aux_states(model, hidden.shape[1]) if reading else None  # [1, N, A * H]
     feature_parts = features[0].split([len(row.tokens) for row in rows]) if features is not None else None
     verifying = [index for index, row in enumerate(rows) if not row.prefill]

@@ -13,7 +13,8 @@ Vocabulary: n a sequence's positions, A = n - 1 anchors (the positions a draft s
 the hidden size, Vd the draft vocabulary: the `draft_vocab` tokens the continuations use most,
 the LM head starting from the target's rows of them; a label outside it is left out of the loss.
 Step j at anchor a reads token a + j + 1 at position a + j and predicts the target's next token
-after position a + j + 1; only predictions of the answer's tokens count.
+after position a + j + 1; only predictions of the answer's tokens count, and the target's next
+token after a sequence's last position, a label like the others.
 
 Resumable as train_heads.py (`distilled_eagle3.pt`, then `train_state.pt` every
 `checkpoint_every` steps); writes the EAGLE authors' format (eagle3_checkpoint.save_eagle3) and

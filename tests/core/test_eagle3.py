@@ -178,7 +178,7 @@ def test_the_eagle3_drafter_needs_an_eagle3_layer_on_the_target(tiny_engine, hea
 
 def test_a_target_holds_medusa_heads_and_an_eagle3_layer_and_each_drafter_reads_its_own(eagle3_engine, tmp_path):
     """`heads` drafts from the Medusa heads, `eagle3` from the layer, on one target; both give
-    target-only greedy output; two sets of one kind, or Medusa beside Hydra, are refused."""
+    target-only greedy output; two sets of one kind are refused."""
     from specdec_core import GenerationRequest
     from specdec_core.heads import load_heads
 

@@ -105,9 +105,8 @@ def test_given_answers_read_teacher_forced_are_labelled_with_the_targets_own_nex
     continuations = [tokens[len(prompt) :] for tokens, prompt in zip(own["tokens"], prompts)]
     given = distill_eagle3(target, prompts, DISTILL, tmp_path / "given", answers=continuations)
     assert given["tokens"] == own["tokens"]
-    for own_labels, given_labels, tokens, prompt in zip(own["labels"], given["labels"], own["tokens"], prompts):
-        assert torch.equal(own_labels, given_labels)
-        assert own_labels[len(prompt) - 1 : -1].tolist() == tokens[len(prompt) :]  # greedy: the next token
+    for labels, tokens, prompt in zip(given["labels"], own["tokens"], prompts):
+        assert labels[len(prompt) - 1 : -1].tolist() == tokens[len(prompt) :]  # greedy: its own next token
 
     answers = [
         torch.randint(0, target.config.vocab_size, (30,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -120,3 +119,32 @@ def test_given_answers_read_teacher_forced_are_labelled_with_the_targets_own_nex
             assert torch.equal(labels.long(), target(torch.tensor([tokens])).logits[0].argmax(-1))
     again = distill_eagle3(target, prompts, DISTILL, tmp_path / "text", answers=[answer[::-1] for answer in answers])
     assert again["tokens"] != text["tokens"]  # other answers: distilled again, not the stored data
+
+
+def test_each_step_counts_the_predictions_of_the_answers_tokens_and_the_last_positions_next():
+    """Step j at anchor a predicts the target's token after position a + j + 1: it counts where
+    that is an answer token (a + j + 2 >= the prompt's length) or the one after the sequence."""
+    from specdec_core.tools.eagle3_cost import random_eagle3
+    from specdec_core.tools.train_eagle3 import ttt_loss
+
+    target = tiny_llama(seed=8, num_layers=8)
+    draft = random_eagle3(target)
+    n, prompt_length, vocab = 12, 5, target.config.vocab_size
+    states = torch.randn(n, 3 * target.config.hidden_size)
+    tokens = torch.randint(0, vocab, (n,))
+    labels = torch.randint(0, vocab, (n,))
+    settings = Eagle3TrainSettings(ttt_steps=3)
+    everything = torch.arange(vocab)  # every token in the draft vocabulary
+    with torch.no_grad():
+        _, _, counted = ttt_loss(
+            draft, target.get_input_embeddings(), states, tokens, labels, prompt_length, everything, settings
+        )
+    # anchors a = 0 .. n - 2 with a + j + 1 <= n - 1 and a + j + 2 >= prompt_length
+    assert counted == [(n - 2 - j) - max(0, prompt_length - 2 - j) + 1 for j in range(3)]
+    outside = everything.clone()
+    outside[labels[prompt_length - 1]] = -1  # a label outside the draft vocabulary is left out
+    with torch.no_grad():
+        _, _, fewer = ttt_loss(
+            draft, target.get_input_embeddings(), states, tokens, labels, prompt_length, outside, settings
+        )
+    assert fewer[0] == counted[0] - int((labels[prompt_length - 1 :] == labels[prompt_length - 1]).sum())

@@ -29,7 +29,7 @@ PROMPT = repeating_prompt(3)
 
 
 def open_session(service: TargetService, session_id: str, takes_forwarded: bool = True) -> None:
-    service.reset(session_id, PROMPT, GREEDY, SamplingParams(max_tokens=64), False, takes_forwarded)
+    service.reset(session_id, PROMPT, GREEDY, SamplingParams(max_tokens=64), None, takes_forwarded)
 
 
 def greedy_outcome(drafts: list[int], rows: torch.Tensor) -> list[int]:
@@ -121,10 +121,10 @@ def test_a_score_that_commits_otherwise_than_the_targets_verdict_fails(service):
 
 def test_only_sessions_of_target_decided_policies_take_forwarded_blocks(tiny_engine, service):
     with pytest.raises(SpecdecError, match="decides with the server"):
-        service.reset("t", PROMPT, ComponentSpec(name="typical"), SamplingParams(temperature=0.7), False, True)
+        service.reset("t", PROMPT, ComponentSpec(name="typical"), SamplingParams(temperature=0.7), None, True)
     with pytest.raises(SpecdecError, match="decides with the server"):
-        service.reset("r", PROMPT, ComponentSpec(name="rejection"), SamplingParams(temperature=0.7), False, True)
-    service.reset("r", PROMPT, ComponentSpec(name="rejection"), SamplingParams(), False, True)  # T = 0: argmax
+        service.reset("r", PROMPT, ComponentSpec(name="rejection"), SamplingParams(temperature=0.7), None, True)
+    service.reset("r", PROMPT, ComponentSpec(name="rejection"), SamplingParams(), None, True)  # T = 0: argmax
     workers = Workers(tiny_engine)
     stub = workers.stubs["target"]
     try:

@@ -197,10 +197,10 @@ def test_eagle3_chains_and_dynamic_trees_come_from_the_target_worker(eagle3_engi
 def test_a_target_worker_checks_heads_calls(heads_engine, tiny_engine):
     """A heads session on a target without heads, an unknown tree or a bad root, and a commit sent
     twice are refused."""
-    with_heads = TargetService(
+    with_medusa = TargetService(
         heads_engine.target_model, 60.0, heads_engine.frontend.profile(), heads=heads_engine.heads
     )
-    workers = {"heads": Workers(heads_engine, target=with_heads), "none": Workers(tiny_engine)}
+    workers = {"heads": Workers(heads_engine, target=with_medusa), "none": Workers(tiny_engine)}
     prompt, greedy = repeating_prompt(7), component_to_proto(ComponentSpec(name="greedy"))
     reset = pb.TargetReset(
         session_id="s",
