@@ -50,9 +50,12 @@ def load_heads(setting: Optional[str], target_source: str, model: nn.Module) -> 
     Medusa heads (`medusa_lm_head.pt`), Hydra heads (`hydra_lm_head.pt`) or an EAGLE-3 layer
     (either published format: eagle3_checkpoint.py), several separated by commas (one of each
     kind, Medusa or Hydra), "auto" (those shipped for `target_source`, if any) or None (none)."""
-    directories = SHIPPED_HEADS.get(target_source, []) if setting == AUTO else (setting or "").split(",")
+    if setting == AUTO:
+        directories = [str(directory) for directory in SHIPPED_HEADS.get(target_source, [])]
+    else:
+        directories = [directory.strip() for directory in (setting or "").split(",") if directory.strip()]
     held: dict[str, Heads] = {}
-    for directory in filter(None, map(str.strip, map(str, directories))):
+    for directory in directories:
         heads = load_heads_from(directory, model)
         if heads.kind in held or {heads.kind, *held} >= {"medusa", "hydra"}:
             raise ValueError(

@@ -77,7 +77,7 @@ class TargetScorer:
         self.scored_hidden = self.scored_tokens = self.scored_features = None
         self.heads_session = None
         # only an EAGLE-3 layer reads the kept states of the target's forward (aux_states.py)
-        self.reads_aux_states = heads_kind is not None and hasattr(self.heads.get(heads_kind), "aux_layers")
+        self.reads_aux_states = heads_kind == "eagle3"
         if heads_kind is not None:
             if heads_kind not in self.heads:
                 raise ValueError(f"this target has no {heads_kind} heads (it has: {', '.join(self.heads) or 'none'})")

@@ -93,7 +93,8 @@ def train_heads_command(
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) <= max_prompt_tokens and (answers == "target" or answer.strip()):
             prompt_ids.append(ids)
-            answer_ids.append(tokenizer(answer, add_special_tokens=False).input_ids)
+            if answers == "sharegpt":  # the target writes its own otherwise
+                answer_ids.append(tokenizer(answer, add_special_tokens=False).input_ids)
         if len(prompt_ids) == prompts:
             break
     given = {"answers": answer_ids} if answers == "sharegpt" else {}

@@ -10,7 +10,7 @@ j - 1 (and the true tokens), attending as a drafted chain does (the target's pos
 anchor, and its own earlier steps at that anchor), step j's loss weighted `step_decay`**j.
 
 Vocabulary: n a sequence's positions, A = n - 1 anchors (the positions a draft starts from), H
-the hidden size, Vd the draft vocabulary: the `draft_vocab` tokens the continuations use most,
+the hidden size, Vd the draft vocabulary: the `draft_vocab` tokens the answers' labels use most,
 the LM head starting from the target's rows of them; a label outside it is left out of the loss.
 Step j at anchor a reads token a + j + 1 at position a + j and predicts the target's next token
 after position a + j + 1; only predictions of the answer's tokens count, and the target's next
@@ -90,8 +90,8 @@ def distill_eagle3(
         hidden, _ = forward_ragged(model, [PagedKV()], [sequence])
         states.append(aux_states(model, hidden.shape[1])[0].half().cpu())
         labels.append(lm_head(hidden[0]).argmax(-1).int().cpu())
-    data = {"key": key, "tokens": sequences, "prompt_lengths": [len(p) for p in prompts], "states": states}
-    data["labels"] = labels
+    prompt_lengths = [len(prompt) for prompt in prompts]
+    data = {"key": key, "tokens": sequences, "prompt_lengths": prompt_lengths, "states": states, "labels": labels}
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.save(data, path)
     return data
@@ -143,7 +143,9 @@ def ttt_logits(draft: Eagle3Draft, embed: torch.nn.Module, states: torch.Tensor,
     return logits
 
 
-def ttt_loss(draft, embed, states, tokens, labels, prompt_length, to_draft, settings) -> tuple:
+def ttt_loss(
+    draft, embed, states, tokens, labels, prompt_length, to_draft, settings
+) -> tuple[torch.Tensor, list, list]:
     """The weighted loss of one sequence, and each step's (correct, counted) top-1 predictions."""
     n = len(tokens)
     total, correct, counted = states.new_zeros((), dtype=torch.float32), [], []
