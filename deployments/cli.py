@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -31,6 +32,14 @@ def load_serve_config(path: Path) -> dict:
     return applications[0].get("args") or {}
 
 
+def options_over(args: dict, tp_size: Optional[int], pp_size: Optional[int], **options) -> dict:
+    """A config's app args with the options given on the command line over them (`tp_size` and
+    `pp_size`: the target worker's)."""
+    layout = {key: value for key, value in (("tp_size", tp_size), ("pp_size", pp_size)) if value is not None}
+    given = {key: value for key, value in options.items() if value is not None}
+    return {**args, **given, "target_worker": {**(args.get("target_worker") or {}), **layout}}
+
+
 @app.command(rich_help_panel=SERVE)
 def serve(
     config: Path = typer.Option(DEFAULT_CONFIG, "--config", help="Serve config YAML (cluster/*.yaml)"),
@@ -38,8 +47,17 @@ def serve(
     port: Optional[int] = typer.Option(None, "--port", help="HTTP port"),
     grpc_port: Optional[int] = typer.Option(None, "--grpc-port"),
     address: Optional[str] = typer.Option(None, "--address", help="existing Ray cluster (default: start one)"),
+    tp: Optional[int] = typer.Option(None, "--tp", min=1, help="the target's tensor-parallel ranks a stage"),
+    pp: Optional[int] = typer.Option(None, "--pp", min=1, help="the target's pipeline stages"),
+    simulate_nodes: int = typer.Option(
+        0,
+        "--simulate-nodes",
+        min=0,
+        help="start a local cluster of N simulated nodes: a multi-node layout on one machine",
+    ),
 ):
-    """Start the specdec Ray Serve app (OpenAI HTTP + gRPC) and block until Ctrl-C."""
+    """Start the specdec Ray Serve app (OpenAI HTTP + gRPC) and block until Ctrl-C. --tp and --pp
+    override the config's target_worker."""
     import ray
     from pydantic import ValidationError
     from ray import serve as ray_serve
@@ -49,14 +67,11 @@ def serve(
     from .startup_log import NAMESPACE, start_with_notes
 
     start = time.perf_counter()
-    args = load_serve_config(config)
-    args.update(
-        {
-            key: value
-            for key, value in (("host", host), ("http_port", port), ("grpc_port", grpc_port))
-            if value is not None
-        }
+    args = options_over(
+        load_serve_config(config), host=host, http_port=port, grpc_port=grpc_port, tp_size=tp, pp_size=pp
     )
+    if simulate_nodes and address:
+        fail("--simulate-nodes starts a cluster of its own: leave out --address")
     try:
         app_config = AppConfig(**args)
     except ValidationError as error:
@@ -66,7 +81,8 @@ def serve(
     for spec in filter(None, (app_config.target, app_config.draft)):
         resolve_source(spec.source)  # convert GGUF checkpoints once, here, with a progress bar
     apply_serve_env_defaults()
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    cluster = simulated_cluster(simulate_nodes) if simulate_nodes else None
+    ray.init(address=cluster.address if cluster else address, namespace=NAMESPACE, log_to_driver=False)
     # no Serve gRPC proxy: it would listen on every interface; the replicas serve gRPC (grpc_ingress.py)
     ray_serve.start(http_options={"host": app_config.host, "port": app_config.http_port})
     console.print("starting the workers and the server (Ray Serve)")
@@ -97,6 +113,22 @@ def serve(
     finally:
         ray_serve.shutdown()
         ray.shutdown()
+
+
+def simulated_cluster(nodes: int):
+    """A Ray cluster of `nodes` raylets on this machine (Ray's `cluster_utils`, as the cluster tests
+    use), each offering every core: placement groups spread over them as over real nodes
+    (cluster/local-pp2.yaml's stages, a node each), while all share the machine's cores. Its
+    processes stop when this one exits."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cores = os.cpu_count()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cores, "include_dashboard": False})
+    atexit.register(lambda: (ray.shutdown(), cluster.shutdown()))  # the driver first: Ray refuses the reverse
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=cores)
+    return cluster
 
 
 @app.command(rich_help_panel=SERVE)

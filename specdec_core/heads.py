@@ -50,8 +50,12 @@ def load_heads(setting: Optional[str], target_source: str, model: nn.Module) -> 
     Medusa heads (`medusa_lm_head.pt`), Hydra heads (`hydra_lm_head.pt`) or an EAGLE-3 layer
     (either published format: eagle3_checkpoint.py), several separated by commas (one of each
     kind, Medusa or Hydra), "auto" (those shipped for `target_source`, if any) or None (none)."""
+    from .eagle3_checkpoint import is_eagle3
+
     if setting == AUTO:
         directories = [str(directory) for directory in SHIPPED_HEADS.get(target_source, [])]
+        if is_pipeline_stage(model):  # the shipped heads that one stage can run (load_heads_from)
+            directories = [directory for directory in directories if not is_eagle3(directory)]
     else:
         directories = [directory.strip() for directory in (setting or "").split(",") if directory.strip()]
     held: dict[str, Heads] = {}
@@ -74,6 +78,11 @@ def load_heads_from(directory: str, model: nn.Module) -> "Heads":
 
     heads: Heads
     if is_eagle3(directory):
+        if is_pipeline_stage(model):
+            raise ValueError(
+                f"{directory}: an EAGLE-3 layer reads hidden states from low, middle and high layers of the "
+                "target, which its pipeline stages split between them; a target in stages holds Medusa heads only"
+            )
         heads = load_eagle3(directory, model.config)
     elif (Path(directory) / HYDRA_WEIGHTS_FILE).exists():
         heads = HydraHeads.load(directory, model.config)
@@ -86,6 +95,11 @@ def load_heads_from(directory: str, model: nn.Module) -> "Heads":
     if heads.kind == "eagle3":
         keep_aux_states(model, heads.aux_layers)  # what the layer reads, from every target forward
     return heads.to(model.device, activation_dtype(model)).eval()
+
+
+def is_pipeline_stage(model: nn.Module) -> bool:
+    """Whether `model` is one stage of a pipeline (pipeline.py), holding some of the layers."""
+    return hasattr(model.model, "pipeline_stage")
 
 
 def heads_kind_for(held: Iterable[str], needed: Optional[str]) -> Optional[str]:

@@ -1,9 +1,9 @@
 """`specdec` command line: the app and its in-process commands, registered here in groups, in the
-order `specdec --help` lists them (cli_decoding.py, cli_measuring.py, cli_preparing.py, gpu_report.py,
-step_ops.py hold them; cli_common.py what they share). The console script (deployments/cli.py)
-adds the serving commands to this app, with the console, `fail` and `request_from_options`, and
-hands `bench` its endpoint client through typer's context object (`{"endpoint_client": factory}`),
-so this package never imports the serving side."""
+order `specdec --help` lists them (cli_decoding.py, cli_measuring.py, cli_preparing.py,
+gpu_report.py, step_ops.py, pipeline_step.py hold them; cli_common.py what they share). The
+console script (deployments/cli.py) adds the serving commands to this app, with the console,
+`fail` and `request_from_options`, and hands `bench` its endpoint client through typer's context
+object (`{"endpoint_client": factory}`), so this package never imports the serving side."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .cli_measuring import calibrate_easd, lookup_ceiling, verify_cost
 from .cli_preparing import convert, frontier, plan, train_heads_command
 from .compile_check import compile_check_command
 from .gpu_report import gpu_report
+from .pipeline_step import pipeline_step
 from .step_ops import step_ops_command
 
 __all__ = ["app", "console", "fail", "request_from_options"]
@@ -35,6 +36,7 @@ GROUPS = {
         "verify-cost": verify_cost,
         "lookup-ceiling": lookup_ceiling,
         "step-ops": step_ops_command,
+        "pipeline-step": pipeline_step,
         "compile-check": compile_check_command,
         "gpu-report": gpu_report,
     },

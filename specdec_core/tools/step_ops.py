@@ -39,6 +39,17 @@ class OpCounter(TorchDispatchMode):
 def count_step_ops(model: torch.nn.Module, num_rows: int, tokens_per_row: int, history: int, seed: int = 0) -> dict:
     """The operations of one verify step of `num_rows` sessions, each scoring `tokens_per_row`
     tokens (K + 1) after a prefilled random prompt of `history` tokens."""
+    rows = verify_rows(model, num_rows, tokens_per_row, history, seed)
+    with OpCounter() as counter:
+        forward_rows(rows)
+    counts = {"rows": num_rows, "ops": sum(counter.ops.values()), "attention_ops": counter.attention_ops}
+    return {**counts, **step_times(rows)}
+
+
+def verify_rows(model: torch.nn.Module, num_rows: int, tokens_per_row: int, history: int, seed: int = 0) -> list[Row]:
+    """A verify step of `num_rows` sessions, each scoring the same random `tokens_per_row` tokens
+    after a prefilled random prompt of `history` tokens; each forward_rows of them scores them
+    again (nothing is committed)."""
     generator = torch.Generator().manual_seed(seed)
     vocab_size = model.config.vocab_size
     scorers = []
@@ -48,11 +59,7 @@ def count_step_ops(model: torch.nn.Module, num_rows: int, tokens_per_row: int, h
         scorer.reset(prompt, make_policy("greedy"), SamplingParams(max_tokens=tokens_per_row))
         scorers.append(scorer)
     block = torch.randint(0, vocab_size, (tokens_per_row,), generator=generator).tolist()
-    rows = [Row(scorer, block) for scorer in scorers]  # each forward re-scores them (no commit)
-    with OpCounter() as counter:
-        forward_rows(rows)
-    counts = {"rows": num_rows, "ops": sum(counter.ops.values()), "attention_ops": counter.attention_ops}
-    return {**counts, **step_times(rows)}
+    return [Row(scorer, block) for scorer in scorers]
 
 
 def step_times(rows: list[Row], repeats: int = 3) -> dict:

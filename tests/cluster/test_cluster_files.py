@@ -120,3 +120,21 @@ def test_the_app_bounds_each_replica_and_its_queue_as_configured():
     assert deployment._deployment_config.max_queued_requests == 7
     default = build_app({})._bound_deployment._deployment_config
     assert default.max_queued_requests == AppConfig().max_queued_requests == 64
+
+
+def test_the_command_lines_layout_overrides_the_configs():
+    """`specdec serve --config cluster/local-pp2.yaml --tp 3`: 2 stages of 3 ranks, the rest the
+    file's; --simulate-nodes refuses an existing cluster's --address before starting anything."""
+    from typer.testing import CliRunner
+
+    from deployments.cli import app, load_serve_config, options_over
+
+    args = options_over(
+        load_serve_config(CLUSTER / "local-pp2.yaml"), tp_size=3, pp_size=None, http_port=8001, host=None
+    )
+    config = AppConfig(**args)
+    assert (config.target_worker.pp_size, config.target_worker.tp_size, config.http_port) == (2, 3, 8001)
+    assert config.target_worker.placement_strategy == "SPREAD" and config.host == "127.0.0.1"
+    command = ["serve", "--config", str(CLUSTER / "local-pp2.yaml"), "--simulate-nodes", "2", "--address", "auto"]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 2 and "leave out --address" in result.output

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from conftest import TINY_VOCAB, tiny_llama
 from test_tensor_parallel import assert_every_rank_scores_as, sharded_steps, steps
 
+from specdec_core.loader import ModelSpec
+from specdec_core.parallel import join_group, load_sharded_model, open_store
 from specdec_core.pipeline import split_rows, stage_layers
 
 
@@ -76,3 +79,73 @@ def test_a_truncated_model_ends_on_the_last_stage_of_its_kept_layers(checkpoint)
     outputs = sharded_steps(checkpoint, "transformers", 2, 2, num_layers=2)
     assert_every_rank_scores_as(outputs, reference)
     assert outputs[1][2] == (None, TINY_VOCAB)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_pipeline_step_times_a_step_whole_and_a_micro_batch_a_stage(checkpoint, pp):
+    """`specdec pipeline-step` on 2 stages (a process each), or one process: a row per step
+    shape, whole and (stages only) split."""
+    from typer.testing import CliRunner
+
+    from specdec_core.tools.cli import app
+
+    arguments = ["pipeline-step", "--target", checkpoint, "--pp", str(pp), "--steps", "4x9,2x1", "--repeats", "1"]
+    result = CliRunner().invoke(app, arguments, terminal_width=200)
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if "tokens" in line]
+    assert len(lines) == 2 and "4 x 9 tokens" in lines[0] and "2 x 1 tokens" in lines[1], result.output
+    assert "whole ms" in result.output and ("a micro-batch a stage ms" in result.output) == (pp > 1)
+
+
+def test_pipeline_step_shapes_are_sessions_by_tokens():
+    from specdec_core.tools.pipeline_step import step_shapes
+
+    assert step_shapes("8x11,8x1") == [(8, 11), (8, 1)]
+    for bad in ("8", "8x0", "ax2", ""):
+        with pytest.raises(ValueError, match="sessions x tokens"):
+            step_shapes(bad)
+
+
+def heads_rank(rank: int, port: int, checkpoint: str, medusa_dir: str, eagle3_dir: str, results) -> None:
+    """A rank of 2 stages: the kinds of the heads it holds from "auto" (the shipped heads, here
+    the tiny Medusa heads and EAGLE-3 layer), and why it refuses the EAGLE-3 layer named."""
+    from specdec_core import heads as heads_module
+
+    torch.set_num_threads(1)
+    join_group(rank, 2, "127.0.0.1", port, timeout_s=120)
+    model = load_sharded_model(ModelSpec(source=checkpoint), "transformers", 2)
+    heads_module.SHIPPED_HEADS = {"tiny": [medusa_dir, eagle3_dir]}
+    kinds = sorted(heads_module.load_heads("auto", "tiny", model))
+    try:
+        heads_module.load_heads(eagle3_dir, "tiny", model)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    results.put((rank, kinds, refusal))
+
+
+def test_a_target_in_stages_holds_the_shipped_medusa_heads_and_refuses_an_eagle3_layer(checkpoint, tmp_path):
+    """An EAGLE-3 layer reads layers that the stages split between them: "auto" leaves it out
+    (the embedded target's shipped layer must not stop cluster/local-pp2.yaml from starting), a
+    named one is refused with a message; the Medusa heads load on every stage."""
+    from eagle3_heads import write_eagle3
+    from transformers import AutoModelForCausalLM
+
+    from specdec_core.heads import MedusaHeads
+
+    target = AutoModelForCausalLM.from_pretrained(checkpoint)
+    MedusaHeads(target.config.hidden_size, target.config.vocab_size, 2, own_lm_head=False).save(tmp_path / "medusa")
+    eagle3_dir = write_eagle3(tmp_path / "eagle3", target, "authors")
+    store = open_store("127.0.0.1", 2, timeout_s=120)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    arguments = (store.port, checkpoint, str(tmp_path / "medusa"), str(eagle3_dir), results)
+    processes = [context.Process(target=heads_rank, args=(rank, *arguments)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    outcomes = [results.get(timeout=180) for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+    for _, kinds, refusal in outcomes:
+        assert kinds == ["medusa"]
+        assert refusal is not None and "holds Medusa heads only" in refusal
