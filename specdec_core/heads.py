@@ -50,12 +50,9 @@ def load_heads(setting: Optional[str], target_source: str, model: nn.Module) -> 
     Medusa heads (`medusa_lm_head.pt`), Hydra heads (`hydra_lm_head.pt`) or an EAGLE-3 layer
     (either published format: eagle3_checkpoint.py), several separated by commas (one of each
     kind, Medusa or Hydra), "auto" (those shipped for `target_source`, if any) or None (none)."""
-    from .eagle3_checkpoint import is_eagle3
-
-    if setting == AUTO:
-        directories = [str(directory) for directory in SHIPPED_HEADS.get(target_source, [])]
-        if is_pipeline_stage(model):  # the shipped heads that one stage can run (load_heads_from)
-            directories = [directory for directory in directories if not is_eagle3(directory)]
+    if setting == AUTO:  # those shipped that this model can hold (a stage holds no EAGLE-3 layer)
+        shipped = [str(directory) for directory in SHIPPED_HEADS.get(target_source, [])]
+        directories = [directory for directory in shipped if stage_refusal(directory, model) is None]
     else:
         directories = [directory.strip() for directory in (setting or "").split(",") if directory.strip()]
     held: dict[str, Heads] = {}
@@ -76,13 +73,11 @@ def load_heads_from(directory: str, model: nn.Module) -> "Heads":
     from .eagle3_checkpoint import is_eagle3, load_eagle3
     from .hydra import HYDRA_WEIGHTS_FILE, HydraHeads
 
+    refusal = stage_refusal(directory, model)
+    if refusal is not None:
+        raise ValueError(refusal)
     heads: Heads
     if is_eagle3(directory):
-        if is_pipeline_stage(model):
-            raise ValueError(
-                f"{directory}: an EAGLE-3 layer reads hidden states from low, middle and high layers of the "
-                "target, which its pipeline stages split between them; a target in stages holds Medusa heads only"
-            )
         heads = load_eagle3(directory, model.config)
     elif (Path(directory) / HYDRA_WEIGHTS_FILE).exists():
         heads = HydraHeads.load(directory, model.config)
@@ -97,9 +92,17 @@ def load_heads_from(directory: str, model: nn.Module) -> "Heads":
     return heads.to(model.device, activation_dtype(model)).eval()
 
 
-def is_pipeline_stage(model: nn.Module) -> bool:
-    """Whether `model` is one stage of a pipeline (pipeline.py), holding some of the layers."""
-    return hasattr(model.model, "pipeline_stage")
+def stage_refusal(directory: str, model: nn.Module) -> Optional[str]:
+    """Why `model`, one stage of a pipeline (pipeline.py), cannot hold the heads in `directory`
+    (None: it can, or it is no stage): an EAGLE-3 layer reads layers that the stages split."""
+    from .eagle3_checkpoint import is_eagle3
+
+    if hasattr(model.model, "pipeline_stage") and is_eagle3(directory):
+        return (
+            f"{directory}: an EAGLE-3 layer reads hidden states from low, middle and high layers of the "
+            "target, which its pipeline stages split between them; a target in stages holds Medusa heads only"
+        )
+    return None
 
 
 def heads_kind_for(held: Iterable[str], needed: Optional[str]) -> Optional[str]:

@@ -2,7 +2,8 @@
 shard, and every forward runs on all of them at once.
 
 Rendezvous: rank 0 opens a `TCPStore` on a free port (`open_store`) and publishes its address;
-every rank joins with it (`join_group`). Backends, one interface (`load_sharded_model`):
+every rank joins with it (`join_group`); `run_local_ranks` runs a group as processes of this
+machine (the measurement commands and the tests). Backends, one interface (`load_sharded_model`):
 - "transformers": transformers' own tensor parallelism (`tp_plan="auto"`): each rank reads only
   its shard of the checkpoint's weights (meta-device init), so a model too large for one host
   never materializes whole. The default.
@@ -17,12 +18,15 @@ pipeline stages (pipeline.py), or an FP8 checkpoint, each rank reads its part it
 from __future__ import annotations
 
 import os
+import queue
 import sys
+import time
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from .batching import set_kv_cache_dtype
@@ -53,6 +57,44 @@ def join_group(rank: int, world_size: int, store_host: str, store_port: int, tim
         backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+
+def run_local_ranks(world_size: int, main: Callable[..., Any], *args: Any, timeout_s: float = 600) -> list:
+    """`main(rank, world_size, store_port, *args)` in `world_size` processes of this machine
+    (spawned, each with its own torch), every rank joining with the store hosted here
+    (`join_group`); each rank's return value, in rank order. Where a rank fails, the others
+    (blocked on it in a collective) are killed and RuntimeError says which."""
+    store = open_store("127.0.0.1", world_size, timeout_s)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=report_rank, args=(results, main, rank, world_size, store.port, *args))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    outcomes, deadline = {}, time.monotonic() + timeout_s
+    while len(outcomes) < world_size:
+        try:
+            rank, outcome = results.get(timeout=1)
+            outcomes[rank] = outcome
+        except queue.Empty:
+            failed = {rank: process.exitcode for rank, process in enumerate(processes) if process.exitcode}
+            if failed or time.monotonic() > deadline:
+                for process in processes:
+                    process.kill()
+                raise RuntimeError(f"ranks failed (exit codes by rank {failed}) or ran past {timeout_s:g} s") from None
+    for process in processes:
+        process.join()
+    failed = {rank: process.exitcode for rank, process in enumerate(processes) if process.exitcode}
+    if failed:
+        raise RuntimeError(f"ranks failed after answering: exit codes by rank {failed}")
+    return [outcomes[rank] for rank in range(world_size)]
+
+
+def report_rank(results, main: Callable[..., Any], rank: int, *args: Any) -> None:
+    """A spawned rank of `run_local_ranks`: its return value, with its rank, to the parent."""
+    results.put((rank, main(rank, *args)))
 
 
 def load_sharded_model(spec: ModelSpec, backend: TpBackend, pp_size: int = 1) -> torch.nn.Module:

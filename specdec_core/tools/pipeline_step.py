@@ -8,18 +8,16 @@ model loaded as a single-process worker loads it."""
 
 from __future__ import annotations
 
-import queue
 import statistics
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import typer
 
 from ..kernels.cpu import configure_cpu
 from ..loader import ModelSpec, load_model
-from ..parallel import join_group, load_sharded_model, open_store
+from ..parallel import join_group, load_sharded_model, run_local_ranks
 from ..target import forward_rows
 from .cli_common import TargetDtypeOpt, TargetOpt, fail, print_table
 from .device_clock import seconds_per_call
@@ -59,7 +57,7 @@ def time_steps(model: torch.nn.Module, shapes: list[tuple[int, int]], repeats: i
     return timings
 
 
-def rank_main(rank: int, world_size: int, port: int, spec: ModelSpec, pp: int, options: dict, results) -> None:
+def rank_main(rank: int, world_size: int, port: int, spec: ModelSpec, pp: int, options: dict) -> list[dict]:
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
     configure_cpu(options.pop("threads"))
@@ -67,8 +65,8 @@ def rank_main(rank: int, world_size: int, port: int, spec: ModelSpec, pp: int, o
     # one rank: the model as a single-process worker loads it (its own kernels)
     model = load_sharded_model(spec, "transformers", pp) if world_size > 1 else load_model(spec)
     timings = time_steps(model, **options)
-    results.put(timings if rank == 0 else None)
     dist.destroy_process_group()
+    return timings
 
 
 def pipeline_step(
@@ -88,33 +86,9 @@ def pipeline_step(
         spec = ModelSpec(source=target, dtype=target_dtype)
     except ValueError as error:
         fail(str(error))
-    world_size = pp * tp
     options = {"shapes": shapes, "repeats": repeats, "history": history, "threads": threads}
-    store = open_store("127.0.0.1", world_size, timeout_s=TIMEOUT_S)  # the rendezvous, hosted here
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    processes = [
-        context.Process(target=rank_main, args=(rank, world_size, store.port, spec, pp, dict(options), results))
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    timings = next(filter(None, collect(processes, results)))
+    try:
+        timings = run_local_ranks(pp * tp, rank_main, spec, pp, options, timeout_s=TIMEOUT_S * 2)[0]
+    except RuntimeError as error:
+        fail(f"{error}: a rank's traceback is above")
     print_table(timings, timings[0], left=("step",))
-
-
-def collect(processes: list, results) -> list:
-    """Every rank's result; where a rank fails, the others (waiting on it) are killed."""
-    outcomes = []
-    while len(outcomes) < len(processes):
-        try:
-            outcomes.append(results.get(timeout=1))
-        except queue.Empty:
-            failed = [process.exitcode for process in processes if process.exitcode not in (None, 0)]
-            if failed:
-                for process in processes:
-                    process.kill()
-                fail(f"a rank failed (exit codes {failed}): its traceback is above")
-    for process in processes:
-        process.join()
-    return outcomes

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import TINY_VOCAB, tiny_llama
 from test_tensor_parallel import assert_every_rank_scores_as, sharded_steps, steps
 
 from specdec_core.loader import ModelSpec
-from specdec_core.parallel import join_group, load_sharded_model, open_store
+from specdec_core.parallel import join_group, load_sharded_model, run_local_ranks
 from specdec_core.pipeline import split_rows, stage_layers
 
 
@@ -106,13 +105,13 @@ def test_pipeline_step_shapes_are_sessions_by_tokens():
             step_shapes(bad)
 
 
-def heads_rank(rank: int, port: int, checkpoint: str, medusa_dir: str, eagle3_dir: str, results) -> None:
+def heads_rank(rank: int, world_size: int, port: int, checkpoint: str, medusa_dir: str, eagle3_dir: str):
     """A rank of 2 stages: the kinds of the heads it holds from "auto" (the shipped heads, here
     the tiny Medusa heads and EAGLE-3 layer), and why it refuses the EAGLE-3 layer named."""
     from specdec_core import heads as heads_module
 
     torch.set_num_threads(1)
-    join_group(rank, 2, "127.0.0.1", port, timeout_s=120)
+    join_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
     model = load_sharded_model(ModelSpec(source=checkpoint), "transformers", 2)
     heads_module.SHIPPED_HEADS = {"tiny": [medusa_dir, eagle3_dir]}
     kinds = sorted(heads_module.load_heads("auto", "tiny", model))
@@ -121,7 +120,7 @@ def heads_rank(rank: int, port: int, checkpoint: str, medusa_dir: str, eagle3_di
         refusal = None
     except ValueError as error:
         refusal = str(error)
-    results.put((rank, kinds, refusal))
+    return kinds, refusal
 
 
 def test_a_target_in_stages_holds_the_shipped_medusa_heads_and_refuses_an_eagle3_layer(checkpoint, tmp_path):
@@ -136,16 +135,7 @@ def test_a_target_in_stages_holds_the_shipped_medusa_heads_and_refuses_an_eagle3
     target = AutoModelForCausalLM.from_pretrained(checkpoint)
     MedusaHeads(target.config.hidden_size, target.config.vocab_size, 2, own_lm_head=False).save(tmp_path / "medusa")
     eagle3_dir = write_eagle3(tmp_path / "eagle3", target, "authors")
-    store = open_store("127.0.0.1", 2, timeout_s=120)
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    arguments = (store.port, checkpoint, str(tmp_path / "medusa"), str(eagle3_dir), results)
-    processes = [context.Process(target=heads_rank, args=(rank, *arguments)) for rank in range(2)]
-    for process in processes:
-        process.start()
-    outcomes = [results.get(timeout=180) for _ in processes]
-    for process in processes:
-        process.join(timeout=60)
-    for _, kinds, refusal in outcomes:
+    outcomes = run_local_ranks(2, heads_rank, checkpoint, str(tmp_path / "medusa"), str(eagle3_dir), timeout_s=180)
+    for kinds, refusal in outcomes:
         assert kinds == ["medusa"]
         assert refusal is not None and "holds Medusa heads only" in refusal

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import TINY_VOCAB, tiny_llama
 
 from deployments.tensor_parallel import ControlChannel
 from specdec_core.loader import ModelSpec, load_model
-from specdec_core.parallel import join_group, load_sharded_model, open_store, shard_problem
+from specdec_core.parallel import join_group, load_sharded_model, run_local_ranks, shard_problem
 from specdec_core.policies import make_policy
 from specdec_core.sampling import SamplingParams
 from specdec_core.target import Row, TargetScorer, forward_rows
@@ -55,9 +54,7 @@ def vocabulary_rows(module) -> int | None:
     return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
 
 
-def rank_main(
-    rank: int, world_size: int, port: int, checkpoint: str, backend: str, pp: int, results, num_layers=None
-) -> None:
+def rank_main(rank: int, world_size: int, port: int, checkpoint: str, backend: str, pp: int, num_layers=None):
     torch.set_num_threads(1)
     group = join_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
     model = load_sharded_model(ModelSpec(source=checkpoint, num_layers=num_layers), backend, pp)
@@ -66,8 +63,8 @@ def rank_main(
         # numpy arrays travel by value (a tensor's shared memory would die with this process)
         scored = [(logits.numpy(), paths.numpy()) for logits, paths in steps(model)]
     ends = (vocabulary_rows(model.get_input_embeddings()), vocabulary_rows(model.get_output_embeddings()))
-    results.put((rank, (scored, smallest_budget, ends)))
     dist.destroy_process_group()
+    return scored, smallest_budget, ends
 
 
 @pytest.fixture(scope="module")
@@ -91,22 +88,8 @@ def sharded_steps(checkpoint: str, backend: str, world_size: int = 2, pp: int = 
     """Each rank's (steps, smallest budget, vocabulary rows of its embedding and LM head) from
     `world_size` processes loading `checkpoint` (its first `num_layers`) sharded: `pp` pipeline
     stages of world_size / pp tensor-parallel ranks."""
-    store = open_store("127.0.0.1", world_size, timeout_s=120)  # the rendezvous, hosted here
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    processes = [
-        context.Process(
-            target=rank_main, args=(rank, world_size, store.port, checkpoint, backend, pp, results, num_layers)
-        )
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    outputs = dict(results.get(timeout=180) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
-        assert process.exitcode == 0
-    return outputs
+    outputs = run_local_ranks(world_size, rank_main, checkpoint, backend, pp, num_layers, timeout_s=180)
+    return dict(enumerate(outputs))
 
 
 def assert_every_rank_scores_as(outputs: dict, reference) -> None:
