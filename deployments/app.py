@@ -6,10 +6,13 @@ import os
 import secrets
 from typing import Optional
 
-from .config import AppConfig
+import ray
+from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
+
+from .config import AppConfig, refuse_unfit_heads
 from .placement import bundles
 from .server import SpecdecServer
-from .worker import WorkerGroup, deployment_name, worker_config
+from .worker import GRACEFUL_STOP_S, WorkerGroup, deployment_name, worker_config
 
 API_KEY_ENV = "SPECDEC_API_KEY"
 
@@ -29,13 +32,15 @@ def apply_serve_env_defaults() -> None:
 def build_app(args: Optional[dict] = None):
     """The app for `args` (an AppConfig dict): the draft and target workers' deployments, each
     replica a worker group in a placement group of its ranks' bundles, bound into the server's.
-    The API key may come from $SPECDEC_API_KEY; the workers' secret is drawn here, once, so every
-    replica and every restart of a worker shares it."""
+    A config that cannot serve is refused here (ValueError), before any replica starts.
+    The API key may come from $SPECDEC_API_KEY; the workers' secret is the cluster's
+    (`shared_worker_secret`), so every replica, every restart and every redeploy shares it."""
     config = AppConfig(**(args or {}))
+    refuse_unfit_heads(config)
     if config.api_key is None and os.environ.get(API_KEY_ENV):
         config.api_key = os.environ[API_KEY_ENV]
     if config.worker_secret is None:
-        config.worker_secret = secrets.token_hex(16)
+        config.worker_secret = shared_worker_secret(config.model_name)
     arguments = config.model_dump()
     target = worker_deployment("target", config).bind("target", arguments)
     draft = worker_deployment("draft", config).bind("draft", arguments, target)
@@ -43,7 +48,20 @@ def build_app(args: Optional[dict] = None):
         num_replicas=config.replicas,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
+        max_surge_percent=100,  # it holds no resources: a new replica starts before the old one stops
     ).bind(arguments, draft, target)
+
+
+def shared_worker_secret(model_name: str) -> str:
+    """The secret between the servers and the workers of `model_name`'s app: drawn once per
+    cluster and kept in its KV store (beside the deployments' arguments, which Serve keeps there
+    too), so that a redeploy's servers and workers, which serve beside the old ones during a
+    rollout, call each other. Without a cluster (an app built to be inspected), drawn anew."""
+    if not ray.is_initialized():
+        return secrets.token_hex(16)
+    key, namespace = f"worker_secret:{model_name}", "specdec"
+    _internal_kv_put(key, secrets.token_hex(16), overwrite=False, namespace=namespace)  # the first draw stays
+    return _internal_kv_get(key, namespace=namespace).decode()
 
 
 def worker_deployment(role: str, config: AppConfig):
@@ -53,5 +71,9 @@ def worker_deployment(role: str, config: AppConfig):
     placement = {"placement_group_bundles": bundles(worker), "placement_group_strategy": worker.placement_strategy}
     own_placement = role == "draft" and config.draft_on_target_node
     return WorkerGroup.options(
-        name=deployment_name(role), num_replicas=worker.replicas, **({} if own_placement else placement)
+        name=deployment_name(role),
+        num_replicas=worker.replicas,
+        max_surge_percent=worker.max_surge_percent,
+        graceful_shutdown_timeout_s=GRACEFUL_STOP_S,
+        **({} if own_placement else placement),
     )

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specdec_core.heads import AUTO
 from specdec_core.kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION
-from specdec_core.loader import DEFAULT_DRAFT, ModelSpec
+from specdec_core.loader import DEFAULT_DRAFT, ModelSpec, load_configs
 from specdec_core.profile import CalibrationSettings
 from specdec_core.request import RequestDefaults
 from specdec_core.target import PREFILL_CHUNK
+from specdec_core.target_heads import AUTO, TargetShape, named_heads, refusal
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerConfig(BaseModel):
@@ -49,7 +53,21 @@ class WorkerConfig(BaseModel):
         "0.9 of the rank's num_gpus share, so workers sharing a card split it",
     )
     max_waiting_sessions: int = Field(64, ge=0, description="sessions that wait for KV memory before 503s")
-    admission_wait_s: float = Field(10.0, ge=0, description="how long one of them waits at most")
+    admission_wait_s: float = Field(
+        10.0,
+        ge=0,
+        description="how long one of them waits at most; also how long a request waits for the worker's first "
+        "replica while the service starts (replicas.py)",
+    )
+    max_surge_percent: int = Field(
+        100,
+        ge=0,
+        le=100,
+        description="a `serve deploy` that changes the worker starts this share of its replicas anew before "
+        "stopping old ones (Serve's rollout), so the old ones serve until their replacements are up, and keep "
+        "serving if those fail to start; the cluster needs room for the extra replicas (else the update waits "
+        "for it). 0: stop old replicas first (an outage while the new ones load)",
+    )
 
     @property
     def num_ranks(self) -> int:
@@ -132,3 +150,25 @@ class AppConfig(BaseModel):
         description="the target worker measures the target's profile (EASD's tau_h) at load, cached per "
         "model; None: no profile (EASD then needs an explicit tau_h)",
     )
+
+
+def refuse_unfit_heads(config: AppConfig) -> None:
+    """Named target heads that do not fit the target as configured (its kept layers, stages,
+    hidden size and vocabulary: target_heads.py) are a config error (ValueError), found before
+    any replica starts: a target worker that cannot hold them would fail its start until Serve
+    gives up. Heads or a target config not readable on this node (a cluster's head node, the
+    files on the GPU nodes) are checked by the target worker as it loads them."""
+    directories = [] if config.target_heads == AUTO else named_heads(config.target_heads)
+    if not directories:
+        return
+    try:
+        target_config = load_configs(config.target)[0]
+    except OSError as error:
+        logger.warning("target_heads: the target's config is not readable here (%s); the worker checks them", error)
+        return
+    target = TargetShape.of_config(target_config, config.target.num_layers, config.target_worker.pp_size)
+    for directory in directories:
+        if not Path(directory).is_dir():
+            logger.warning("target_heads: %s is not on this node; the target worker checks it", directory)
+        elif problem := refusal(directory, target):
+            raise ValueError(f"target_heads: {problem}")

@@ -65,14 +65,16 @@ class NoMetrics:
         pass
 
 
-Locate = Callable[[str], Awaitable[str]]  # a role ("draft", "target") -> a worker's address for one request
+# (a role, "draft" or "target"; whether to wait for a replica when none is known yet) -> a worker's
+# address for one request: a health check does not wait (replicas.py)
+Locate = Callable[[str, bool], Awaitable[str]]
 MAX_WORKER_CHANNELS = 64  # replicas' channels kept open; the least recently used go first
 
 
 def fixed_addresses(addresses: dict[str, str]) -> Locate:
     """Workers that stay where they are (tests, in-process servers)."""
 
-    async def locate(role: str) -> str:
+    async def locate(role: str, wait: bool = True) -> str:
         return addresses[role]
 
     return locate
@@ -87,8 +89,8 @@ class RemoteEngine:
         metrics: Optional[MetricsSink] = None,
         secret: Optional[str] = None,
     ):
-        """`locate(role)`: a worker replica's gRPC address for one request (WorkerUnavailable when
-        there is none); a request keeps the replicas it was given for all its calls."""
+        """`locate(role, wait)`: a worker replica's gRPC address for one request (WorkerUnavailable
+        when there is none); a request keeps the replicas it was given for all its calls."""
         self.frontend = copy.copy(frontend)  # its profile and heads are the target worker's, asked of it
         self.frontend.profile = lambda: self.profiles[self.consulted][0]
         self.frontend.heads = lambda: dict(self.profiles[self.consulted][1].heads)
@@ -105,10 +107,10 @@ class RemoteEngine:
         self.profiles: dict[Any, tuple[Optional[TargetProfile], Any]] = {}
         self.consulted: Any = None  # the target stub whose profile `prepare` reads
 
-    async def stub(self, role: str) -> Any:
+    async def stub(self, role: str, wait: bool = True) -> Any:
         """On the coordinator (an aio channel belongs to the loop it is made on): a stub for a
-        replica of `role`'s worker."""
-        key = (role, await self.locate(role))
+        replica of `role`'s worker (`wait`: see `Locate`)."""
+        key = (role, await self.locate(role, wait))
         if key in self.stubs:
             self.stubs.move_to_end(key)
             return self.stubs[key]
@@ -213,11 +215,11 @@ class RemoteEngine:
         return self.coordinator.run(self._count_sessions())
 
     async def _count_sessions(self) -> dict[str, Optional[int]]:
-        """Of one replica of each worker (the one `locate` gives)."""
+        """Of one replica of each worker (the one `locate` gives, without waiting for one)."""
         counts: dict[str, Optional[int]] = {}
         for role in STUBS:
             try:
-                stub = await self.stub(role)
+                stub = await self.stub(role, wait=False)
                 counts[role] = (await stub.Stats(pb.Empty(), timeout=self.deadline_s)).sessions
             except (grpc.RpcError, WorkerUnavailable):
                 counts[role] = None

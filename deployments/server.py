@@ -27,6 +27,7 @@ from .http_ingress import build_http_app
 from .metrics import ServeMetrics
 from .remote_engine import RemoteEngine
 from .replicas import ReplicaDirectory
+from .worker import worker_config
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -41,24 +42,31 @@ class SpecdecServer:
         # a lookup waits on Serve's handle off the coordinator loop; a directory asks once at a time
         self.lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-lookup")
         self.replicas = {
-            role: ReplicaDirectory(role, self.lookup(handle)) for role, handle in (("draft", draft), ("target", target))
+            role: ReplicaDirectory(
+                role,
+                self.lookup(handle),
+                first_wait_s=worker_config(role, self.config).admission_wait_s,
+                refresh_timeout_s=self.config.worker_lookup_timeout_s,
+            )
+            for role, handle in (("draft", draft), ("target", target))
         }
         frontend = Frontend.from_spec(self.config.target, self.config.defaults, self.config.max_tokens_limit)
         self.engine = RemoteEngine(
             frontend, self.locate, self.config.rpc_deadline_s, ServeMetrics(), self.config.worker_secret
         )
+        for directory in self.replicas.values():  # ask now: the first request finds them known
+            self.engine.coordinator.loop.call_soon_threadsafe(directory.ask)
         self.grpc_ingress = GrpcIngress(self.engine, self.config)
 
-    async def locate(self, role: str) -> str:
+    async def locate(self, role: str, wait: bool = True) -> str:
         """A replica of the worker `role` for one request: its gRPC address (replicas.py)."""
-        return await self.replicas[role].pick()
+        return await self.replicas[role].pick(wait)
 
-    def lookup(self, handle) -> Callable[[], Awaitable[str]]:
-        """Ask `handle` for a replica's address (within worker_lookup_timeout_s)."""
+    def lookup(self, handle) -> Callable[[float], Awaitable[str]]:
+        """Ask `handle` for a replica's address, within the timeout given."""
 
-        async def ask() -> str:
+        async def ask(timeout_s: float) -> str:
             response = handle.get_address.remote()
-            timeout_s = self.config.worker_lookup_timeout_s
             try:
                 return await asyncio.get_running_loop().run_in_executor(
                     self.lookups, lambda: response.result(timeout_s=timeout_s)
@@ -69,10 +77,15 @@ class SpecdecServer:
 
         return ask
 
-    def __del__(self):  # Serve calls it when the replica stops: free the gRPC port at once
-        self.grpc_ingress.stop()
-        self.engine.close()
-        self.lookups.shutdown(wait=False)
+    def __del__(self):
+        """Serve calls it when the replica stops, also where its start failed midway: free the
+        gRPC port at once."""
+        if hasattr(self, "grpc_ingress"):
+            self.grpc_ingress.stop()
+        if hasattr(self, "engine"):
+            self.engine.close()
+        if hasattr(self, "lookups"):
+            self.lookups.shutdown(wait=False)
 
     def __serve_build_asgi_app__(self):
         return build_http_app(self.engine, self.config)

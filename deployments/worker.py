@@ -8,8 +8,10 @@ pipeline stages of tp_size ranks; with one of each the group is one rank holding
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import resource
+import time
 from typing import Any, Literal, Optional, get_args
 
 import ray
@@ -19,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .config import AppConfig, WorkerConfig
 from .placement import bundle_index, reserve
+from .replicas import FORGET_S
 from .startup_log import note
 
 Role = Literal["draft", "target"]
@@ -31,6 +34,9 @@ RANK_PING_TIMEOUT_S = 10.0
 # (docs/performance.md). Ray runs its workers' threads at nice 15; serving at 0 needs the right to
 # (root, CAP_SYS_NICE or RLIMIT_NICE), and without it a rank keeps Ray's priority throughout.
 STARTING_NICENESS, SERVING_NICENESS = 19, 0
+# a stopping replica finishes its open sessions this long at most (Serve's graceful_shutdown_timeout_s)
+GRACEFUL_STOP_S, DRAIN_POLL_S = 30.0, 0.5
+logger = logging.getLogger(__name__)
 
 
 def may_raise_priority_to(niceness: int) -> bool:
@@ -87,11 +93,11 @@ class WorkerRank:
         gRPC address) or follow rank 0."""
         from protos import specdec_pb2_grpc as pb_grpc
         from specdec_core.batching import pool_of
-        from specdec_core.heads import load_heads
         from specdec_core.kernels.cpu import configure_cpu
         from specdec_core.kv_budget import kv_budget
         from specdec_core.loader import load_configs, load_model
         from specdec_core.parallel import join_group, load_sharded_model
+        from specdec_core.target_heads import load_heads
         from specdec_core.topologies import load_tree_bank
 
         from .admission import Admission
@@ -137,7 +143,7 @@ class WorkerRank:
         else:
             if config.target_heads:
                 self.note(f"loading the target's heads ({config.target_heads})")
-            heads = on_torch_thread(load_heads, config.target_heads, spec.source, model)
+            heads = on_torch_thread(load_heads, config.target_heads, spec.source, model, self.warn)
             service = TargetService(
                 model,
                 idle_timeout_s,
@@ -152,6 +158,7 @@ class WorkerRank:
             pool_of(model.model).prefix_caching = config.prefix_caching
         if self.prioritized:
             set_priority(SERVING_NICENESS)
+        self.service = service
         if self.rank > 0:
             TORCH_THREAD.submit(follow, channel, service.apply)
             return None
@@ -174,6 +181,12 @@ class WorkerRank:
         if self.rank == 0:  # one voice per worker
             note(self.role, step)
 
+    def warn(self, line: str) -> None:
+        """Something the deployment left out (the heads that do not fit): in the log and noted."""
+        if self.rank == 0:
+            logger.warning("%s worker: %s", self.role, line)
+        self.note(line)
+
     def host(self) -> str:
         # loopback when the service is; else the one address Ray uses for this node (the server
         # may run on another node), never every interface
@@ -181,6 +194,9 @@ class WorkerRank:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def open_sessions(self) -> int:
+        return self.service.table.counts()[0]
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
@@ -244,7 +260,21 @@ class WorkerGroup:
     def rank_handles(self) -> list:
         return list(self.ranks)
 
-    def __del__(self):  # Serve stops the replica: its ranks go with it, and its own placement
+    async def __del__(self):
+        """Serve stops the replica: a redeploy replaced it, or a rank is gone. With its ranks
+        alive it serves on until every server has forgotten it (replicas.FORGET_S: their requests
+        meanwhile are served) and its open sessions have ended, within the deployment's
+        GRACEFUL_STOP_S, so that a rollout fails no request. Then its ranks go with it, and its own
+        placement group."""
+        deadline = time.monotonic() + GRACEFUL_STOP_S - RANK_PING_TIMEOUT_S
+        try:
+            if getattr(self, "address", None) is not None:  # it started, and servers may know it
+                await self.check_health()
+                await asyncio.sleep(FORGET_S)
+                while await self.ranks[0].open_sessions.remote() and time.monotonic() < deadline:
+                    await asyncio.sleep(DRAIN_POLL_S)
+        except Exception as error:  # noqa: BLE001 - a rank is gone: nothing left to serve
+            logger.warning("%s worker replica stops at once: %r", self.role, error)
         for rank in getattr(self, "ranks", ()):
             ray.kill(rank, no_restart=True)
         if getattr(self, "own_placement", None) is not None:

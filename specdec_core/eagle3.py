@@ -19,8 +19,6 @@ committed position (eagle3_session.py)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 from transformers import LlamaConfig
@@ -150,15 +148,3 @@ class Eagle3Draft(nn.Module):
     def cache_bytes_per_token(self) -> float:
         """A session's memory per committed position: the layer's keys and values."""
         return kv_bytes_per_token(self.config, 1, self.fc.weight.element_size())
-
-    def check_target(self, target_config) -> Optional[str]:
-        """Why this layer cannot draft for a target of `target_config` (None: it can)."""
-        layers, hidden, vocab = target_config.num_hidden_layers, target_config.hidden_size, target_config.vocab_size
-        if self.fc.in_features != len(self.aux_layers) * hidden:
-            width = self.fc.in_features // len(self.aux_layers)
-            return f"the EAGLE-3 layer reads target states of size {width}; the target's hidden size is {hidden}"
-        if self.config.vocab_size != vocab:
-            return f"the EAGLE-3 layer's vocabulary is {self.config.vocab_size}; the target's is {vocab}"
-        if not all(0 <= layer < layers for layer in self.aux_layers):
-            return f"the EAGLE-3 layer reads target layers {list(self.aux_layers)}; the target has {layers}"
-        return None

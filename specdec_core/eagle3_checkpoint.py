@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from transformers import LlamaConfig, PretrainedConfig
@@ -82,25 +82,47 @@ def is_eagle3(directory: Union[str, Path]) -> bool:
     return config.get("speculators_model_type") == "eagle3" or AUTHORS_ARCHITECTURE in config.get("architectures", [])
 
 
-def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors (safetensors first, else the authors' `pytorch_model.bin`)."""
-    from safetensors.torch import load_file
-
+def weight_files(directory: Path) -> list[Path]:
+    """The checkpoint's weight files: its safetensors, else the authors' `pytorch_model.bin`."""
     files = sorted(directory.glob("*.safetensors"))
     if files:
-        return {name: tensor for file in files for name, tensor in load_file(file).items()}
+        return files
     if (directory / "pytorch_model.bin").exists():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return [directory / "pytorch_model.bin"]
     raise FileNotFoundError(f"no *.safetensors or pytorch_model.bin in {directory}")
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for file in weight_files(directory):
+        if file.suffix == ".safetensors":
+            weights.update(load_file(file))
+        else:
+            weights.update(torch.load(file, map_location="cpu", weights_only=True))
+    return weights
+
+
+def read_config(directory: Path) -> tuple[dict, dict, Optional[tuple[int, ...]]]:
+    """(the checkpoint's config, its layer's config, the target layers it reads or None for the
+    default) in either format."""
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    speculators = config.get("speculators_model_type") == "eagle3"
+    layer_config = dict(config["transformer_layer_config"]) if speculators else dict(config)
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_config", {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    return config, layer_config, tuple(aux) if aux else None
 
 
 def load_eagle3(directory: Union[str, Path], target_config: PretrainedConfig) -> Eagle3Draft:
     """The EAGLE-3 head in `directory` for a target of `target_config` (ValueError, with the
-    reason, where it does not fit the target or its format is one this loader does not read)."""
+    reason, where its format is one this loader does not read; whether it fits the target is
+    target_heads.py's to say, before loading)."""
     directory = Path(directory)
-    config = json.loads((directory / CONFIG_FILE).read_text())
-    speculators = config.get("speculators_model_type") == "eagle3"
-    layer_config = dict(config["transformer_layer_config"]) if speculators else dict(config)
+    config, layer_config, aux = read_config(directory)
     for flag in UNSUPPORTED_FLAGS:
         if config.get(flag):
             raise ValueError(f"EAGLE-3 heads with {flag} are not supported")
@@ -112,10 +134,7 @@ def load_eagle3(directory: Union[str, Path], target_config: PretrainedConfig) ->
         layer_config.pop(key, None)
     vocab = layer_config.get("vocab_size", target_config.vocab_size)
     draft_vocab = config.get("draft_vocab_size") or vocab
-    aux = config.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_config", {}).get(
-        "eagle_aux_hidden_state_layer_ids"
-    )
-    aux_layers = tuple(aux) if aux else default_aux_layers(target_config.num_hidden_layers)
+    aux_layers = aux or default_aux_layers(target_config.num_hidden_layers)
     weights = read_weights(directory)
     state = {}
     for name, tensor in weights.items():
@@ -136,9 +155,6 @@ def load_eagle3(directory: Union[str, Path], target_config: PretrainedConfig) ->
         norm_before_residual=bool(config.get("norm_before_residual", False)),
         own_embedding="embed_tokens.weight" in state,
     )
-    problem = draft.check_target(target_config)
-    if problem:
-        raise ValueError(problem)
     expected = {name for name in draft.state_dict() if not name.startswith("rotary_emb.")}
     unknown, missing = sorted(set(state) - expected), sorted(expected - set(state))
     if unknown or missing:

@@ -12,7 +12,7 @@ import torch
 
 from .drafters import DraftSource, make_drafter
 from .frontend import Frontend, PreparedRequest
-from .heads import AUTO, Heads, load_heads
+from .heads import Heads
 from .loader import ModelSpec, load_model, load_tokenizer
 from .logprobs import emitted_log_probs
 from .metrics import SpecMetrics
@@ -22,6 +22,7 @@ from .request import Completion, GenerationRequest, RequestDefaults, StreamChunk
 from .run_ahead import RunAhead, run_now
 from .sessions import DraftSession, Immediate, TargetSession, run_immediately
 from .target import TargetScorer
+from .target_heads import AUTO, load_heads
 
 
 async def speculative_loop(

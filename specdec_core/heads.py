@@ -24,18 +24,11 @@ from typing import TYPE_CHECKING, Callable, Iterable, Optional, Protocol, Union
 import torch
 from torch import nn
 
-from .shard_loader import activation_dtype
 from .topologies import default_bank
 from .tree import Topology
 
 WEIGHTS_FILE = "medusa_lm_head.pt"
 CONFIG_FILE = "config.json"
-SHIPPED = Path(__file__).parent / "data" / "heads"
-# heads trained here for the embedded default (`specdec train-heads`, docs/trees.md), by target source
-SHIPPED_HEADS = {
-    "embedded:smollm2-135m-instruct": [SHIPPED / "smollm2-135m-instruct", SHIPPED / "smollm2-135m-instruct-eagle3"]
-}
-AUTO = "auto"
 # the kind a drafter of any heads (`heads`) reads, first held first; `eagle3` reads its own
 KINDS_IN_ORDER = ("medusa", "hydra", "eagle3")
 
@@ -43,66 +36,6 @@ if TYPE_CHECKING:
     from .eagle3 import Eagle3Draft
     from .hydra import HydraHeads
 Heads = Union["MedusaHeads", "HydraHeads", "Eagle3Draft"]
-
-
-def load_heads(setting: Optional[str], target_source: str, model: nn.Module) -> dict[str, "Heads"]:
-    """A target's heads by kind, on its device and in its dtype: `setting` is a directory of
-    Medusa heads (`medusa_lm_head.pt`), Hydra heads (`hydra_lm_head.pt`) or an EAGLE-3 layer
-    (either published format: eagle3_checkpoint.py), several separated by commas (one of each
-    kind, Medusa or Hydra), "auto" (those shipped for `target_source`, if any) or None (none)."""
-    if setting == AUTO:  # those shipped that this model can hold (a stage holds no EAGLE-3 layer)
-        shipped = [str(directory) for directory in SHIPPED_HEADS.get(target_source, [])]
-        directories = [directory for directory in shipped if stage_refusal(directory, model) is None]
-    else:
-        directories = [directory.strip() for directory in (setting or "").split(",") if directory.strip()]
-    held: dict[str, Heads] = {}
-    for directory in directories:
-        heads = load_heads_from(directory, model)
-        if heads.kind in held or {heads.kind, *held} >= {"medusa", "hydra"}:
-            raise ValueError(
-                f"a target holds one set of Medusa or Hydra heads and one EAGLE-3 layer; {directory} "
-                f"is {heads.kind} beside {', '.join(held)}"
-            )
-        held[heads.kind] = heads
-    return held
-
-
-def load_heads_from(directory: str, model: nn.Module) -> "Heads":
-    """The heads in one directory, checked against the target they run on."""
-    from .aux_states import keep_aux_states
-    from .eagle3_checkpoint import is_eagle3, load_eagle3
-    from .hydra import HYDRA_WEIGHTS_FILE, HydraHeads
-
-    refusal = stage_refusal(directory, model)
-    if refusal is not None:
-        raise ValueError(refusal)
-    heads: Heads
-    if is_eagle3(directory):
-        heads = load_eagle3(directory, model.config)
-    elif (Path(directory) / HYDRA_WEIGHTS_FILE).exists():
-        heads = HydraHeads.load(directory, model.config)
-    else:
-        heads = MedusaHeads.load(directory)
-    if heads.kind == "hydra" and model.get_input_embeddings() is None:
-        raise ValueError("Hydra's heads read the target's token embeddings, which only a pipeline's first stage holds")
-    if heads.hidden_size != model.config.hidden_size:
-        raise ValueError(f"heads of hidden size {heads.hidden_size} do not fit a target of {model.config.hidden_size}")
-    if heads.kind == "eagle3":
-        keep_aux_states(model, heads.aux_layers)  # what the layer reads, from every target forward
-    return heads.to(model.device, activation_dtype(model)).eval()
-
-
-def stage_refusal(directory: str, model: nn.Module) -> Optional[str]:
-    """Why `model`, one stage of a pipeline (pipeline.py), cannot hold the heads in `directory`
-    (None: it can, or it is no stage): an EAGLE-3 layer reads layers that the stages split."""
-    from .eagle3_checkpoint import is_eagle3
-
-    if hasattr(model.model, "pipeline_stage") and is_eagle3(directory):
-        return (
-            f"{directory}: an EAGLE-3 layer reads hidden states from low, middle and high layers of the "
-            "target, which its pipeline stages split between them; a target in stages holds Medusa heads only"
-        )
-    return None
 
 
 def heads_kind_for(held: Iterable[str], needed: Optional[str]) -> Optional[str]:

@@ -218,7 +218,7 @@ def hydra_engine(trained_heads, tiny_target, tmp_path_factory):
     """The tiny target with Hydra heads read from Hydra's format: the trained Medusa heads, each
     also reading the path it extends a little."""
     from specdec_core import SpeculativeEngine
-    from specdec_core.heads import load_heads
+    from specdec_core.target_heads import load_heads
 
     directory = tmp_path_factory.mktemp("hydra")
     hydra_from_medusa(trained_heads[0], path_weight=0.05).save(directory, "mlp")
@@ -235,7 +235,8 @@ def eagle3_engine(tmp_path_factory):
     from eagle3_heads import write_eagle3
 
     from specdec_core import SpeculativeEngine
-    from specdec_core.heads import MedusaHeads, load_heads
+    from specdec_core.heads import MedusaHeads
+    from specdec_core.target_heads import load_heads
 
     target = tiny_llama(seed=5, num_layers=8)
     medusa = MedusaHeads(target.config.hidden_size, target.config.vocab_size, 3, own_lm_head=False)

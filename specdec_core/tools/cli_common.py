@@ -15,9 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import format_validation_errors
-from ..heads import AUTO
 from ..loader import DEFAULT_DRAFT, ModelSpec
 from ..questions import DEFAULT_QUESTIONS, HUMANEVAL
+from ..target_heads import AUTO
 from . import params
 
 console = Console(width=None if sys.stdout.isatty() else 200)

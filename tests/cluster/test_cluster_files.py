@@ -138,3 +138,27 @@ def test_the_command_lines_layout_overrides_the_configs():
     command = ["serve", "--config", str(CLUSTER / "local-pp2.yaml"), "--simulate-nodes", "2", "--address", "auto"]
     result = CliRunner().invoke(app, command)
     assert result.exit_code == 2 and "leave out --address" in result.output
+
+
+@pytest.mark.parametrize("name", sorted(MEANT_FOR))
+def test_a_worker_that_rolls_over_has_nodes_for_its_replacement_beside_it(name):
+    """A worker whose replacement starts before it stops (max_surge_percent above 0, the default)
+    needs a second set of its nodes during a rollout: a node type that holds it and of which the
+    launcher may start twice its stages. Where none has, the config replaces it in place (0); so
+    does a draft on the target's node, whose GPU share has no room for a second."""
+    args = documents()[name]["applications"][0]["args"]
+    for launcher in MEANT_FOR[name]:
+        document = documents()[launcher]
+        types = node_types(document)
+        for role in ("target", "draft"):
+            worker = args[f"{role}_worker"]
+            if worker.get("max_surge_percent", 100) == 0:
+                continue
+            assert not (role == "draft" and args.get("draft_on_target_node")), (name, role)
+            room = [
+                type_name
+                for type_name, node_type in document["available_node_types"].items()
+                if node_type.get("max_workers", 0) >= 2 * worker.get("pp_size", 1)
+                and fits(worker, {type_name: types[type_name]})
+            ]
+            assert room, (name, launcher, role)

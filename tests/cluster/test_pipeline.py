@@ -108,7 +108,7 @@ def test_pipeline_step_shapes_are_sessions_by_tokens():
 def heads_rank(rank: int, world_size: int, port: int, checkpoint: str, medusa_dir: str, eagle3_dir: str):
     """A rank of 2 stages: the kinds of the heads it holds from "auto" (the shipped heads, here
     the tiny Medusa heads and EAGLE-3 layer), and why it refuses the EAGLE-3 layer named."""
-    from specdec_core import heads as heads_module
+    from specdec_core import target_heads as heads_module
 
     torch.set_num_threads(1)
     join_group(rank, world_size, "127.0.0.1", port, timeout_s=120)

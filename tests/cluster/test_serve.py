@@ -578,3 +578,132 @@ def test_a_placement_the_cluster_cannot_satisfy_says_why(service, checkpoints):
         assert "gpu_node" in message and "Resources required for each replica" in message, message
     finally:
         serve.delete("tiny-nowhere")
+
+
+# ---------------------------------------------------------------- starting and redeploying an app
+
+
+def nominal(checkpoints, target: dict, app: str) -> dict:
+    """An app of `target` and the tiny draft beside the others: nominal CPUs, its own gRPC port."""
+    return AppConfig(
+        model_name=f"{MODEL}-{app}",
+        target=target,
+        draft={"source": checkpoints[1]},
+        torch_threads=1,
+        calibration=None,
+        rpc_deadline_s=10.0,
+        grpc_port=0,
+        target_worker={"num_cpus": 0.01},
+        draft_worker={"num_cpus": 0.01},
+    ).model_dump()
+
+
+def chat_body(model: str) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Name a color."}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+
+
+def chat_tokens(engine, model: str) -> list[int]:
+    request = GenerationRequest(messages=chat_body(model)["messages"], sampling={"max_tokens": 12, "temperature": 0})
+    return engine.complete(request).token_ids
+
+
+def test_a_chat_sent_the_moment_the_model_is_listed_is_served(service, checkpoints, local_engine):
+    """While the workers start, /v1/models does not list the model (503, Retry-After) and a chat
+    waits for them instead of failing at once; once listed, a chat sent at once gets 200."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    name, route = "tiny-fresh", "/fresh"
+    config = nominal(checkpoints, {"source": checkpoints[0]}, name)
+    started = time.perf_counter()
+    serve._run(build_app(config), name=name, route_prefix=route, _blocking=False)
+    try:
+        seen, listed = [], None
+        while listed is None and time.perf_counter() - started < 240:
+            reply = httpx.get(URL + route + "/v1/models", timeout=60)
+            if reply.status_code == 503:
+                assert reply.headers["Retry-After"] and reply.json()["error"]["code"] == "worker_unavailable"
+            seen.append(reply.status_code)
+            listed = reply if reply.status_code == 200 else None
+            time.sleep(0.1)
+        assert listed is not None, seen[-5:]
+        assert set(seen[:-1]) <= {404, 503}, seen  # not yet routed, or no target worker yet
+        chat = httpx.post(URL + route + "/v1/chat/completions", json=chat_body(config["model_name"]), timeout=120)
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["choices"][0]["token_ids"] == chat_tokens(local_engine, config["model_name"])
+        print(f"listed {time.perf_counter() - started:.1f} s after the deploy; before: {sorted(set(seen[:-1]))}")
+    finally:
+        serve.delete(name)
+
+
+@pytest.fixture(scope="module")
+def unloadable_target(checkpoints, tmp_path_factory):
+    """The tiny target's config and tokenizer beside weights that are no checkpoint: a server and a
+    draft worker start with it, a target worker cannot."""
+    import shutil
+    from pathlib import Path
+
+    unloadable = tmp_path_factory.mktemp("unloadable")
+    for file in Path(checkpoints[0]).iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, unloadable / file.name)
+    (unloadable / "model.safetensors").write_bytes(b"not a checkpoint")
+    return str(unloadable)
+
+
+def test_a_redeploy_serves_throughout_whether_its_target_cannot_start_or_replaces_the_old(
+    service, checkpoints, unloadable_target, local_engine
+):
+    """A redeploy whose target cannot load: the old target answers 200 all through, and stays once
+    the update gave up (DEPLOY_FAILED). Then one that cuts the target to 1 of its 2 layers (a
+    documented config): 200 all through, the old target's ids until the new one serves its own."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    name, route = "tiny-rollout", "/rollout"
+    model = f"{MODEL}-{name}"
+    serve.run(build_app(nominal(checkpoints, {"source": checkpoints[0]}, name)), name=name, route_prefix=route)
+    try:
+        whole = chat_tokens(local_engine, model)
+        cut_engine = SpeculativeEngine(
+            load_model(ModelSpec(source=checkpoints[0], num_layers=1)),
+            load_tokenizer(ModelSpec(source=checkpoints[0])),
+            local_engine.draft_model,
+        )
+        cut = chat_tokens(cut_engine, model)
+        assert cut != whole
+
+        def served_ids() -> list[int]:
+            reply = httpx.post(URL + route + "/v1/chat/completions", json=chat_body(model), timeout=120)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["choices"][0]["token_ids"]
+
+        def deployment_status(deployment: str) -> str:
+            return serve.status().applications[name].deployments[deployment].status
+
+        failing = nominal(checkpoints, {"source": unloadable_target}, name)
+        serve._run(build_app(failing), name=name, route_prefix=route, _blocking=False)
+        deadline, answered = time.time() + 300, 0
+        while deployment_status("TargetWorker") != "DEPLOY_FAILED" and time.time() < deadline:
+            assert served_ids() == whole
+            answered += 1
+        assert deployment_status("TargetWorker") == "DEPLOY_FAILED" and answered > 0
+        assert [served_ids() for _ in range(3)] == [whole] * 3
+
+        replacing = nominal(checkpoints, {"source": checkpoints[0], "num_layers": 1}, name)
+        serve._run(build_app(replacing), name=name, route_prefix=route, _blocking=False)
+        deadline, seen = time.time() + 300, []
+        while (not seen or seen[-1] != cut) and time.time() < deadline:
+            seen.append(served_ids())
+            assert seen[-1] in (whole, cut)
+        assert seen[-1] == cut, seen[-3:]
+        print(f"{answered} requests served while the update failed; {len(seen)} while the next replaced it")
+    finally:
+        serve.delete(name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,10 @@ from conftest import repeating_prompt, tiny_llama
 from eagle3_heads import write_eagle3
 from safetensors.torch import load_file, save_file
 
-from specdec_core.heads import load_heads_from
 from specdec_core.policies import make_policy
 from specdec_core.sampling import SamplingParams
 from specdec_core.target import TargetScorer
+from specdec_core.target_heads import load_heads_from
 
 NUM_LAYERS = 8  # the default target layers read: 2, 4 and 5
 
@@ -114,19 +115,23 @@ def test_a_published_eagle3_head_guesses_what_its_reference_drafts_after_every_c
     ("change", "message"),
     [
         ({"hidden_size": 32}, "target states of size 64; the target's hidden size is 32"),
-        ({"vocab_size": 200}, "vocabulary is 512; the target's is 200"),
-        ({"num_hidden_layers": 4}, r"reads target layers \[2, 4, 5\]; the target has 4"),
+        ({"vocab_size": 200}, "the vocabulary of the EAGLE-3 layer is 512; the target's is 200"),
+        ({"num_hidden_layers": 4}, r"reads target layers \[2, 4, 5\]; the target keeps 4 layers"),
     ],
 )
 def test_a_head_for_another_target_is_refused_with_the_reason(tmp_path, target, change, message):
-    from specdec_core.eagle3_checkpoint import load_eagle3
+    """From its files, before loading (target_heads.py); loading onto such a target is refused too."""
+    from specdec_core.target_heads import TargetShape, refusal
 
     directory = write_eagle3(tmp_path, target, "speculators")
     other = copy.deepcopy(target.config)
     for name, value in change.items():
         setattr(other, name, value)
-    with pytest.raises(ValueError, match=message):
-        load_eagle3(directory, other)
+    assert refusal(str(directory), TargetShape.of_config(target.config)) is None
+    assert re.search(message, refusal(str(directory), TargetShape.of_config(other)))
+    shorter = tiny_llama(seed=5, num_layers=4)
+    with pytest.raises(ValueError, match=r"reads target layers \[2, 4, 5\]; the target keeps 4 layers"):
+        load_heads_from(str(directory), shorter)
 
 
 def test_a_format_variant_it_does_not_read_is_refused(tmp_path, target):
@@ -180,7 +185,7 @@ def test_a_target_holds_medusa_heads_and_an_eagle3_layer_and_each_drafter_reads_
     """`heads` drafts from the Medusa heads, `eagle3` from the layer, on one target; both give
     target-only greedy output; two sets of one kind are refused."""
     from specdec_core import GenerationRequest
-    from specdec_core.heads import load_heads
+    from specdec_core.target_heads import load_heads
 
     assert list(eagle3_engine.heads) == ["medusa", "eagle3"]
     prompt = repeating_prompt(2)

@@ -11,8 +11,8 @@ import torch
 from conftest import PublishedHydra, hydra_from_medusa, repeating_prompt, tiny_llama, tiny_profile
 
 from specdec_core import GenerationRequest
-from specdec_core.heads import load_heads, load_heads_from
 from specdec_core.hydra import HydraHeads
+from specdec_core.target_heads import load_heads, load_heads_from
 from specdec_core.topologies import default_bank
 
 
@@ -125,10 +125,6 @@ def test_unsupported_hydra_checkpoints_are_refused_with_a_message(tmp_path):
     torch.save({**hydra.state_dict(), "lm_head.weight": torch.zeros(2, 2)}, tmp_path / "hydra_lm_head.pt")
     (tmp_path / "config.json").write_text(json.dumps({"hydra_head_arch": "mlp"}))
     with pytest.raises(ValueError, match="not a Hydra head weight"):
-        load_heads(str(tmp_path), "tiny", target)
-    hydra.save(tmp_path, "mlp")  # a pipeline's later stage holds no embedding for the heads to read
-    target.model.embed_tokens = None
-    with pytest.raises(ValueError, match="only a pipeline's first stage holds"):
         load_heads(str(tmp_path), "tiny", target)
 
 

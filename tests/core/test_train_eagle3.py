@@ -9,7 +9,7 @@ import json
 import torch
 from conftest import repeating_prompt, tiny_llama, tiny_profile
 
-from specdec_core.heads import load_heads_from
+from specdec_core.target_heads import load_heads_from
 from specdec_core.tools.train_eagle3 import Eagle3TrainSettings, train_eagle3_heads, ttt_logits
 from specdec_core.tools.train_heads import DistillSettings
 from specdec_core.tools.training_state import STATE_FILE

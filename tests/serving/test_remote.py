@@ -450,7 +450,7 @@ def test_each_request_asks_where_its_workers_are(tiny_engine):
     workers = Workers(tiny_engine, deadline_s=5)
     where = {**workers.addresses, "draft": "127.0.0.1:1"}  # the draft's old replica is gone
 
-    async def locate(role: str) -> str:
+    async def locate(role: str, wait: bool = True) -> str:
         if where[role] is None:
             raise WorkerUnavailable(f"no {role} worker replica ready")
         return where[role]
@@ -577,6 +577,7 @@ def test_a_gone_target_worker_is_a_503_with_retry_after(tiny_engine):
     workers = Workers(tiny_engine, deadline_s=5)
     client = http_client(workers)
     try:
+        assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
         assert client.post("/v1/completions", json=completion_body()).status_code == 200
         workers.servers["target"].stop(None)
         for stream in (False, True):
@@ -586,6 +587,9 @@ def test_a_gone_target_worker_is_a_503_with_retry_after(tiny_engine):
             assert response.json()["error"]["code"] == "worker_unavailable"
         health = client.get("/health")
         assert health.status_code == 503 and health.json()["down"] == ["target"]
+        models = client.get("/v1/models")  # listed only while /health says the service can serve
+        assert models.status_code == 503 and models.headers["Retry-After"] == "5", models.text
+        assert models.json()["error"]["code"] == "worker_unavailable"
     finally:
         workers.stop()
 

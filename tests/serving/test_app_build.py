@@ -1,0 +1,53 @@
+"""The app builder refuses a config that cannot serve before any replica starts: target heads
+named that do not fit the target as configured (`serve deploy` then reports DEPLOY_FAILED and the
+running app stays; `specdec serve` exits before starting Ray)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from conftest import tiny_llama
+from eagle3_heads import write_eagle3
+from typer.testing import CliRunner
+
+pytest.importorskip("ray")
+
+from deployments.app import build_app  # noqa: E402
+from deployments.cli import app as cli  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target_with_eagle3(tmp_path_factory):
+    """A tiny 8-layer checkpoint and an EAGLE-3 layer that reads its layers 2, 4 and 5."""
+    root = tmp_path_factory.mktemp("app_build")
+    target = tiny_llama(seed=3, num_layers=8, prepared=False)
+    target.save_pretrained(root / "target")
+    return str(root / "target"), str(write_eagle3(root / "eagle3", target, "speculators"))
+
+
+def args(target_dir: str, heads: str, **target) -> dict:
+    return {"target": {"source": target_dir, **target}, "draft": None, "target_heads": heads, "calibration": None}
+
+
+def test_named_heads_that_do_not_fit_the_target_as_configured_are_refused_by_the_builder(target_with_eagle3):
+    target_dir, eagle3_dir = target_with_eagle3
+    assert build_app(args(target_dir, eagle3_dir)) is not None
+    too_short = r"target_heads: .* reads target layers \[2, 4, 5\]; the target keeps 5 layers"
+    with pytest.raises(ValueError, match=too_short):
+        build_app(args(target_dir, eagle3_dir, num_layers=5))
+    in_stages = {**args(target_dir, eagle3_dir), "target_worker": {"pp_size": 2}}
+    with pytest.raises(ValueError, match="a target in stages holds Medusa heads only"):
+        build_app(in_stages)
+    # auto leaves out what does not fit instead (the worker logs it); heads elsewhere are the worker's to check
+    assert build_app(args(target_dir, "auto", num_layers=5)) is not None
+    assert build_app(args(target_dir, "/not/on/this/node", num_layers=5)) is not None
+
+
+def test_specdec_serve_refuses_such_a_config_before_starting_ray(target_with_eagle3, tmp_path):
+    target_dir, eagle3_dir = target_with_eagle3
+    application = {"name": "specdec", "import_path": "deployments.app:build_app"}
+    config = {"applications": [{**application, "args": args(target_dir, eagle3_dir, num_layers=5)}]}
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
+    result = CliRunner().invoke(cli, ["serve", "--config", str(tmp_path / "serve.yaml")])
+    assert result.exit_code == 2, result.output
+    assert "bad config" in result.output and "the target keeps 5 layers" in result.output
