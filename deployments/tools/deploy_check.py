@@ -28,7 +28,7 @@ SERVE = [sys.executable, "-m", "ray.serve.scripts"]  # Ray's `serve` command, fr
 @dataclass
 class Start:
     listed_s: Optional[float]  # since the start command, when /v1/models first answered 200
-    chat_status: Optional[int]  # of the chat sent at once then
+    chat_status: Optional[int]  # of the chat sent at once then (0: no response)
     before: list[str]  # what /v1/models answered before (statuses, or "refused")
 
 
@@ -64,27 +64,46 @@ def first_listing(url: str, model: str, began: float, limit_s: float) -> Start:
             status = "refused"
         if status == 200:
             listed_s = time.perf_counter() - began
-            return Start(round(listed_s, 1), chat(url, model).status_code, sorted(set(before)))
+            try:
+                chat_status = chat(url, model).status_code
+            except httpx.TransportError:
+                chat_status = 0
+            return Start(round(listed_s, 1), chat_status, sorted(set(before)))
         before.append(str(status))
         time.sleep(POLL_S)
     return Start(None, None, sorted(set(before)))
 
 
+def stopped(url: str, limit_s: float = 120.0) -> None:
+    """Wait until nothing answers at `url` any more (the last start's proxy is gone)."""
+    deadline = time.perf_counter() + limit_s
+    while time.perf_counter() < deadline:
+        try:
+            httpx.get(f"{url}/v1/models", timeout=5)
+        except httpx.TransportError:
+            return
+        time.sleep(POLL_S)
+    raise RuntimeError(f"{url} still answers {limit_s:g} s after the service was stopped")
+
+
 def start_with_specdec_serve(config: Path, limit_s: float) -> Start:
-    """`specdec serve --config CONFIG` (a Ray cluster of its own), measured, then stopped."""
+    """`specdec serve --config CONFIG` (a Ray cluster of its own), measured, then stopped as Ctrl-C
+    stops it (it shuts Serve and its Ray cluster down)."""
     url, model = service_url(config)
+    stopped(url)
     began = time.perf_counter()
     command = [str(Path(sys.executable).parent / "specdec"), "serve", "--config", str(config)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         return first_listing(url, model, began, limit_s)
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        process.send_signal(signal.SIGINT)
         try:
             process.wait(120)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        stopped(url)
 
 
 def start_with_serve_deploy(config: Path, limit_s: float) -> Start:
@@ -96,6 +115,7 @@ def start_with_serve_deploy(config: Path, limit_s: float) -> Start:
         return first_listing(url, model, began, limit_s)
     finally:
         subprocess.run([*SERVE, "shutdown", "-y"], check=True, capture_output=True)
+        stopped(url)
 
 
 def app_status(app: str) -> tuple[str, dict]:
