@@ -97,8 +97,8 @@ class AppConfig(BaseModel):
     target_heads: Optional[str] = Field(
         AUTO,
         description="the target's heads (drafters `heads`, `eagle3`): a directory of Medusa or Hydra heads or of "
-        "an EAGLE-3 layer, two separated by a comma (heads and a layer), auto (those shipped for the embedded "
-        "target: Medusa heads and an EAGLE-3 layer), or None",
+        "an EAGLE-3 layer, two separated by a comma (heads and a layer), auto (those shipped for the target's "
+        "source that fit it as configured: the embedded target's Medusa heads and EAGLE-3 layer), or None",
     )
     tree_banks: list[str] = Field(
         default_factory=list,
@@ -132,7 +132,9 @@ class AppConfig(BaseModel):
         None, repr=False, description="required as `Authorization: Bearer` (HTTP) and `authorization` metadata (gRPC)"
     )
     worker_secret: Optional[str] = Field(
-        None, repr=False, description="workers refuse calls without it; generated per deployment when unset"
+        None,
+        repr=False,
+        description="workers refuse calls without it; unset: drawn once per cluster and model_name (app.py)",
     )
     http_port: int = Field(8000, ge=0, le=65535)
     grpc_port: int = Field(9000, ge=0, le=65535)
@@ -141,8 +143,9 @@ class AppConfig(BaseModel):
     worker_lookup_timeout_s: float = Field(
         0.5,
         gt=0,
-        description="a request asks its workers' deployments for a replica this long at most (a draft "
-        "not found: target-only; a target: 503)",
+        description="the server's background question for a worker's replicas takes this long at most once "
+        "it has found some; a health check and a draft lookup wait no longer for a first one (a request "
+        "waits up to the target worker's admission_wait_s for its first)",
     )
     torch_threads: Optional[int] = Field(None, ge=1, description="per worker; default: its CPUs")
     calibration: Optional[CalibrationSettings] = Field(
@@ -157,7 +160,8 @@ def refuse_unfit_heads(config: AppConfig) -> None:
     hidden size and vocabulary: target_heads.py) are a config error (ValueError), found before
     any replica starts: a target worker that cannot hold them would fail its start until Serve
     gives up. Heads or a target config not readable on this node (a cluster's head node, the
-    files on the GPU nodes) are checked by the target worker as it loads them."""
+    files on the GPU nodes) are checked by the target worker as it loads them. Reading the target's
+    config converts a GGUF checkpoint first (cached) and asks the hub for a hub id's."""
     directories = [] if config.target_heads == AUTO else named_heads(config.target_heads)
     if not directories:
         return
@@ -170,5 +174,10 @@ def refuse_unfit_heads(config: AppConfig) -> None:
     for directory in directories:
         if not Path(directory).is_dir():
             logger.warning("target_heads: %s is not on this node; the target worker checks it", directory)
-        elif problem := refusal(directory, target):
+            continue
+        try:
+            problem = refusal(directory, target)
+        except (OSError, ValueError) as error:  # no heads there, or files that are not heads
+            problem = f"{directory}: {error}"
+        if problem:
             raise ValueError(f"target_heads: {problem}")

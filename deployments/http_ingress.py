@@ -123,26 +123,22 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
         events = server_sent_events(builder, first, chunks, http_request, request_id, engine.metrics)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    async def health_report() -> tuple[int, dict]:
-        """(status, body): 503 while no target worker answers; "degraded" without a draft worker,
-        whose absence only means target-only decoding."""
+    @api.get("/health")
+    async def health():
+        """503 while no target worker answers; "degraded" without a draft worker, whose absence
+        only means target-only decoding."""
         sessions = await engine.count_sessions()
         down = sorted(role for role, count in sessions.items() if count is None)
         body = {"status": "degraded" if down else "ok", "down": down, "sessions": sessions}
         if "target" in down:
-            return 503, {**body, "status": "unavailable"}
-        return 200, body
-
-    @api.get("/health")
-    async def health():
-        status, body = await health_report()
-        return JSONResponse(status_code=status, content=body)
+            return JSONResponse(status_code=503, content={**body, "status": "unavailable"})
+        return body
 
     @api.get("/v1/models")
     async def models(http_request: Request):
-        """The model is listed once /health says the service can serve it (as vLLM lists it
-        once it is loaded): clients check this before their first request."""
-        if (await health_report())[0] != 200:
+        """The model is listed once a target worker answers, as /health says (vLLM lists it once
+        it is loaded): clients check this before their first request."""
+        if (await engine.count_sessions(("target",)))["target"] is None:
             starting = WorkerUnavailable("no target worker is ready yet")
             return error_response(starting, http_request.state.request_id)
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "owned_by": "specdec"}]}

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, Protocol, Sequence
 
 import grpc
 
@@ -65,9 +65,10 @@ class NoMetrics:
         pass
 
 
-# (a role, "draft" or "target"; whether to wait for a replica when none is known yet) -> a worker's
-# address for one request: a health check does not wait (replicas.py)
+# (a role, "draft" or "target"; whether to wait for a replica when none was found yet) -> a worker's
+# address for one request: a health check and a draft do not wait (replicas.py)
 Locate = Callable[[str, bool], Awaitable[str]]
+HEALTH_DEADLINE_S = 5.0  # a health check's question to a worker: one slower is reported down
 MAX_WORKER_CHANNELS = 64  # replicas' channels kept open; the least recently used go first
 
 
@@ -164,8 +165,8 @@ class RemoteEngine:
                 None, session_id, request.drafter, request.policy.needs_draft_logits(), self.deadline_s
             )
             if remote_drafter.remote:
-                try:
-                    remote_drafter.stub = await self.stub("draft")
+                try:  # a draft worker not found at once only means target-only: the request does not wait
+                    remote_drafter.stub = await self.stub("draft", wait=False)
                 except WorkerUnavailable as error:  # the request goes on target-only
                     remote_drafter.fall_back(str(error))
             if request.run_ahead:  # the draft worker drafts while the target verifies
@@ -206,24 +207,27 @@ class RemoteEngine:
             if remote_drafter is not None:
                 await remote_drafter.release()
 
-    async def count_sessions(self) -> dict[str, Optional[int]]:
-        """From any event loop: open sessions per worker; None for a worker that does not answer."""
-        return await self.coordinator.arun(self._count_sessions())
+    async def count_sessions(self, roles: Sequence[str] = tuple(STUBS)) -> dict[str, Optional[int]]:
+        """From any event loop: open sessions per worker of `roles`; None for a worker that does
+        not answer within HEALTH_DEADLINE_S."""
+        return await self.coordinator.arun(self._count_sessions(roles))
 
     def session_counts(self) -> dict[str, Optional[int]]:
         """`count_sessions` for a caller on a plain thread."""
-        return self.coordinator.run(self._count_sessions())
+        return self.coordinator.run(self._count_sessions(tuple(STUBS)))
 
-    async def _count_sessions(self) -> dict[str, Optional[int]]:
-        """Of one replica of each worker (the one `locate` gives, without waiting for one)."""
-        counts: dict[str, Optional[int]] = {}
-        for role in STUBS:
+    async def _count_sessions(self, roles: Sequence[str]) -> dict[str, Optional[int]]:
+        """Of one replica of each worker (the one `locate` gives, without waiting for one), asked
+        at once."""
+
+        async def count(role: str) -> Optional[int]:
             try:
                 stub = await self.stub(role, wait=False)
-                counts[role] = (await stub.Stats(pb.Empty(), timeout=self.deadline_s)).sessions
+                return (await stub.Stats(pb.Empty(), timeout=HEALTH_DEADLINE_S)).sessions
             except (grpc.RpcError, WorkerUnavailable):
-                counts[role] = None
-        return counts
+                return None
+
+        return dict(zip(roles, await asyncio.gather(*map(count, roles))))
 
     def close(self) -> None:
         """Close the channels and stop the coordinator (requests still in flight fail)."""

@@ -42,12 +42,7 @@ class SpecdecServer:
         # a lookup waits on Serve's handle off the coordinator loop; a directory asks once at a time
         self.lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-lookup")
         self.replicas = {
-            role: ReplicaDirectory(
-                role,
-                self.lookup(handle),
-                first_wait_s=worker_config(role, self.config).admission_wait_s,
-                refresh_timeout_s=self.config.worker_lookup_timeout_s,
-            )
+            role: ReplicaDirectory(role, self.lookup(handle), self.config.worker_lookup_timeout_s)
             for role, handle in (("draft", draft), ("target", target))
         }
         frontend = Frontend.from_spec(self.config.target, self.config.defaults, self.config.max_tokens_limit)
@@ -59,8 +54,11 @@ class SpecdecServer:
         self.grpc_ingress = GrpcIngress(self.engine, self.config)
 
     async def locate(self, role: str, wait: bool = True) -> str:
-        """A replica of the worker `role` for one request: its gRPC address (replicas.py)."""
-        return await self.replicas[role].pick(wait)
+        """A replica of the worker `role` for one request: its gRPC address (replicas.py). With
+        none found yet it waits up to the worker's `admission_wait_s` (`wait`), or as long as a
+        refresh may take."""
+        wait_s = worker_config(role, self.config).admission_wait_s if wait else self.config.worker_lookup_timeout_s
+        return await self.replicas[role].pick(wait_s)
 
     def lookup(self, handle) -> Callable[[float], Awaitable[str]]:
         """Ask `handle` for a replica's address, within the timeout given."""

@@ -196,7 +196,7 @@ class WorkerRank:
         return os.getpid()
 
     def open_sessions(self) -> int:
-        return self.service.table.counts()[0]
+        return self.service.stats()["sessions"]
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
@@ -222,7 +222,8 @@ class WorkerGroup:
         if role == "draft" and self.config.draft_on_target_node:
             node_ip = await target.node_ip.remote()
             worker = worker.model_copy(update={"resources": {**worker.resources, f"node:{node_ip}": 0.001}})
-            name = f"{self.config.model_name}-draft"
+            # one a replica: a rollout's new replica reserves its own beside the old one's
+            name = f"{self.config.model_name}-draft-{serve.get_replica_context().replica_id.unique_id}"
             placement = self.own_placement = await asyncio.to_thread(
                 reserve, name, worker, self.config.placement_timeout_s
             )
@@ -249,6 +250,10 @@ class WorkerGroup:
         """Rank 0's gRPC service, host:port."""
         return self.address
 
+    async def open_sessions(self) -> int:
+        """Rank 0's (the ranks follow its sessions)."""
+        return await asyncio.wait_for(self.ranks[0].open_sessions.remote(), RANK_PING_TIMEOUT_S)
+
     async def pids(self) -> list[int]:
         """The ranks' process ids, rank 0 first."""
         return list(await asyncio.gather(*(rank.ping.remote() for rank in self.ranks)))
@@ -271,7 +276,7 @@ class WorkerGroup:
             if getattr(self, "address", None) is not None:  # it started, and servers may know it
                 await self.check_health()
                 await asyncio.sleep(FORGET_S)
-                while await self.ranks[0].open_sessions.remote() and time.monotonic() < deadline:
+                while await self.open_sessions() and time.monotonic() < deadline:
                     await asyncio.sleep(DRAIN_POLL_S)
         except Exception as error:  # noqa: BLE001 - a rank is gone: nothing left to serve
             logger.warning("%s worker replica stops at once: %r", self.role, error)

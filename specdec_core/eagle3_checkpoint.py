@@ -13,7 +13,8 @@
 Layer ids name the input of that target layer (vLLM's and speculators' reading; SGLang's
 configs name the output of the layer before). Normalizing the target features before `fc`
 (`norm_before_fc`, `fc_norm`), feeding the normalized output back (`norm_output`) and drafts of
-more than one layer are refused with a message, as is a head whose target does not match."""
+more than one layer are refused with a message; whether a head fits its target (the layers it
+reads, its sizes) target_heads.py decides before loading."""
 
 from __future__ import annotations
 

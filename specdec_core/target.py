@@ -34,7 +34,7 @@ class TargetScorer:
 
     def __init__(self, model: torch.nn.Module, heads: Optional[Mapping[str, Heads]] = None):
         self.model = model
-        self.heads = heads or {}  # by kind (heads.load_heads)
+        self.heads = heads or {}  # by kind (target_heads.load_heads)
         self.cache = PagedKV()
         self.committed_len = 0
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # prompt tokens looked up and found

@@ -63,6 +63,7 @@ class HeadsShape:
     hidden_size: int  # of the target states they read
     vocab_size: Optional[int]  # of their predictions; None: the target's LM head projects them
     layers: tuple[int, ...] = ()  # the target layers whose states they read besides the last (EAGLE-3)
+    embedding_size: Optional[int] = None  # of the target's token embeddings they read as their own input
 
 
 def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -86,9 +87,12 @@ def heads_shape(directory: str, target: TargetShape) -> HeadsShape:
         files = weight_files(path)
         shapes = {name.removeprefix("model."): shape for file in files for name, shape in tensor_shapes(file).items()}
         layers = aux or default_aux_layers(target.num_layers)
-        if "fc.weight" not in shapes:
-            raise ValueError(f"{directory} is not an EAGLE-3 head: it has no fc.weight")
-        return HeadsShape("eagle3", shapes["fc.weight"][1] // len(layers), layer_config.get("vocab_size"), layers)
+        if "fc.weight" not in shapes or shapes["fc.weight"][1] % len(layers):
+            raise ValueError(f"{directory} is not an EAGLE-3 head: no fc.weight over its {len(layers)} target layers")
+        # without an embedding of its own the layer embeds its tokens with the target's
+        embedding = None if "embed_tokens.weight" in shapes else layer_config.get("hidden_size")
+        fc_width = shapes["fc.weight"][1] // len(layers)
+        return HeadsShape("eagle3", fc_width, layer_config.get("vocab_size"), layers, embedding)
     if (path / HYDRA_WEIGHTS_FILE).exists():
         shapes = tensor_shapes(path / HYDRA_WEIGHTS_FILE)
         lm_heads = [shape for name, shape in shapes.items() if (key := LM_HEAD_KEY.match(name)) and key[2] == "weight"]
@@ -118,6 +122,9 @@ def fit_refusal(heads: HeadsShape, target: TargetShape) -> Optional[str]:
     if heads.hidden_size != target.hidden_size:
         hidden = target.hidden_size
         return f"{what} read target states of size {heads.hidden_size}; the target's hidden size is {hidden}"
+    if heads.embedding_size is not None and heads.embedding_size != target.hidden_size:
+        size = heads.embedding_size
+        return f"{what} embeds its tokens at size {size} with the target's embedding, of size {target.hidden_size}"
     if heads.vocab_size is not None and heads.vocab_size != target.vocab_size:
         return f"the vocabulary of {what} is {heads.vocab_size}; the target's is {target.vocab_size}"
     if not all(0 <= layer < target.num_layers for layer in heads.layers):

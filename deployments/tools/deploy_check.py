@@ -22,7 +22,7 @@ import yaml
 
 POLL_S = 0.1
 RECENT_S = 5.0
-SERVE = [sys.executable, "-m", "ray.serve.scripts"]  # Ray's `serve` command, from this environment
+SERVE_COMMAND = [sys.executable, "-m", "ray.serve.scripts"]  # Ray's `serve`, from this environment
 
 
 @dataclass
@@ -110,19 +110,20 @@ def start_with_serve_deploy(config: Path, limit_s: float) -> Start:
     """`serve deploy CONFIG` onto the running Ray cluster, measured, then `serve shutdown`."""
     url, model = service_url(config)
     began = time.perf_counter()
-    subprocess.run([*SERVE, "deploy", str(config)], check=True, capture_output=True)
+    subprocess.run([*SERVE_COMMAND, "deploy", str(config)], check=True, capture_output=True)
     try:
         return first_listing(url, model, began, limit_s)
     finally:
-        subprocess.run([*SERVE, "shutdown", "-y"], check=True, capture_output=True)
+        subprocess.run([*SERVE_COMMAND, "shutdown", "-y"], check=True, capture_output=True)
         stopped(url)
 
 
-def app_status(app: str) -> tuple[str, dict]:
-    """The application's status and its deployments' (`serve status`)."""
-    status = yaml.safe_load(subprocess.run([*SERVE, "status"], capture_output=True, text=True, check=True).stdout)
-    application = (status.get("applications") or {}).get(app) or {}
-    return application.get("status", "absent"), application.get("deployments") or {}
+def app_status(app: str) -> str:
+    """The application's status (`serve status`)."""
+    status = yaml.safe_load(
+        subprocess.run([*SERVE_COMMAND, "status"], capture_output=True, text=True, check=True).stdout
+    )
+    return ((status.get("applications") or {}).get(app) or {}).get("status", "absent")
 
 
 class Client:
@@ -152,21 +153,20 @@ class Client:
 
 def rollout(config: Path, app: str, client: Client, settle_s: float, limit_s: float) -> Rollout:
     """`serve deploy CONFIG` while `client` sends; until the update has settled (the app RUNNING or
-    DEPLOY_FAILED, and `settle_s` passed), at most `limit_s`."""
+    DEPLOY_FAILED, and `settle_s` passed: the old replicas stop a few seconds after the new are
+    up), at most `limit_s`."""
     began = time.perf_counter()
     # the running config's output: what the last requests before the deploy got
     seen = {ids for sent, status, ids in client.sent if status == 200 and sent >= began - RECENT_S}
-    subprocess.run([*SERVE, "deploy", str(config)], check=True, capture_output=True)
+    subprocess.run([*SERVE_COMMAND, "deploy", str(config)], check=True, capture_output=True)
     result = Rollout(str(config))
     while time.perf_counter() - began < limit_s:
         time.sleep(2.0)
-        result.app_status, _ = app_status(app)
-        new = [sent for sent, status, ids in client.sent if sent >= began and status == 200 and ids not in seen]
-        if new and result.first_new_s is None:
-            result.first_new_s = round(new[0] - began, 1)
-        settled = result.app_status in ("RUNNING", "DEPLOY_FAILED") and time.perf_counter() - began >= settle_s
-        if settled and (result.app_status == "DEPLOY_FAILED" or result.first_new_s is not None):
+        result.app_status = app_status(app)
+        if result.app_status in ("RUNNING", "DEPLOY_FAILED") and time.perf_counter() - began >= settle_s:
             break
+    new = [sent for sent, status, ids in client.sent if sent >= began and status == 200 and ids not in seen]
+    result.first_new_s = round(new[0] - began, 1) if new else None
     during = [(status, ids) for sent, status, ids in client.sent if sent >= began]
     result.statuses = Counter(status for status, _ in during)
     result.failures = [str(ids) for status, ids in during if status != 200][:3]

@@ -108,15 +108,15 @@ def test_pipeline_step_shapes_are_sessions_by_tokens():
 def heads_rank(rank: int, world_size: int, port: int, checkpoint: str, medusa_dir: str, eagle3_dir: str):
     """A rank of 2 stages: the kinds of the heads it holds from "auto" (the shipped heads, here
     the tiny Medusa heads and EAGLE-3 layer), and why it refuses the EAGLE-3 layer named."""
-    from specdec_core import target_heads as heads_module
+    from specdec_core import target_heads
 
     torch.set_num_threads(1)
     join_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
     model = load_sharded_model(ModelSpec(source=checkpoint), "transformers", 2)
-    heads_module.SHIPPED_HEADS = {"tiny": [medusa_dir, eagle3_dir]}
-    kinds = sorted(heads_module.load_heads("auto", "tiny", model))
+    target_heads.SHIPPED_HEADS = {"tiny": [medusa_dir, eagle3_dir]}
+    kinds = sorted(target_heads.load_heads("auto", "tiny", model))
     try:
-        heads_module.load_heads(eagle3_dir, "tiny", model)
+        target_heads.load_heads(eagle3_dir, "tiny", model)
         refusal = None
     except ValueError as error:
         refusal = str(error)

@@ -88,6 +88,16 @@ def test_named_heads_are_refused_where_they_do_not_fit_and_say_why(tmp_path):
     assert refusal(fitting["medusa"], TargetShape(64, 512, 8, stages=2)) is None  # Medusa heads fit stages
 
 
+def test_an_eagle3_layer_that_embeds_with_the_targets_embedding_needs_its_size():
+    from specdec_core.target_heads import HeadsShape, fit_refusal
+
+    borrowing = HeadsShape("eagle3", 64, 512, (2, 4, 5), embedding_size=32)
+    assert "embeds its tokens at size 32 with the target's embedding, of size 64" in fit_refusal(
+        borrowing, TargetShape(64, 512, 8)
+    )
+    assert fit_refusal(HeadsShape("eagle3", 64, 512, (2, 4, 5), embedding_size=64), TargetShape(64, 512, 8)) is None
+
+
 def test_loading_named_heads_onto_a_target_they_do_not_fit_is_refused(tmp_path):
     target = tiny_llama(num_layers=4)
     with pytest.raises(ValueError, match="Medusa heads read target states of size 32"):

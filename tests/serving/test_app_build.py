@@ -38,6 +38,8 @@ def test_named_heads_that_do_not_fit_the_target_as_configured_are_refused_by_the
     in_stages = {**args(target_dir, eagle3_dir), "target_worker": {"pp_size": 2}}
     with pytest.raises(ValueError, match="a target in stages holds Medusa heads only"):
         build_app(in_stages)
+    with pytest.raises(ValueError, match="target_heads: .*: no medusa_lm_head.pt"):  # a checkpoint, no heads
+        build_app(args(target_dir, target_dir))
     # auto leaves out what does not fit instead (the worker logs it); heads elsewhere are the worker's to check
     assert build_app(args(target_dir, "auto", num_layers=5)) is not None
     assert build_app(args(target_dir, "/not/on/this/node", num_layers=5)) is not None

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from deployments.errors import WorkerUnavailable
-from deployments.replicas import ReplicaDirectory
+from deployments.replicas import FIRST_ANSWER_S, ReplicaDirectory
 
-FIRST_WAIT_S, REFRESH_TIMEOUT_S = 2.0, 0.05
+WAIT_S, REFRESH_TIMEOUT_S = 2.0, 0.05  # a request's wait for a first replica; a refresh's bound
 
 
 class Handle:
@@ -38,7 +38,7 @@ class Handle:
 
 
 def directory_over(handle: Handle, role: str = "target", **timing) -> ReplicaDirectory:
-    return ReplicaDirectory(role, handle.lookup, FIRST_WAIT_S, REFRESH_TIMEOUT_S, **timing)
+    return ReplicaDirectory(role, handle.lookup, REFRESH_TIMEOUT_S, **timing)
 
 
 async def settle() -> None:
@@ -50,14 +50,14 @@ def test_requests_reuse_what_the_handle_said_and_it_is_asked_again_in_the_backgr
     async def run():
         handle = Handle("a:1", "b:2")
         directory = directory_over(handle, refresh_s=0.05, keep_s=10)
-        assert await directory.pick() == "a:1" and handle.asked == 1  # none known: the first waits
-        assert [await directory.pick() for _ in range(5)] == ["a:1"] * 5 and handle.asked == 1
+        assert await directory.pick(WAIT_S) == "a:1" and handle.asked == 1  # none known: the first waits
+        assert [await directory.pick(WAIT_S) for _ in range(5)] == ["a:1"] * 5 and handle.asked == 1
         await asyncio.sleep(0.06)
-        assert await directory.pick() == "a:1"  # answered at once; the handle is asked meanwhile
+        assert await directory.pick(WAIT_S) == "a:1"  # answered at once; the handle is asked meanwhile
         await settle()
-        assert handle.asked == 2 and sorted({await directory.pick() for _ in range(4)}) == ["a:1", "b:2"]
-        # a first answer may take as long as a request waits for one; a refresh no longer than its own bound
-        assert handle.timeouts == [FIRST_WAIT_S, REFRESH_TIMEOUT_S]
+        assert handle.asked == 2 and sorted({await directory.pick(WAIT_S) for _ in range(4)}) == ["a:1", "b:2"]
+        # a first answer may take long (a cold handle, workers loading); a refresh no longer than its bound
+        assert handle.timeouts == [FIRST_ANSWER_S, REFRESH_TIMEOUT_S]
 
     asyncio.run(run())
 
@@ -69,7 +69,7 @@ def test_with_none_known_a_request_waits_for_a_slow_first_answer():
     async def run():
         handle = Handle("a:1", delay_s=4 * REFRESH_TIMEOUT_S)
         directory = directory_over(handle)
-        assert await asyncio.gather(directory.pick(), directory.pick()) == ["a:1", "a:1"]
+        assert await asyncio.gather(directory.pick(WAIT_S), directory.pick(WAIT_S)) == ["a:1", "a:1"]
         assert handle.asked == 1
 
     asyncio.run(run())
@@ -81,24 +81,28 @@ def test_with_none_known_failed_answers_are_asked_again_until_the_wait_is_over()
 
     async def run():
         handle = Handle(RuntimeError("no replica"), RuntimeError("no replica"), "a:1")
-        assert await directory_over(handle).pick() == "a:1" and handle.asked == 3
+        assert await directory_over(handle).pick(WAIT_S) == "a:1" and handle.asked == 3
         never = Handle(RuntimeError("no replica"))
-        directory = ReplicaDirectory("draft", never.lookup, first_wait_s=0.5, refresh_timeout_s=REFRESH_TIMEOUT_S)
         with pytest.raises(WorkerUnavailable, match=r"no draft worker replica ready \(RuntimeError\)"):
-            await directory.pick()
+            await directory_over(never, "draft").pick(0.5)
         assert never.asked > 1
 
     asyncio.run(run())
 
 
-def test_a_health_check_does_not_wait_for_a_first_answer_and_the_question_goes_on():
+def test_a_short_wait_does_not_cut_the_first_question_short():
+    """A health check or a draft lookup waits a refresh's time; a request of a worker whose
+    admission_wait_s is 0 not at all: the question goes on, and the next request finds the replica."""
+
     async def run():
         handle = Handle("a:1", delay_s=4 * REFRESH_TIMEOUT_S)
         directory = directory_over(handle)
         with pytest.raises(WorkerUnavailable, match="no target worker replica ready within 0.05 s"):
-            await directory.pick(wait=False)
+            await directory.pick(REFRESH_TIMEOUT_S)
+        with pytest.raises(WorkerUnavailable, match="within 0 s"):
+            await directory.pick(0.0)
         await asyncio.sleep(6 * REFRESH_TIMEOUT_S)  # the question it started was answered meanwhile
-        assert await directory.pick(wait=False) == "a:1" and handle.asked == 1
+        assert await directory.pick(0.0) == "a:1" and handle.asked == 1
 
     asyncio.run(run())
 
@@ -107,23 +111,38 @@ def test_a_failed_answer_forgets_nothing():
     async def run():
         handle = Handle("a:1", TimeoutError(), TimeoutError())
         directory = directory_over(handle, refresh_s=0.0, keep_s=10)
-        assert await directory.pick() == "a:1"
+        assert await directory.pick(WAIT_S) == "a:1"
         for _ in range(3):
-            assert await directory.pick() == "a:1"
+            assert await directory.pick(WAIT_S) == "a:1"
             await settle()
         assert handle.asked == 4
 
     asyncio.run(run())
 
 
-def test_a_replica_the_handle_no_longer_names_is_forgotten_after_keep_s():
+def test_a_replica_the_handle_no_longer_names_is_given_out_no_more_after_keep_s():
+    """After a rollout the handle names the new replica only: once keep_s has passed since it named
+    the old one, an idle server's next request waits for the handle's word (a refresh's time)."""
+
     async def run():
         handle = Handle("a:1", "b:2")
-        directory = directory_over(handle, refresh_s=0.0, keep_s=0.05)
-        assert await directory.pick() == "a:1"
+        directory = directory_over(handle, keep_s=0.05)
+        assert await directory.pick(WAIT_S) == "a:1"
         await asyncio.sleep(0.06)
-        await directory.pick()  # asks: "b:2" named, "a:1" not for longer than keep_s
-        await settle()
-        assert {await directory.pick() for _ in range(4)} == {"b:2"}
+        assert {await directory.pick(WAIT_S) for _ in range(4)} == {"b:2"}
+
+    asyncio.run(run())
+
+
+def test_where_the_handle_says_nothing_in_time_the_replicas_named_before_are_given_out():
+    """A slow handle (or none ready while a worker restarts) does not hold requests beyond a
+    refresh's time: they take what was named before (a dead replica fails its request at once)."""
+
+    async def run():
+        handle = Handle("a:1", TimeoutError())
+        directory = directory_over(handle, keep_s=0.05)
+        assert await directory.pick(WAIT_S) == "a:1"
+        await asyncio.sleep(0.06)
+        assert [await directory.pick(WAIT_S) for _ in range(3)] == ["a:1"] * 3
 
     asyncio.run(run())
