@@ -179,14 +179,16 @@ def load_heads(
 
 def load_heads_from(directory: str, model: nn.Module) -> Heads:
     """The heads in one directory, refused (ValueError) where they do not fit `model`."""
-    problem = refusal(directory, TargetShape.of_model(model))
+    target = TargetShape.of_model(model)
+    shape = heads_shape(directory, target)  # its kind too: which loader reads it
+    problem = fit_refusal(shape, target)
     if problem is not None:
-        raise ValueError(problem)
+        raise ValueError(f"{directory}: {problem}")
     heads: Heads
-    if is_eagle3(directory):
+    if shape.kind == "eagle3":
         heads = load_eagle3(directory, model.config)
         keep_aux_states(model, heads.aux_layers)  # what the layer reads, from every target forward
-    elif (Path(directory) / HYDRA_WEIGHTS_FILE).exists():
+    elif shape.kind == "hydra":
         heads = HydraHeads.load(directory, model.config)
     else:
         heads = MedusaHeads.load(directory)

@@ -446,23 +446,20 @@ TP_APP, TP_ROUTE = "tiny-tp", "/tp"
 
 
 def tp_config(checkpoints, **fields) -> dict:
-    """The tiny pair with the target and the draft over 2 ranks each (`fields` override)."""
+    """The tiny pair with the target and the draft over 2 ranks each (`fields` override any of it)."""
     target_dir, draft_dir = checkpoints
-    fields = {
+    config = {
+        "model_name": MODEL,
+        "target": {"source": target_dir},
+        "draft": {"source": draft_dir},
+        "torch_threads": 1,
+        "calibration": {"questions_per_category": 1, "max_new_tokens": 4},
+        "rpc_deadline_s": 10.0,
+        "grpc_port": 0,
         "target_worker": {"tp_size": 2, "num_cpus": 0.5, "resources": {"target_node": 0.5}},
         "draft_worker": {"tp_size": 2, "num_cpus": 0.5, "resources": {"draft_node": 0.5}},
-        **fields,
     }
-    return AppConfig(
-        model_name=MODEL,
-        target={"source": target_dir},
-        draft={"source": draft_dir},
-        torch_threads=1,
-        calibration={"questions_per_category": 1, "max_new_tokens": 4},
-        rpc_deadline_s=10.0,
-        grpc_port=0,
-        **fields,
-    ).model_dump()
+    return AppConfig(**{**config, **fields}).model_dump()
 
 
 @pytest.fixture(scope="module")
@@ -584,18 +581,17 @@ def test_a_placement_the_cluster_cannot_satisfy_says_why(service, checkpoints):
 
 
 def nominal(checkpoints, target: dict, app: str) -> dict:
-    """An app of `target` and the tiny draft beside the others: nominal CPUs, its own gRPC port."""
-    return AppConfig(
+    """An app of `target` and the tiny draft beside the others: one rank each at nominal CPUs, no
+    calibration."""
+    nominal_rank = {"num_cpus": 0.01}
+    return tp_config(
+        checkpoints,
         model_name=f"{MODEL}-{app}",
         target=target,
-        draft={"source": checkpoints[1]},
-        torch_threads=1,
         calibration=None,
-        rpc_deadline_s=10.0,
-        grpc_port=0,
-        target_worker={"num_cpus": 0.01},
-        draft_worker={"num_cpus": 0.01},
-    ).model_dump()
+        target_worker=nominal_rank,
+        draft_worker=nominal_rank,
+    )
 
 
 def chat_body(model: str) -> dict:
