@@ -63,6 +63,8 @@ def serve(
     from pydantic import ValidationError
     from ray import serve as ray_serve
 
+    from specdec_core.draft_costs import cpu_pair
+
     from .app import apply_serve_env_defaults, build_app
     from .config import AppConfig, refuse_unfit_heads
     from .startup_log import NAMESPACE, start_with_notes
@@ -85,6 +87,8 @@ def serve(
         refuse_unfit_heads(app_config)
     except ValueError as error:
         fail(f"bad config {config}: {error}")
+    if not address and app_config.draft_costs is None and cpu_pair(app_config.target, app_config.draft):
+        app_config = with_measured_draft(app_config)
     apply_serve_env_defaults()
     cluster = simulated_cluster(simulate_nodes) if simulate_nodes else None
     ray.init(address=cluster.address if cluster else address, namespace=NAMESPACE, log_to_driver=False)
@@ -118,6 +122,21 @@ def serve(
     finally:
         ray_serve.shutdown()
         ray.shutdown()
+
+
+def with_measured_draft(config):
+    """`config` with its CPU draft's costs beside the target on this machine (measured once and
+    cached, the draft's kernels chosen at its worker's threads), each said: which kernels the
+    draft runs here and whether it can pay."""
+    from specdec_core.draft_costs import choose_draft
+
+    draft = config.draft
+    console.print(f"pricing the draft ({draft.source}, {draft.dtype}) beside the target on this CPU (cached)")
+    threads = (config.threads(config.target_worker), config.threads(config.draft_worker))
+    costs, kernels = choose_draft(config.target, draft, threads)
+    console.print(f"draft kernels: {kernels or 'measured before (the draft worker notes them below)'}")
+    console.print(f"draft: {costs.verdict()}")
+    return config.model_copy(update={"draft_costs": costs})
 
 
 def simulated_cluster(nodes: int):

@@ -8,8 +8,9 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from specdec_core.draft_costs import DraftCosts
 from specdec_core.kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION
-from specdec_core.loader import DEFAULT_DRAFT, ModelSpec, load_configs
+from specdec_core.loader import DEFAULT_DRAFT, ModelSpec, load_configs, refuse_draft_only_target
 from specdec_core.profile import CalibrationSettings
 from specdec_core.request import RequestDefaults
 from specdec_core.target import PREFILL_CHUNK
@@ -94,6 +95,12 @@ class AppConfig(BaseModel):
     model_name: str = "specdec-smollm2-135m"
     target: ModelSpec = Field(default_factory=ModelSpec)
     draft: Optional[ModelSpec] = DEFAULT_DRAFT
+    draft_costs: Optional[DraftCosts] = Field(
+        None,
+        description="the draft model's prices beside the target, the model drafters' defaults "
+        "(specdec_core/draft_costs.py): `specdec serve` measures them for a CPU pair on its machine; "
+        "None: the drafters' built-in ones",
+    )
     target_heads: Optional[str] = Field(
         AUTO,
         description="the target's heads (drafters `heads`, `eagle3`): a directory of Medusa or Hydra heads or of "
@@ -153,6 +160,15 @@ class AppConfig(BaseModel):
         description="the target worker measures the target's profile (EASD's tau_h) at load, cached per "
         "model; None: no profile (EASD then needs an explicit tau_h)",
     )
+
+    @model_validator(mode="after")
+    def _target_not_int4(self):
+        refuse_draft_only_target(self.target)
+        return self
+
+    def threads(self, worker: WorkerConfig) -> int:
+        """A worker rank's torch threads: its own setting, else the app's, else its CPUs."""
+        return worker.torch_threads or self.torch_threads or max(1, int(worker.num_cpus))
 
 
 def refuse_unfit_heads(config: AppConfig) -> None:

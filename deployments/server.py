@@ -46,6 +46,7 @@ class SpecdecServer:
             for role, handle in (("draft", draft), ("target", target))
         }
         frontend = Frontend.from_spec(self.config.target, self.config.defaults, self.config.max_tokens_limit)
+        frontend.draft_costs = lambda: self.config.draft_costs
         self.engine = RemoteEngine(
             frontend, self.locate, self.config.rpc_deadline_s, ServeMetrics(), self.config.worker_secret
         )

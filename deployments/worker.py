@@ -93,6 +93,7 @@ class WorkerRank:
         gRPC address) or follow rank 0."""
         from protos import specdec_pb2_grpc as pb_grpc
         from specdec_core.batching import pool_of
+        from specdec_core.kernels.chunked import kernel_summary
         from specdec_core.kernels.cpu import configure_cpu
         from specdec_core.kv_budget import kv_budget
         from specdec_core.loader import load_configs, load_model
@@ -110,7 +111,7 @@ class WorkerRank:
         config, worker = self.config, worker_config(self.role, self.config)
         for bank in config.tree_banks:  # trees the coordinator may name
             load_tree_bank(bank)
-        on_torch_thread(configure_cpu, worker.torch_threads or config.torch_threads or max(1, int(worker.num_cpus)))
+        on_torch_thread(configure_cpu, config.threads(worker))
         spec = config.draft if self.role == "draft" else config.target
         if spec is not None:
             layout = f"{worker.pp_size} stage(s) of {worker.tp_size} rank(s)"
@@ -135,6 +136,8 @@ class WorkerRank:
                 budget = on_torch_thread(channel.smallest, budget)
         admission = Admission(budget, worker.max_waiting_sessions, worker.admission_wait_s)
         if self.role == "draft":
+            if model is not None and kernel_summary(model):
+                self.note(f"draft kernels on this CPU: {kernel_summary(model)}")
             target_config = load_configs(config.target)[0]
             service = DraftService(
                 model, target_config, idle_timeout_s, sending, admission, batch_window_s=worker.batch_window_ms / 1000

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .kernels.int4 import kernels_by_chunk
+from .kernels.chunked import kernels_by_chunk
 from .kv_pool import BLOCK_SIZE, KV_CACHE_DTYPES, KVPool, PagedKV, blocks_for
 from .ragged_attention import RowGroup, StepLayout, attention_backends, use_ragged_attention
 from .shard_loader import activation_dtype

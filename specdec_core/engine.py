@@ -10,10 +10,11 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
 import torch
 
+from .draft_costs import DraftCosts, cpu_pair, load_draft_costs
 from .drafters import DraftSource, make_drafter
 from .frontend import Frontend, PreparedRequest
 from .heads import Heads
-from .loader import ModelSpec, load_model, load_tokenizer
+from .loader import ModelSpec, load_model, load_tokenizer, refuse_draft_only_target
 from .logprobs import emitted_log_probs
 from .metrics import SpecMetrics
 from .output import OutputTracker
@@ -101,10 +102,13 @@ class SpeculativeEngine:
         defaults: Optional[RequestDefaults] = None,
         profile: Optional[Callable[[torch.nn.Module, Frontend], TargetProfile]] = None,
         heads: Optional[dict[str, Heads]] = None,
+        draft_costs: Optional[DraftCosts] = None,
     ):
         """`profile(target_model, frontend)` gives the target's profile (profile.py), on first need
         only; by default it is measured then, which needs a tokenizer (without one there is none).
-        `heads`: the target's multi-token heads by kind (drafters `heads`, `eagle3`), on its device."""
+        `heads`: the target's multi-token heads by kind (drafters `heads`, `eagle3`), on its device.
+        `draft_costs`: the draft model's prices measured on this machine (draft_costs.py), the
+        model drafters' defaults; None: their built-in ones."""
         self.target_model = target_model
         self.draft_model = draft_model
         self.heads = heads or {}
@@ -112,6 +116,7 @@ class SpeculativeEngine:
         self.frontend = Frontend(tokenizer, target_model.config, generation_config, defaults)
         self.frontend.heads = lambda: {kind: held.num_heads for kind, held in self.heads.items()}
         self.frontend.target_device = lambda: target_model.device.type
+        self.frontend.draft_costs = lambda: draft_costs
         if profile is None and tokenizer is not None:
             profile = lambda model, frontend: measure_profile(model, frontend, CalibrationSettings())  # noqa: E731
         if profile is not None:
@@ -122,15 +127,20 @@ class SpeculativeEngine:
         cls, target: ModelSpec, draft: Optional[ModelSpec] = None, heads: Optional[str] = AUTO
     ) -> "SpeculativeEngine":
         """The engine of a target and a draft spec, and the target's heads (`load_heads`); the
-        target's profile is read from the cache, or measured and cached on first need."""
+        target's profile is read from the cache, or measured and cached on first need, and so
+        are the draft's costs where both models run on the CPU."""
+        refuse_draft_only_target(target)
         progress = calibration_progress(target.source)
         target_model = load_model(target)
+        draft_model = load_model(draft) if draft else None
+        costs = load_draft_costs(target, draft, target_model, draft_model) if cpu_pair(target, draft) else None
         return cls(
             target_model,
             load_tokenizer(target),
-            load_model(draft) if draft else None,
+            draft_model,
             profile=lambda model, frontend: load_profile(target, model, frontend, CalibrationSettings(), progress),
             heads=load_heads(heads, target.source, target_model),
+            draft_costs=costs,
         )
 
     def stream(self, request: GenerationRequest) -> Iterator[StreamChunk]:

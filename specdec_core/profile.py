@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from .loader import ModelSpec, cache_dir, source_identity, write_atomically
+from .cache_files import write_atomically
+from .loader import ModelSpec, cache_dir, source_identity
 from .policies.easd import calibrate_tau_h
 from .questions import DEFAULT_QUESTIONS, first_turn, load_questions
 from .sampling import entropy_of_logits

@@ -9,6 +9,8 @@ one-token target steps, is the measured cost of a target step that scores k draf
 (`verify_cost`, printed by `specdec verify-cost`) plus k times the draft's cost per token (0 for
 lookups). The curve is a parameter, not timed at start-up: block lengths decide how many random
 draws a sampled request consumes, so timing them would make seeded outputs depend on the load.
+(A CPU draft's own prices are measured once per machine and cached, draft_costs.py: they follow
+the machine, not its load.)
 
 Under load the target runs B sessions' blocks in one forward (continuous batching), so a step's
 cost is that of all their tokens: with every session drafting k, cost(B (k + 1)) against
@@ -55,11 +57,26 @@ class AdaptiveLengthParams(DrafterParams):
 
 
 class DraftCostParams(AdaptiveLengthParams):
-    # the embedded pair's: the int4 draft's 1-token step over the fp32 target's, from
-    # `specdec verify-cost` (docs/performance.md)
+    # the embedded pair's on an AVX-512 CPU: the int4 draft's 1-token step over the fp32 target's,
+    # from `specdec verify-cost` (docs/performance.md); where both models run on the CPU in one
+    # place, this machine's measurement replaces it (draft_costs.py)
     draft_cost: float = Field(
         0.55, ge=0.0, le=100.0, description="one draft forward, in 1-token target steps (specdec verify-cost)"
     )
+
+
+# the most tokens a request counts on emitting when it prices a draft's prefill: one without
+# max_tokens may run to the end of the context, and a long chat answer stops within this
+ANSWER_TOKENS = 512
+
+
+def draft_pays(value: float, remaining_tokens: int, prompt_tokens: int, prefill_cost: float) -> bool:
+    """Whether a draft model earns back its prefill of a request's prompt: at `value` tokens per
+    unit of cost (best_block's, a plain step earning 1) the n tokens the request may still emit
+    (at most ANSWER_TOKENS) take n (1 - 1 / value) fewer target steps, against `prompt_tokens` *
+    `prefill_cost` target steps of the draft's prefill first."""
+    expected_tokens = min(remaining_tokens, ANSWER_TOKENS)
+    return value > 1.0 and expected_tokens * (1.0 - 1.0 / value) > prompt_tokens * prefill_cost
 
 
 def block_cost(verify_cost: Sequence[float], num_drafts: int) -> float:

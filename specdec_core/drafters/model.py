@@ -28,32 +28,23 @@ from dataclasses import dataclass
 from typing import ClassVar, Generator, Optional, Sequence
 
 import torch
-from pydantic import Field
 
 from ..batching import forward_ragged
+from ..kernels.chunked import kernels_by_chunk
 from ..kv_pool import PagedKV
-from ..sampling import argmax, sample, sampling_probs
+from ..sampling import MAX_TOKENS, argmax, sample, sampling_probs
 from ..types import DraftBlock
 from .base import Drafter, DraftSource, ahead_outcome, common_prefix_length, sync_cache
-from .block_length import AcceptanceEstimate, BlockChoice, DraftCostParams, cost_per_draft, learning_block
-from .pld import AdaptiveLookupParams, PromptLookupDrafter, PromptLookupParams, lookup_continuation
-
-
-class ModelDrafterParams(DraftCostParams):
-    confidence_threshold: float = Field(
-        0.0, ge=0.0, le=1.0, description="stop drafting when the draft's top prob is below this"
-    )
-    path_threshold: float = Field(
-        0.0,
-        ge=0.0,
-        le=1.0,
-        description="entropy-gated K: stop once the path value (the product of the draft's top-1 probs "
-        "so far, EntMTP's score over a chain) is at or below this; 0: off",
-    )
-
-
-class MultiLevelParams(ModelDrafterParams, PromptLookupParams):
-    pass
+from .block_length import (
+    AcceptanceEstimate,
+    BlockChoice,
+    best_block,
+    cost_per_draft,
+    draft_pays,
+    learning_block,
+)
+from .model_params import ModelDrafterParams, MultiLevelParams
+from .pld import AdaptiveLookupParams, PromptLookupDrafter, lookup_continuation
 
 
 class ModelDrafter(Drafter):
@@ -80,6 +71,8 @@ class ModelDrafter(Drafter):
         # loss and crawl up from 1-token blocks
         self.estimate = AcceptanceEstimate(prior_accepted=1.8, prior_rejected=0.2)
         self.forwards = 0  # draft forwards in this request
+        self.prompt_tokens = len(prompt_ids)
+        self.uses_draft: Optional[bool] = None  # decided at the first proposal (`drafts_with_model`)
         self.drafted = 0
         self.last_proposal: list[int] = []
         self.ahead: tuple[Optional[list[int]], list[int]] = (None, [])  # (the tokens it assumed, its proposal)
@@ -91,6 +84,21 @@ class ModelDrafter(Drafter):
             return BlockChoice(max_tokens, 1.0)
         cost = cost_per_draft(self.params.draft_cost, self.forwards, self.drafted)
         return learning_block(self.estimate.rate, max_tokens, self.params.verify_cost, cost, batch_rows)
+
+    def drafts_with_model(self, max_tokens: int) -> bool:
+        """Whether this request drafts with the model, decided at its first proposal, before the
+        draft's prefill: where the draft cannot earn back the prefill of its prompt
+        (block_length.draft_pays, alone, at the prior's acceptance) it drafts without it. The
+        load is left to each step's block length: it passes."""
+        if max_tokens < 1:  # no room for a draft this step: nothing to decide from
+            return False
+        if self.uses_draft is None:
+            max_new = self.sampling.max_tokens
+            remaining = MAX_TOKENS if max_new is None else max_new - (len(self.context) - self.prompt_tokens)
+            value = best_block(self.estimate.rate, max_tokens, self.params.verify_cost, self.params.draft_cost).value
+            pays = draft_pays(value, remaining, len(self.context), self.params.prefill_cost)
+            self.uses_draft = pays or not self.params.adaptive
+        return self.uses_draft
 
     def propose(self, max_tokens: int, batch_rows: int = 1, after: Sequence[int] = ()) -> DraftBlock:
         return propose_together(self.model, [self.drafting_after(after, max_tokens, batch_rows)])[0]
@@ -124,6 +132,9 @@ class ModelDrafter(Drafter):
         """The proposal: yields each forward it needs and receives that forward's logits;
         `guess` more tokens than its block, the first (run-ahead's guess of the target's next
         token) the draft's likeliest."""
+        if not self.drafts_with_model(max_tokens):
+            self.last_proposal = []
+            return DraftBlock.empty()
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         token_probs: list[torch.Tensor] = []  # p_d of sampled tokens, for verification
@@ -196,6 +207,9 @@ class MultiLevelDrafter(ModelDrafter):
         self.lookups.reset(prompt_ids, sampling)
 
     def drafting(self, max_tokens: int, batch_rows: int = 1) -> Generator["DraftForward", torch.Tensor, DraftBlock]:
+        if not self.drafts_with_model(max_tokens):  # the lookup level alone: pld
+            self.last_proposal = []
+            return self.lookups.propose(max_tokens, batch_rows)
         if batch_rows > 1 and self.params.adaptive:
             ngram, guess, lookup_value = self.lookups.choose(max_tokens, batch_rows)
             if guess and lookup_value > self.block_limit(max_tokens, batch_rows).value:
@@ -244,7 +258,8 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
             model, [forward.cache for forward in forwards], [forward.tokens for forward in forwards]
         )
         kept = torch.cat([torch.arange(end - forward.keep, end) for forward, end in zip(forwards, offsets[1:])])
-        logits = model.lm_head(hidden[0, kept.to(hidden.device)]).float()
+        with kernels_by_chunk([forward.keep for forward in forwards]):
+            logits = model.lm_head(hidden[0, kept.to(hidden.device)]).float()  # [sum(keep), V]
         for index, forward_logits in zip(order, logits.split([forward.keep for forward in forwards])):
             advance(index, forward_logits)
     return blocks

@@ -1,6 +1,8 @@
 """CPU kernels, beside the loop as gpt-fast keeps `quantize.py` and `tp.py`: packed linears
-(linear.py), weight-only int4 (int4.py), grouped-head attention (attention.py) and process-wide
-CPU settings (cpu.py). KV caches are kv_pool.py's `PagedKV` sessions in a model's `KVPool`."""
+(linear.py), weight-only int4 (int4.py), a draft's linears on a kernel per chunk length
+(chunked.py) measured once per machine (kernel_choice.py), grouped-head attention (attention.py)
+and process-wide CPU settings (cpu.py). KV caches are kv_pool.py's `PagedKV` sessions in a
+model's `KVPool`."""
 
 from __future__ import annotations
 

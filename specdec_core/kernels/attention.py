@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .linear import packable_dtypes
+
 GROUPED_SDPA = "sdpa_grouped"
 
 
@@ -55,14 +57,17 @@ def grouped_low_precision_attention(query, key, value, attention_mask, scaling=N
     num_kv_heads = key.shape[1]
     groups = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scaling is None else scaling
+    # the matmuls in fp32 where this CPU has no fast bf16 matmul (AVX2 alone: a 512-token
+    # prompt's bf16 attention took 3.2 s of a 3.9 s draft prefill, docs/performance.md)
+    compute = query.dtype if query.dtype in packable_dtypes() else torch.float32
     # query heads h * g .. h * g + g - 1 share KV head h (transformers' repeat_kv order)
-    grouped_query = query.reshape(batch, num_kv_heads, groups * num_queries, head_dim)
-    scores = torch.matmul(grouped_query, key.transpose(-1, -2)).float() * scale  # [B, H_kv, g * Q, L]
+    grouped_query = query.reshape(batch, num_kv_heads, groups * num_queries, head_dim).to(compute)
+    scores = torch.matmul(grouped_query, key.to(compute).transpose(-1, -2)).float() * scale  # [B, H_kv, g * Q, L]
     if attention_mask is not None:
         mask = attention_mask.expand(batch, groups, num_queries, -1).reshape(batch, 1, groups * num_queries, -1)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    weights = scores.softmax(-1).to(value.dtype)
-    output = torch.matmul(weights, value).reshape(batch, num_heads, num_queries, head_dim)
+    weights = scores.softmax(-1).to(compute)
+    output = torch.matmul(weights, value.to(compute)).to(query.dtype).reshape(batch, num_heads, num_queries, head_dim)
     return output.transpose(1, 2)
 
 

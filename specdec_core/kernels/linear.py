@@ -7,13 +7,29 @@ from typing import Optional
 
 import torch
 
+# oneDNN's expected row count when packing: 4 measured best at 1 row and on par up to 16
+PACK_ROWS_HINT = 4
+MIN_ROWS = 4  # packed_matmul pads calls of fewer rows to this many
+
 
 @functools.cache
 def packable_dtypes() -> tuple[torch.dtype, ...]:
-    """Weight dtypes oneDNN can pack here: bf16 needs AVX-512 or AVX-NE-CONVERT (not AVX2 alone)."""
+    """Weight dtypes oneDNN packs and multiplies here, each tried on a small weight: bf16 needs
+    AVX-512 or AVX-NE-CONVERT on x86 (not AVX2 alone), and a build or CPU without oneDNN's
+    kernels (some aarch64 ones) gets none, so its linears run torch's matmul."""
     if not torch.backends.mkldnn.is_available():
         return ()
-    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+    dtypes = []
+    for dtype in (torch.float32, torch.bfloat16):
+        if dtype is torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            continue
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 32, dtype=dtype), PACK_ROWS_HINT)
+            torch.ops.mkldnn._linear_pointwise(torch.ones(MIN_ROWS, 32, dtype=dtype), packed, None, "none", [], "")
+        except (RuntimeError, NotImplementedError):
+            continue
+        dtypes.append(dtype)
+    return tuple(dtypes)
 
 
 class PackedLinear(torch.nn.Linear):
@@ -28,36 +44,39 @@ class PackedLinear(torch.nn.Linear):
     The packed copy doubles the memory of the linear weights on CPU. It is rebuilt when the
     weight changes (in place or replaced); other dtypes, devices and autograd use F.linear."""
 
-    # oneDNN's expected row count when packing: 4 measured best at 1 row and on par up to 16
-    pack_rows_hint = 4
-    # Calls with fewer rows are padded with zero rows to this count: oneDNN's 1- and 2-row kernels
-    # were slower than its 4-row one for every SmolLM2 shape. Padded rows' outputs are discarded,
-    # so each real row is bitwise what it was.
-    min_rows = 4
-
     def _packed_weight(self) -> Optional[torch.Tensor]:
         if torch.compiler.is_compiling():  # inductor cannot lower oneDNN's packed op: its own linears
             return None
-        weight = self.weight
-        if weight.dtype not in packable_dtypes() or weight.device.type != "cpu":
-            return None
-        key = (weight.data_ptr(), weight._version)
+        key = (self.weight.data_ptr(), self.weight._version)
         if getattr(self, "_packed_key", None) != key:
-            with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.pack_rows_hint)
-            self._packed_key = key
+            self._packed, self._packed_key = pack_weight(self.weight), key
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = None if (torch.is_grad_enabled() and self.weight.requires_grad) else self._packed_weight()
         if packed is None or x.dtype != self.weight.dtype or x.device.type != "cpu":
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1])
-        num_rows = rows.shape[0]
-        if num_rows < self.min_rows:
-            rows = torch.cat([rows, rows.new_zeros(self.min_rows - num_rows, rows.shape[1])])
-        out = torch.ops.mkldnn._linear_pointwise(rows, packed, self.bias, "none", [], "")[:num_rows]
+        out = packed_matmul(x.reshape(-1, x.shape[-1]), packed, self.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """oneDNN's packed copy of a CPU weight, or None where oneDNN cannot pack its dtype here."""
+    if weight.dtype not in packable_dtypes() or weight.device.type != "cpu":
+        return None
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+def packed_matmul(rows: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """rows [N, in] @ W^T + b on a weight packed by `pack_weight`; calls of fewer than MIN_ROWS
+    rows are padded with zero rows to it: oneDNN's 1- and 2-row kernels were slower than its
+    4-row one for every SmolLM2 shape. Padded rows' outputs are discarded, so each real row is
+    bitwise what it was."""
+    num_rows = rows.shape[0]
+    if num_rows < MIN_ROWS:
+        rows = torch.cat([rows, rows.new_zeros(MIN_ROWS - num_rows, rows.shape[1])])
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")[:num_rows]  # [N, out]
 
 
 def use_packed_matmul(model: torch.nn.Module) -> None:

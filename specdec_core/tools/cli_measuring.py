@@ -61,6 +61,9 @@ def verify_cost(
         console.print(
             f"model and mla drafters, also: --drafter-param 'draft_cost={params['draft_cost']}'", soft_wrap=True
         )
+    costs = engine.frontend.draft_costs()
+    if costs is not None:  # what the engine prices them with by default here (draft_costs.py, cached)
+        console.print(f"measured at load (the defaults on this machine): {costs.model_dump()}; {costs.verdict()}")
 
 
 def lookup_ceiling(

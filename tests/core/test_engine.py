@@ -14,6 +14,7 @@ from specdec_core import GenerationRequest, SpecdecError, SpeculativeEngine
 from specdec_core.drafters import DrafterError, make_drafter
 from specdec_core.drafters.pld import PromptLookupParams, lookup_continuation
 from specdec_core.policies import POLICIES, make_policy
+from specdec_core.request import ComponentSpec
 from specdec_core.sampling import SamplingParams, sampling_probs
 from specdec_core.target import TargetScorer
 
@@ -108,8 +109,9 @@ def test_draft_model_cache_rolls_back_to_committed_prefix(tiny_engine):
 
 def test_model_drafter_block_length_follows_acceptance_and_draft_cost(tiny_engine):
     """The adaptive model drafter starts short, lengthens its blocks while they are accepted,
-    shortens them after rejections, never drafts fewer than 1 token, and drafts the full block
-    when drafting and verifying are free (or adaptation is off)."""
+    shortens them after rejections, never drafts fewer than 1 token once it drafts, never drafts
+    with a draft too dear to pay even at its prior, and drafts the full block when drafting and
+    verifying are free (or adaptation is off)."""
     prompt = repeating_prompt(3)
 
     def block_lengths(params: dict, accepts: list[bool]) -> list[int]:
@@ -120,13 +122,14 @@ def test_model_drafter_block_length_follows_acceptance_and_draft_cost(tiny_engin
             proposal = drafter.propose(15).tokens.tolist()
             lengths.append(len(proposal))
             # all drafts kept plus a bonus token, or the first draft replaced by a correction
-            drafter.commit(proposal + [0] if accept else [(proposal[0] + 1) % TINY_VOCAB])
+            drafter.commit(proposal + [0] if accept or not proposal else [(proposal[0] + 1) % TINY_VOCAB])
         return lengths
 
     lengths = block_lengths({"draft_cost": 0.8}, [True] * 5 + [False] * 5)
     assert lengths[0] < 3 and lengths[:5] == sorted(lengths[:5]) and lengths[4] > lengths[0]
     assert lengths[5:] == sorted(lengths[5:], reverse=True) and lengths[-1] == 1 < lengths[5]
-    assert block_lengths({"draft_cost": 5.0}, [True] * 6) == [1] * 6
+    assert block_lengths({"draft_cost": 5.0}, [True] * 6) == [0] * 6  # it cannot pay: not run at all
+    assert block_lengths({"draft_cost": 0.8}, [False] * 6)[-1] == 1  # paying at first, then at least 1
     assert block_lengths({"draft_cost": 0.0, "verify_cost": [1.0]}, [False] * 6) == [15] * 6
     assert block_lengths({"adaptive": False}, [False] * 6) == [15] * 6
 
@@ -208,7 +211,10 @@ def test_speculative_sampling_end_to_end_emits_the_target_distribution(tiny_targ
     num_drafted = num_accepted = 0
     num_draws = 1500
     for seed in range(num_draws):
-        completion = engine.complete(request(prompt, policy="rejection", drafter="model", k=1, seed=seed, **sampling))
+        body = request(prompt, policy="rejection", drafter="model", k=1, seed=seed, **sampling)
+        # two tokens to emit cannot pay for the draft's prefill at its default price: priced free
+        body.drafter.params["prefill_cost"] = 0.0
+        completion = engine.complete(body)
         counts[bins[completion.token_ids[0]]] += 1
         num_drafted += completion.metrics["spec_decode_num_draft_tokens"]
         num_accepted += completion.metrics["spec_decode_num_accepted_tokens"]
@@ -380,7 +386,7 @@ def test_block_length_shrinks_with_the_target_batch_and_stops_where_drafting_sto
     assert drafter.propose(15, batch_rows=64).num_tokens == 0
     # under load mla's levels compete: with draft forwards too dear to pay, it proposes what its
     # lookup level finds, as pld would, with no draft forward; alone it still checks with the draft
-    dear_drafts = {"verify_cost": flat, "draft_cost": 5.0}
+    dear_drafts = {"verify_cost": flat, "draft_cost": 0.5}  # alone a draft pays, beside 7 others not
     loaded = make_drafter("mla", dear_drafts, tiny_engine.draft_model)
     lookups = make_drafter("pld", {"verify_cost": flat, "match": "earliest"})  # mla's lookup rule
     for session in (loaded, lookups):
@@ -394,6 +400,60 @@ def test_block_length_shrinks_with_the_target_batch_and_stops_where_drafting_sto
     assert loaded.lookups.estimates[ngram].accepted == lookup_estimate + 1  # the level that proposed learns
     assert loaded.estimate.accepted == model_estimate
     assert loaded.propose(15, batch_rows=1).num_tokens >= 1 and loaded.forwards >= 1
+
+
+def test_a_draft_that_cannot_earn_back_its_prefill_is_left_out_of_the_request(tiny_engine):
+    """draft_pays weighs the target steps a draft saves over the tokens a request may still emit
+    against the draft's prefill of its prompt; where it loses, `model` drafts nothing and `mla`
+    proposes what pld would, with no draft forward, for the whole request; the output stays
+    target-only greedy's."""
+    from specdec_core.drafters.block_length import draft_pays
+
+    assert draft_pays(1.5, 96, 1000, 0.03) and not draft_pays(1.5, 96, 1000, 0.04)  # saves 32 steps
+    assert not draft_pays(1.0, 10**6, 1, 0.0)  # no saving without value
+    prompt = repeating_prompt(2, length=40)
+    lookups = make_drafter("pld", {"match": "earliest"})  # mla's lookup rule
+    lookups.reset(prompt, SamplingParams(max_tokens=40))
+    outcomes = {}
+    for name in ("model", "mla"):
+        for prefill_cost in (0.0, 1.0):  # 40 prompt tokens: 0 or 40 target steps, against 40 tokens to emit
+            drafter = make_drafter(name, {"prefill_cost": prefill_cost}, tiny_engine.draft_model)
+            drafter.reset(prompt, SamplingParams(max_tokens=40))
+            block = drafter.propose(15)
+            outcomes[name, prefill_cost] = (drafter.forwards, block.tokens.tolist())
+    assert outcomes["model", 0.0][0] > 0 and outcomes["mla", 0.0][0] > 0
+    assert outcomes["model", 1.0] == (0, [])
+    assert outcomes["mla", 1.0] == (0, lookups.propose(15).tokens.tolist()) and outcomes["mla", 1.0][1]
+    reference = tiny_engine.complete(request(prompt, drafter="none", max_tokens=40)).token_ids
+    for name in ("model", "mla"):
+        left_out = {"name": name, "params": {"prefill_cost": 1.0}}
+        sampling = {"max_tokens": 40}
+        assert (
+            tiny_engine.complete(GenerationRequest(prompt_ids=prompt, drafter=left_out, sampling=sampling)).token_ids
+            == reference
+        )
+
+
+def test_measured_draft_costs_price_the_model_drafters_unless_a_request_names_its_own(tiny_target, tiny_engine):
+    """The engine's draft costs (draft_costs.py) become the model drafters' defaults; the eagle3
+    layer's own draft_cost and drafters without a draft model keep theirs; a request's own
+    values win. Measured, they are positive ratios, cached per machine and pair."""
+    from specdec_core.draft_costs import DraftCosts, measure_draft_costs
+
+    costs = DraftCosts(draft_cost=0.7, prefill_cost=0.05)
+    engine = SpeculativeEngine(tiny_target, None, tiny_engine.draft_model, draft_costs=costs)
+
+    def priced(name, params=None):
+        return engine.frontend.priced(ComponentSpec(name=name, params=params or {})).params
+
+    assert {key: priced("mla")[key] for key in ("draft_cost", "prefill_cost")} == costs.model_dump()
+    assert priced("model_tree")["draft_cost"] == 0.7 and "prefill_cost" not in priced("model_tree")
+    assert "draft_cost" not in priced("eagle3") and "draft_cost" not in priced("pld")
+    assert priced("model", {"draft_cost": 0.2})["draft_cost"] == 0.2
+    assert "draft_cost" not in tiny_engine.frontend.priced(ComponentSpec(name="model")).params
+    measured = measure_draft_costs(tiny_target, tiny_engine.draft_model)
+    assert measured.draft_cost > 0 and measured.prefill_cost > 0
+    assert "target steps" in measured.verdict()
 
 
 def test_only_exact_greedy_requests_follow_the_targets_load(tiny_engine):
@@ -591,65 +651,6 @@ def test_copy_oracle_on_a_hand_built_output():
     assert cheapest_cost([3, 2, 1, 0, 1, 0], [1.0] * 10) == 2.0  # free verify: 4 + 2 tokens in 2 steps
     assert cheapest_cost([3, 2, 1, 0, 1, 0], [2.0] * 10) == 4.0  # one 3-draft step (2.0) beats 4 plain steps
     assert cheapest_cost([0, 0, 0], [1.1]) == 3.0
-
-
-def test_int4_linear_matches_its_dequantized_weights_on_both_kernels():
-    """An Int4Linear computes x W'^T + b with W' its de-quantized weights, through the int4
-    kernel up to `max_int4_rows` rows and the packed dense copy beyond; W' is within half a
-    quantization step of W, and a weight already on a per-group 4-bit grid (a Q4_1 checkpoint's)
-    comes back up to bf16 rounding."""
-    from specdec_core.kernels.int4 import Int4Linear
-
-    generator = torch.Generator().manual_seed(0)
-    linear = torch.nn.Linear(64, 48).to(torch.bfloat16)
-    int4 = Int4Linear(linear)
-    dequantized = int4.dense.weight.float()
-    groups = linear.weight.float().view(48, 2, 32)
-    half_step = ((groups.amax(-1) - groups.amin(-1)) / 30)[..., None]
-    assert ((dequantized.view(48, 2, 32) - groups).abs() <= half_step * 1.02 + 1e-2).all()
-    limit = Int4Linear.max_int4_rows
-    x = torch.randn(1, 2 * limit, 64, generator=generator).to(torch.bfloat16)
-    with torch.inference_mode():
-        for num_rows in (1, 3, limit, limit + 1, 2 * limit):
-            reference = x[:, :num_rows].float() @ dequantized.T + linear.bias.float()
-            torch.testing.assert_close(int4(x[:, :num_rows]).float(), reference, atol=3e-2, rtol=3e-2)
-        small, large = int4(x[:, :limit]), int4(x[:, : limit + 1])
-        with torch.no_grad():
-            int4.dense.weight.zero_()  # only the dense kernel reads this copy
-        assert torch.equal(int4(x[:, :limit]), small) and not torch.equal(int4(x[:, : limit + 1]), large)
-
-    codes = torch.randint(0, 16, (32, 4, 32), generator=generator).float()
-    codes[..., 0], codes[..., 1] = 0, 15  # min-max rounding recovers the grid when both ends occur
-    scale, low = torch.rand(32, 4, 1, generator=generator) / 50, torch.randn(32, 4, 1, generator=generator) / 10
-    on_grid = torch.nn.Linear(128, 32, bias=False)
-    with torch.no_grad():
-        on_grid.weight.copy_((codes * scale + low).view(32, 128))
-    torch.testing.assert_close(Int4Linear(on_grid).dense.weight, on_grid.weight, atol=2e-3, rtol=1e-2)
-    with pytest.raises(ValueError, match="in_features % 32"):
-        Int4Linear(torch.nn.Linear(24, 40))
-
-
-def test_int4_draft_keeps_greedy_speculation_identical(tiny_target):
-    """`quantize_int4` swaps the body linears of a bf16 copy (the head stays) and that draft,
-    through both model drafters, leaves greedy output token-identical while drafts get accepted."""
-    from specdec_core.kernels import prepare_model
-    from specdec_core.kernels.int4 import Int4Linear, quantize_int4
-    from specdec_core.kernels.linear import PackedLinear
-
-    draft = tiny_llama(prepared=False).to(torch.bfloat16)  # the target's weights (same seed)
-    quantize_int4(draft)
-    prepare_model(draft)
-    layer = draft.model.layers[0]
-    assert isinstance(layer.self_attn.k_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
-    assert type(draft.lm_head) is PackedLinear
-    engine = SpeculativeEngine(tiny_target, None, draft)
-    for drafter in ("model", "mla"):
-        for seed in range(2):
-            prompt = repeating_prompt(seed)
-            reference = engine.complete(request(prompt, drafter="none"))
-            speculative = engine.complete(request(prompt, drafter=drafter, k=8))
-            assert speculative.token_ids == reference.token_ids
-            assert speculative.metrics["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_random_weights_of_a_config_load_the_same_twice_and_decode_from_token_ids(tmp_path):

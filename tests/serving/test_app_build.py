@@ -5,6 +5,7 @@ running app stays; `specdec serve` exits before starting Ray)."""
 from __future__ import annotations
 
 import pytest
+import torch
 import yaml
 from conftest import tiny_llama
 from eagle3_heads import write_eagle3
@@ -53,3 +54,37 @@ def test_specdec_serve_refuses_such_a_config_before_starting_ray(target_with_eag
     result = CliRunner().invoke(cli, ["serve", "--config", str(tmp_path / "serve.yaml")])
     assert result.exit_code == 2, result.output
     assert "bad config" in result.output and "the target keeps 5 layers" in result.output
+
+
+def test_specdec_serve_prices_a_cpu_draft_on_this_machine_and_says_what_it_chose(tmp_path, monkeypatch, capsys):
+    """Before it starts the workers, `specdec serve` loads a CPU pair, chooses the draft's kernels
+    at its worker's threads (cached where the worker reads them), times the draft beside the
+    target, prints both, and serves the prices as the model drafters' defaults."""
+    import json
+
+    from deployments.cli import with_measured_draft
+    from deployments.config import AppConfig
+    from specdec_core.kernels.kernel_choice import machine
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    tiny = tiny_llama(prepared=False).config.to_dict()
+    (tmp_path / "tiny.json").write_text(json.dumps(tiny))
+    source = f"random:{tmp_path / 'tiny.json'}"
+    config = AppConfig(
+        target={"source": source},
+        draft={"source": source, "dtype": "int4"},
+        draft_worker={"torch_threads": 1},
+        calibration=None,
+    )
+    priced = with_measured_draft(config)
+    assert priced.draft_costs is not None and priced.draft_costs.draft_cost > 0
+    printed = capsys.readouterr().out
+    assert "draft kernels: " in printed and "LM head (1): " in printed and "draft: a draft step costs" in printed
+    (tables,) = (tmp_path / "kernels").glob("*.json")
+    assert json.loads(tables.read_text())["machine"]["threads"] == "1"  # the draft worker's
+    assert machine()["threads"] == str(torch.get_num_threads())  # this process's own, restored
+    assert AppConfig(**priced.model_dump()).draft_costs == priced.draft_costs  # as build_app gets it
+    assert with_measured_draft(config).draft_costs == priced.draft_costs  # the next start: from the cache
+    assert "measured before" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="int4 is for drafts"):
+        AppConfig(target={"source": source, "dtype": "int4"})
