@@ -136,8 +136,9 @@ class WorkerRank:
                 budget = on_torch_thread(channel.smallest, budget)
         admission = Admission(budget, worker.max_waiting_sessions, worker.admission_wait_s)
         if self.role == "draft":
-            if model is not None and kernel_summary(model):
-                self.note(f"draft kernels on this CPU: {kernel_summary(model)}")
+            kernels = kernel_summary(model) if model is not None else ""
+            if kernels:
+                self.note(f"draft kernels on this CPU: {kernels}")
             target_config = load_configs(config.target)[0]
             service = DraftService(
                 model, target_config, idle_timeout_s, sending, admission, batch_window_s=worker.batch_window_ms / 1000

@@ -124,8 +124,17 @@ def load_draft_costs(
 ) -> DraftCosts:
     """The pair's cached costs on this machine, measured and cached where there are none."""
     path = draft_costs_path(target, draft, threads)
-    if path.exists():
-        return DraftCosts.model_validate_json(path.read_text())
+    return cached_draft_costs(path) or measured_draft_costs(path, target_model, draft_model, threads)
+
+
+def cached_draft_costs(path: Path) -> Optional[DraftCosts]:
+    return DraftCosts.model_validate_json(path.read_text()) if path.exists() else None
+
+
+def measured_draft_costs(
+    path: Path, target_model: torch.nn.Module, draft_model: torch.nn.Module, threads: Optional[tuple[int, int]]
+) -> DraftCosts:
+    """`measure_draft_costs`, stored at `path`."""
     costs = measure_draft_costs(target_model, draft_model, threads)
     write_atomically(path, costs.model_dump_json())
     return costs
@@ -137,8 +146,9 @@ def choose_draft(target: ModelSpec, draft: ModelSpec, threads: tuple[int, int]) 
     worker notes its kernels); else both are, the draft's kernels chosen (and cached) at its
     worker's `threads`, the target timed at its own."""
     path = draft_costs_path(target, draft, threads)
-    if path.exists():
-        return DraftCosts.model_validate_json(path.read_text()), ""
+    cached = cached_draft_costs(path)
+    if cached is not None:
+        return cached, ""
     own_threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads[0])
@@ -147,4 +157,4 @@ def choose_draft(target: ModelSpec, draft: ModelSpec, threads: tuple[int, int]) 
         draft_model = load_model(draft)
     finally:
         torch.set_num_threads(own_threads)
-    return load_draft_costs(target, draft, target_model, draft_model, threads), kernel_summary(draft_model)
+    return measured_draft_costs(path, target_model, draft_model, threads), kernel_summary(draft_model)

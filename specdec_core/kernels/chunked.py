@@ -17,7 +17,7 @@ import bisect
 import functools
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -26,6 +26,10 @@ from .linear import pack_weight, packed_matmul
 # (rows, kernel name) by rising rows: a chunk of n rows runs the kernel of the first entry with
 # at least n rows, the last entry's beyond
 KernelTable = tuple[tuple[int, str], ...]
+
+# a linear's candidate kernels by name, each built on demand: a linear builds those its table
+# names, and the measurement all of them, once per shape
+Candidates = dict[str, Callable[[], torch.nn.Module]]
 
 # the lengths of the chunks whose rows a forward's linears get, in order; None: one chunk per call
 CHUNK_LENGTHS: ContextVar[Optional[Sequence[int]]] = ContextVar("chunk_lengths", default=None)
@@ -74,17 +78,17 @@ class DenseKernel(torch.nn.Module):
 
 
 class ChunkedLinear(torch.nn.Module):
-    """`linear` with its rows on the kernel `table` names for the length of their chunk. `kernels`
-    take and give `[N, *]` rows in `dtype` (the model's activations); only those the table
-    names are kept."""
+    """`linear` with its rows on the kernel `table` names for the length of their chunk. Kernels
+    take and give `[N, *]` rows in `dtype` (the model's activations); only those of `candidates`
+    that the table names are built."""
 
-    def __init__(
-        self, linear: torch.nn.Linear, kernels: dict[str, torch.nn.Module], table: KernelTable, dtype: torch.dtype
-    ):
+    def __init__(self, linear: torch.nn.Linear, candidates: Candidates, table: KernelTable, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.table = table
-        self.kernels = torch.nn.ModuleDict({name: kernels[name] for _, name in table})
+        self.kernels = torch.nn.ModuleDict(
+            {name: candidates[name]() for name in dict.fromkeys(name for _, name in table)}
+        )
         self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,12 @@ over them, one of the kernels a draft's linears choose from by chunk length (chu
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
 
-from .chunked import ChunkedLinear, DenseKernel, KernelTable
+from .chunked import Candidates, ChunkedLinear, DenseKernel, KernelTable
 
 GROUP_SIZE = 32
 
@@ -58,25 +59,26 @@ class Int4Kernel(torch.nn.Module):
 
 # chooses a linear's kernels (its table) from its candidates: kernel_choice.measured_tables on a
 # machine, a fixed table in tests
-ChooseKernels = Callable[[torch.nn.Linear, dict[str, torch.nn.Module]], KernelTable]
+ChooseKernels = Callable[[torch.nn.Linear, Candidates], KernelTable]
 
 
-def dense_kernels(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> dict[str, torch.nn.Module]:
+def dense_kernels(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Candidates:
     """The dense candidates over the same values: bf16 and fp32 (oneDNN packs fp32 everywhere it
     runs, bf16 only with AVX-512 or AVX-NE-CONVERT; elsewhere bf16 is torch's matmul)."""
     return {
-        name: DenseKernel(weight, bias, dtype) for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
+        name: functools.partial(DenseKernel, weight, bias, dtype)
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
     }
 
 
-def int4_candidates(linear: torch.nn.Linear) -> dict[str, torch.nn.Module]:
+def int4_candidates(linear: torch.nn.Linear) -> Candidates:
     """int4 and the dense kernels over its de-quantized values; the dense ones alone where torch
     has no int4 CPU kernel (a build without it raises on packing)."""
     try:
         int4, values = Int4Kernel.quantize(linear)
     except (RuntimeError, NotImplementedError):
         return dense_kernels(linear.weight.detach().float(), linear.bias)
-    return {"int4": int4, **dense_kernels(values, linear.bias)}
+    return {"int4": lambda: int4, **dense_kernels(values, linear.bias)}
 
 
 def quantize_int4(model: torch.nn.Module, choose: ChooseKernels) -> None:

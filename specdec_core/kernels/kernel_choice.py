@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from ..cache_files import write_atomically
-from .chunked import KernelTable
+from .chunked import Candidates, KernelTable
 from .linear import packable_dtypes
 
 ROW_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 64, 128, 256)
@@ -52,7 +52,7 @@ def machine() -> dict[str, str]:
     }
 
 
-def signature(linear: torch.nn.Linear, candidates: dict[str, torch.nn.Module]) -> str:
+def signature(linear: torch.nn.Linear, candidates: Candidates) -> str:
     bias = "+bias" if linear.bias is not None else ""
     return f"{linear.in_features}x{linear.out_features}{bias}:{','.join(sorted(candidates))}"
 
@@ -99,7 +99,7 @@ def measure_table(in_features: int, dtype: torch.dtype, candidates: dict[str, to
     return tuple(table)
 
 
-def measured_tables(cache_root: Path) -> Callable[[torch.nn.Linear, dict[str, torch.nn.Module]], KernelTable]:
+def measured_tables(cache_root: Path) -> Callable[[torch.nn.Linear, Candidates], KernelTable]:
     """A `ChooseKernels` that reads this machine's tables from `cache_root`/kernels/, measuring
     and storing the ones it lacks."""
     facts = machine()
@@ -110,10 +110,11 @@ def measured_tables(cache_root: Path) -> Callable[[torch.nn.Linear, dict[str, to
         stored = json.loads(path.read_text())
         tables = {name: tuple((rows, kernel) for rows, kernel in table) for name, table in stored["tables"].items()}
 
-    def choose(linear: torch.nn.Linear, candidates: dict[str, torch.nn.Module]) -> KernelTable:
+    def choose(linear: torch.nn.Linear, candidates: Candidates) -> KernelTable:
         name = signature(linear, candidates)
         if name not in tables:
-            tables[name] = measure_table(linear.in_features, linear.weight.dtype, candidates)
+            kernels = {kernel: build() for kernel, build in candidates.items()}
+            tables[name] = measure_table(linear.in_features, linear.weight.dtype, kernels)
             write_atomically(path, json.dumps({"machine": facts, "tables": tables}, indent=1))
         return tables[name]
 
