@@ -8,6 +8,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .step_graphs import drop_step_graphs
+
 
 def keep_aux_states(model: torch.nn.Module, layers: Sequence[int]) -> None:
     """From now on every forward of `model` keeps the inputs of its decoder layers `layers`."""
@@ -28,6 +30,7 @@ def keep_aux_states(model: torch.nn.Module, layers: Sequence[int]) -> None:
 
     for layer in layers:
         base.layers[layer].register_forward_pre_hook(keep(layer), with_kwargs=True)
+    drop_step_graphs(model)  # recorded without the hooks
 
 
 def aux_states(model: torch.nn.Module, num_positions: int) -> Optional[torch.Tensor]:

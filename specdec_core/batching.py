@@ -194,7 +194,9 @@ def run_ragged(
         offsets.append(offsets[-1] + length)
     stage = getattr(base_model, "pipeline_stage", None)
     parts = stage.microbatches(lengths) if stage is not None else [range(len(caches))]
-    padded = getattr(base_model, "padded_step", False)
+    graphs = getattr(base_model, "step_graphs", None)
+    graphed = graphs is not None and graphs.covers(lengths)
+    padded = getattr(base_model, "padded_step", False) or graphed
     pool = pool_of(base_model)
     # a pool's storage is allocated by its first forward: that one runs eagerly, outside any
     # CUDA graph, and later ones find it in place (a static address)
@@ -206,25 +208,31 @@ def run_ragged(
             [lengths[row] for row in part],
             [trees[row] for row in part],
             {name: tensor[:, offsets[part[0]] : offsets[part[-1] + 1]] for name, tensor in inputs.items()},
+            padded,
         )
         for part in parts
     ]
     with attention_backends(base_model.device), torch.compiler.set_stance("force_eager" if first else "default"):
-        outputs = stage.run_each(calls) if stage is not None else [base_model(**calls[0])]
+        if graphed:
+            outputs = [graphs.run(calls[0])]
+        elif stage is not None:
+            outputs = [output.last_hidden_state for output in stage.run_each(calls)]
+        else:
+            outputs = [base_model(**calls[0]).last_hidden_state]
     for cache, length in zip(caches, lengths):
         cache.advance(length)
     sizes = [offsets[part[-1] + 1] - offsets[part[0]] for part in parts]
-    hidden = [output.last_hidden_state[:, :size] for output, size in zip(outputs, sizes)]  # [1, N_part, H] each
+    hidden = [output[:, :size] for output, size in zip(outputs, sizes)]  # [1, N_part, H] each
     # a CUDA graph's output is overwritten by its next replay, and a scorer keeps its rows
     if len(hidden) == 1:
         return (hidden[0].clone() if padded else hidden[0]), offsets
     return torch.cat(hidden, 1), offsets
 
 
-def step_inputs(base_model, caches, lengths, trees, inputs: dict) -> dict:
+def step_inputs(base_model, caches, lengths, trees, inputs: dict, padded: bool) -> dict:
     """A base model's keyword arguments for one forward over rows of `lengths` new tokens after
     their `caches`: the tokens (`inputs`, `[1, N, ..]`), their positions and the step's layout
-    (padded where the model's steps are: `pad_steps`)."""
+    (every size `padded` to its bucket for a compiled or graphed step)."""
     # a chain's tokens follow its history; a tree's root and nodes sit at history + their depth
     positions = torch.tensor(
         [
@@ -233,7 +241,6 @@ def step_inputs(base_model, caches, lengths, trees, inputs: dict) -> dict:
             for offset in (range(length) if tree is None else (0, *map(len, tree.paths)))
         ]
     )
-    padded = getattr(base_model, "padded_step", False)
     layout = step_layout(pool_of(base_model), caches, lengths, trees, base_model.device, padded=padded)
     padding = layout.write_slots.numel() - len(positions)
     return {

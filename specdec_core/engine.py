@@ -112,6 +112,7 @@ class SpeculativeEngine:
         self.target_model = target_model
         self.draft_model = draft_model
         self.heads = heads or {}
+        self.make_drafter = make_drafter  # gpu-report puts a measurement-only drafter here
         generation_config = getattr(target_model, "generation_config", None)
         self.frontend = Frontend(tokenizer, target_model.config, generation_config, defaults)
         self.frontend.heads = lambda: {kind: held.num_heads for kind, held in self.heads.items()}
@@ -161,7 +162,7 @@ class SpeculativeEngine:
         with `run_ahead` False: a proposal outside its rounds would hold one up)."""
         target = target_session(TargetScorer(self.target_model, self.heads))
         spec = prepared.drafter
-        drafter = make_drafter(spec.name, spec.params, self.draft_model, target)
+        drafter = self.make_drafter(spec.name, spec.params, self.draft_model, target)
         # a drafter of the target's heads asks the target session itself: it is a session already
         if drafter.drafts_from is DraftSource.TARGET_HEADS:
             return drafter, target

@@ -29,6 +29,7 @@ from .kernels import prepare_model
 from .kernels.int4 import quantize_int4
 from .kernels.kernel_choice import measured_tables
 from .shard_loader import load_shard
+from .step_graphs import use_step_graphs
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
 # random weights (seed 0) of a real shape, for timing without a checkpoint: "random:llama-3.1-8b-instruct"
@@ -58,6 +59,11 @@ class ModelSpec(BaseModel):
     device: str = Field("auto", description="auto: CUDA when present (int4 stays on the CPU), else the CPU")
     compile: bool = Field(
         False, description="torch.compile the step (compiled_step.compile_step): compiles a few graphs at first use"
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description="on CUDA, each decoding step replays a CUDA graph recorded at its first use (step_graphs.py); "
+        "false: every step eager (vLLM's enforce_eager)",
     )
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         "auto", description="the KV cache's: auto, the activations'; fp8: e4m3, half of bf16's bytes (kv_pool.py)"
@@ -243,6 +249,8 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     set_kv_cache_dtype(model, spec.kv_cache_dtype)
     if spec.compile:
         compile_step(model)
+    elif spec.cuda_graphs and device.type == "cuda":
+        use_step_graphs(model)
     return model
 
 

@@ -30,13 +30,13 @@ from .base import DrafterParams, common_prefix_length
 
 # Cost of a target step that scores k = 1, 2, .. drafts, relative to a 1-token step, by the device
 # type of the target. CPU: `specdec verify-cost --draft none` for the embedded target on the
-# project's Zen 4 VM. CUDA: the H200's compiled 8B-shape step, 6.6 ms for 5 tokens and 16.4 ms for
-# 320 (docs/performance.md), about 0.5% of a step per token (one value: the curve goes on by its
-# slope), since reading the weights bounds a step of a few hundred tokens. Other machines have
-# other curves: run `specdec verify-cost` there and pass what it prints.
+# project's Zen 4 VM. CUDA: gpu-report's curve for the 8B shape's graphed step on an H100 (11.96 ms
+# for one token, docs/performance.md), nearly flat since reading the weights bounds a step of a
+# few dozen tokens; past 16 it goes on by its slope. Other machines have other curves: run
+# `specdec verify-cost` there and pass what it prints.
 VERIFY_COSTS = {
     "cpu": (1.04, 1.05, 1.05, 1.05, 1.05, 1.10, 1.12, 1.13, 1.21, 1.22, 1.24, 1.28, 1.34, 1.37, 1.38),
-    "cuda": (1.005,),
+    "cuda": (1.057, 1.076, 1.076, 1.093, 1.096, 1.099, 1.099, *(1.142,) * 9),
 }
 DEFAULT_VERIFY_COST = VERIFY_COSTS["cpu"]
 

@@ -44,7 +44,7 @@ def explain_step(
     use_ragged_attention(model)
     pad_steps(model)
     input_ids = torch.randint(0, vocab_size, (1, rows * tokens_per_row), generator=generator).to(model.device)
-    inputs = step_inputs(model.model, caches, [tokens_per_row] * rows, [None] * rows, {"input_ids": input_ids})
+    inputs = step_inputs(model.model, caches, [tokens_per_row] * rows, [None] * rows, {"input_ids": input_ids}, True)
     input_ids, positions, layout = inputs["input_ids"], inputs["position_ids"], inputs["ragged"]
 
     def step(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,13 @@
-"""`specdec gpu-report`: what a session lent a GPU runs first. Device and library facts, the GPU
-tests, and the in-process engine (lockstep.py) on random weights of real shapes (a Llama-3.1-8B
-target, a Llama-3.2-1B draft, bf16) at several concurrencies: tokens/s, each step's time split
-(draft forwards, target forward, host: policy, commits and transfers between forwards), the
-target forward against its floor (the bytes of weights and KV it reads over the card's measured
-copy bandwidth) and the operations it dispatches. Prints one markdown document, ready for
-docs/performance.md. It imports no serving code: the device machine has no Ray or gRPC
-(docs/performance.md says how to carry what it needs)."""
+"""`specdec gpu-report`: what runs first on a GPU. Device and library facts, the GPU tests, and
+the in-process engine (lockstep.py) on random weights of real shapes (a Llama-3.1-8B target, a
+Llama-3.2-1B draft, bf16) at several concurrencies, eager and with CUDA graphs (gpu_decode.py),
+then the time to a first token with and without the prefix cache, the operations one step
+dispatches, the verify-cost curve, attention kernels and an EAGLE-3 layer's costs. Prints one
+markdown document, ready for docs/performance.md. It imports no serving code: the device machine
+has no Ray or gRPC (docs/performance.md says how to carry what it needs)."""
 
 from __future__ import annotations
 
-import statistics
 import subprocess
 import sys
 import time
@@ -22,20 +20,18 @@ import typer
 from ..engine import SpeculativeEngine
 from ..kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION, kv_budget
 from ..loader import ModelSpec, load_model
-from ..lockstep import StepTimes, complete_together
 from ..memory import GIB, kv_bytes_per_token
 from ..policies import make_policy
-from ..request import GenerationRequest
 from ..sampling import SamplingParams
 from ..target import PREFILL_CHUNK, TargetScorer
 from .attention_calls import attention_calls
 from .device_clock import seconds_per_call
 from .eagle3_cost import eagle3_costs
+from .gpu_decode import DRAFTERS, METHODS, RECORDING, decode_section, method_parts, steps_as, table
 from .step_ops import count_step_ops
 from .verify_cost import block_cost_curve, drafter_cost_params
 
 REPO = Path(__file__).resolve().parents[2]
-METHODS = {"target": ("greedy", "none"), "greedy+model": ("greedy", "model"), "greedy+pld": ("greedy", "pld")}
 
 
 def device_facts(device: torch.device) -> dict:
@@ -68,52 +64,6 @@ def run_gpu_tests() -> str:
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     return lines[-1] if lines else done.stderr[-500:]
-
-
-def requests(method: str, count: int, prompt_tokens: int, max_tokens: int, num_draft: int, vocab: int) -> list:
-    """`count` greedy requests of `max_tokens` each (EOS ignored), request i on seed i's prompt: a
-    random half repeated, so prompt lookup has something to find in the prompt at least."""
-    policy, drafter = METHODS[method]
-    batch = []
-    for seed in range(count):
-        half = torch.randint(0, vocab, (prompt_tokens // 2,), generator=torch.Generator().manual_seed(seed)).tolist()
-        batch.append(
-            GenerationRequest(
-                prompt_ids=half + half,
-                policy={"name": policy},
-                drafter={"name": drafter, "params": {"adaptive": False} if drafter == "model" else {}},
-                num_draft_tokens=num_draft,
-                sampling={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
-            )
-        )
-    return batch
-
-
-def measure(engine: SpeculativeEngine, method: str, sessions: int, args: dict, copy_bytes_s: float):
-    """One method at one concurrency: its row (tokens/s over the decode, prefills excluded, and
-    per step) and each request's token ids."""
-    batch = requests(method, sessions, args["prompt_tokens"], args["max_tokens"], args["num_draft"], args["vocab"])
-    times = StepTimes()
-    completions = complete_together(engine, batch, times)
-    steps = len(times.target_s)
-    decode_s = times.wall_s - sum(done.metrics["prefill_ms"] for done in completions) / 1e3
-    draft_s, target_s = sum(times.draft_s), sum(times.target_s)
-    model = engine.target_model
-    weight_bytes = sum(parameter.numel() * parameter.itemsize for parameter in model.parameters())
-    # the KV a forward reads: its sessions at the mean context of the decode
-    per_token = kv_bytes_per_token(model.config, 1, model.dtype.itemsize)
-    kv_bytes = sum(times.target_rows) / steps * (args["prompt_tokens"] + args["max_tokens"] / 2) * per_token
-    return {
-        "method": method,
-        "sessions": sessions,
-        "tok/s": round(sum(len(done.token_ids) for done in completions) / decode_s, 1),
-        "accept len": round(statistics.mean(done.metrics["mean_acceptance_length"] for done in completions), 2),
-        "step ms": round(decode_s / steps * 1e3, 2),
-        "draft ms": round(draft_s / steps * 1e3, 2),
-        "target ms": round(target_s / steps * 1e3, 2),
-        "host ms": round((decode_s - draft_s - target_s) / steps * 1e3, 2),
-        "floor ms": round((weight_bytes + kv_bytes) / copy_bytes_s * 1e3, 2) if copy_bytes_s else "-",
-    }, [done.token_ids for done in completions]
 
 
 def prefix_cache_line(model: torch.nn.Module, shared_tokens: int = 1500, question_tokens: int = 30) -> str:
@@ -150,11 +100,6 @@ def kv_pool_line(model: torch.nn.Module) -> str:
     )
 
 
-def table(rows: list[dict], columns: list[str]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join([*lines, *("| " + " | ".join(str(row[column]) for column in columns) + " |" for row in rows)])
-
-
 def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods: list[str], args: dict) -> str:
     """The report as markdown, section by section (a section that cannot run says why)."""
     facts = device_facts(target.torch_device)
@@ -172,8 +117,12 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
         out += [kv_pool_line(engine.target_model), ""]
     out += decode_section(engine, concurrency, methods, args, facts.get("copy_gb_s", 0) * 1e9)
     out += [prefix_cache_line(engine.target_model), ""]
-    ops = [count_step_ops(engine.target_model, n, args["num_draft"] + 1, args["prompt_tokens"]) for n in concurrency]
-    out += ["Operations one target verify step dispatches (K + 1 tokens per session):", "", table(ops, list(ops[0]))]
+    with steps_as([engine.target_model], "eager"):
+        ops = [
+            count_step_ops(engine.target_model, n, args["num_draft"] + 1, args["prompt_tokens"]) for n in concurrency
+        ]
+    heading = "Operations one eager target verify step dispatches (K + 1 tokens per session):"
+    out += [heading, "", table(ops, list(ops[0]))]
     out += ["", *verify_cost_section(engine.target_model, args["prompt_tokens"])]
     if on_cuda:
         calls = attention_calls()
@@ -199,34 +148,16 @@ def verify_cost_section(model: torch.nn.Module, prompt_tokens: int, max_tokens: 
     return [heading, "", table(shown, list(shown[0]))]
 
 
-def decode_section(engine, concurrency: list[int], methods: list[str], args: dict, copy_bytes_s: float) -> list[str]:
-    """Each method at each concurrency (`copy_bytes_s` 0: no floor), as a table."""
-    complete_together(engine, requests("greedy+model", 2, 32, 4, 2, args["vocab"]))  # warm-up
-    rows = []
-    for sessions in concurrency:
-        baseline = None
-        for method in methods:
-            row, token_ids = measure(engine, method, sessions, args, copy_bytes_s)
-            baseline = baseline or token_ids
-            row["same as " + methods[0]] = f"{sum(a == b for a, b in zip(token_ids, baseline))}/{sessions}"
-            rows.append(row)
-            print(table([row], list(row)), file=sys.stderr, flush=True)
-    heading = (
-        f"Decode, {args['prompt_tokens']}-token prompts, {args['max_tokens']} tokens each, K = {args['num_draft']} "
-        "(host: policy, commits and transfers between forwards; same as: greedy outputs equal to the first "
-        "method's at that concurrency, where random bf16 weights' near-flat logits let rounding decide ties, "
-        "so the exactness check is tests/core/test_gpu.py's, in fp32):"
-    )
-    return [heading, "", table(rows, list(rows[0])), ""]
-
-
 def gpu_report(
     target: str = typer.Option("random:llama-3.1-8b-instruct", help="target model (any loader source)"),
     draft: str = typer.Option("random:llama-3.2-1b-instruct", help="draft model"),
     dtype: str = typer.Option("bfloat16", help="both models' dtype"),
     device: str = typer.Option("auto", help="auto: CUDA when present; cpu runs the report here (small models!)"),
-    concurrency: str = typer.Option("1,8,32,64", help="sessions decoding together"),
-    methods: str = typer.Option(",".join(METHODS), help=f"first is the baseline; of {', '.join(METHODS)}"),
+    concurrency: str = typer.Option("1,8,64", help="sessions decoding together"),
+    methods: str = typer.Option(
+        ",".join(METHODS),
+        help=f"first is the baseline ({RECORDING} records what @a proposes); of {', '.join(DRAFTERS)}",
+    ),
     prompt_tokens: int = typer.Option(256, min=2),
     max_tokens: int = typer.Option(96, min=1),
     num_draft_tokens: int = typer.Option(4, min=1, help="K, fixed (no adaptive length)"),
@@ -246,8 +177,14 @@ def gpu_report(
         return
     args = {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "num_draft": num_draft_tokens, "tests": tests}
     levels = [int(level) for level in concurrency.split(",")]
+    method_list = methods.split(",")
+    fixed = [method for method in method_list if method_parts(method)[1]]
+    if fixed and RECORDING not in method_list[: method_list.index(fixed[0])]:
+        raise typer.BadParameter(
+            f"a method of fixed acceptance (@a) needs {RECORDING} before it: it records what they propose"
+        )
     draft_spec = ModelSpec(source=draft, dtype=dtype, device=device, compile=compiled)
-    text = report(target_spec, draft_spec, levels, methods.split(","), args)
+    text = report(target_spec, draft_spec, levels, method_list, args)
     print(text)
     if out is not None:
         out.write_text(text + "\n")

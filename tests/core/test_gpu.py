@@ -103,3 +103,56 @@ def test_an_fp8_checkpoint_multiplies_in_fp8_within_its_rounding(tmp_path):
     with torch.inference_mode():
         got, want = (m(tokens).logits[0].float() for m in (model, reference))
     assert (got - want).norm() < 0.05 * want.norm()
+
+
+@pytest.fixture(scope="module")
+def graphed_engine():
+    """cuda_engine's target with its steps replayed as CUDA graphs (step_graphs.py), beside a draft
+    graphed too."""
+    from specdec_core.step_graphs import use_step_graphs
+
+    target = tiny_llama(seed=0, prepared=False).to("cuda")
+    draft = tiny_llama(seed=0, prepared=False)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(0.002 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)))
+    draft = draft.to("cuda")
+    for model in (target, draft):
+        use_step_graphs(model)
+    return SpeculativeEngine(target, None, draft, profile=lambda *_: tiny_profile())
+
+
+@pytest.mark.parametrize("drafter", ["none", "pld", "model", "mla"])
+def test_greedy_speculation_with_cuda_graphs_equals_eager_target_only(cuda_engine, graphed_engine, drafter):
+    target_only = cuda_engine.complete(request("greedy", "none")).token_ids
+    for _ in range(2):  # the first request records, the second replays
+        assert graphed_engine.complete(request("greedy", drafter)).token_ids == target_only
+    assert graphed_engine.target_model.model.step_graphs.recorded > 0
+
+
+@torch.inference_mode()
+def test_a_replayed_step_keeps_the_states_eagle3_reads():
+    """The kept layer inputs (aux_states.py) after a replay are the replayed step's, not the
+    recording's: two steps of one shape and different tokens, against an eager twin. Keeping
+    them drops the graphs recorded before (and their memory pool); the next step records anew."""
+    from specdec_core.aux_states import aux_states, keep_aux_states
+    from specdec_core.batching import forward_ragged
+    from specdec_core.kv_pool import PagedKV
+    from specdec_core.step_graphs import use_step_graphs
+
+    graphed, eager = (tiny_llama(seed=2, prepared=False).to("cuda") for _ in range(2))
+    use_step_graphs(graphed)
+    caches = []
+    for model in (graphed, eager):
+        caches.append(PagedKV())
+        forward_ragged(model, [caches[-1]], [repeating_prompt(4)])  # allocates the pool: eager
+        forward_ragged(model, [caches[-1]], [[1, 2, 3]])  # recorded
+        keep_aux_states(model, [0, 1])
+    assert graphed.model.step_graphs.recorded == 1 and not graphed.model.step_graphs.graphs
+    for tokens in ([5, 6], [9, 10]):  # after 27 positions: both steps pad to 2 tokens over 32 keys
+        states = []
+        for model, cache in zip((graphed, eager), caches):
+            forward_ragged(model, [cache], [tokens])
+            states.append(aux_states(model, len(tokens)))
+        torch.testing.assert_close(states[0], states[1], atol=1e-4, rtol=0)
+    assert graphed.model.step_graphs.recorded == 2

@@ -28,15 +28,31 @@ def test_without_cuda_it_names_what_it_skips():
 def test_small_models_on_the_cpu_fill_every_table(tiny_source, tmp_path):
     out = tmp_path / "report.md"
     options = ["--target", tiny_source, "--draft", tiny_source, "--device", "cpu", "--dtype", "float32"]
-    options += ["--concurrency", "1,3", "--prompt-tokens", "16", "--max-tokens", "6", "--out", str(out)]
+    options += ["--concurrency", "1,3", "--prompt-tokens", "16", "--max-tokens", "12", "--out", str(out)]
     result = CliRunner().invoke(app, ["gpu-report", *options])
     assert result.exit_code == 0, result.output
     text = out.read_text()
-    decode_rows = [line for line in text.splitlines() if line.startswith(("| target |", "| greedy+"))]
-    assert len(decode_rows) == 6  # 3 methods x 2 concurrencies
-    # greedy speculation in fp32 on the CPU: every output is target-only's
-    assert all(row.rstrip(" |").endswith(("1/1", "3/3")) for row in decode_rows)
+    lines = text.splitlines()
+    columns = [cell.strip() for cell in next(line for line in lines if line.startswith("| steps |")).split("|")]
+    decode_rows = [dict(zip(columns, line.split("|"))) for line in lines if line.startswith("| eager |")]
+    assert len(decode_rows) == 12  # target, greedy+model and 4 fixed acceptance lengths x 2 concurrencies (eager)
+    for row in decode_rows:
+        # greedy speculation in fp32 on the CPU: every output is target-only's; the recorded
+        # continuation keeps a - 1 drafts a step (12 tokens: every step whole)
+        assert row["same as target"].strip() in ("1/1", "3/3")
+        method = row["method"].strip()
+        if method == "target" or "@" in method:
+            assert float(row["accept len"]) == (float(method.partition("@")[2]) if "@" in method else 1.0)
     assert "| rows | ops | attention_ops |" in text
     assert "| tokens | ms_p50 | vs_one_token |" in text and "the drafters' `verify_cost` on this device: [" in text
     # the second prompt's shared 1,500 tokens are 93 full blocks of the prefix cache
     assert "of another that shares its first 1500 tokens" in text and "hits: 1488 of 1529 tokens" in text
+
+
+def test_a_fixed_acceptance_method_needs_the_recording_run_first(tiny_source):
+    options = ["--target", tiny_source, "--draft", tiny_source, "--device", "cpu", "--methods"]
+    wide = {"COLUMNS": "300", "TERMINAL_WIDTH": "300"}  # the error box's message on one line
+    result = CliRunner().invoke(app, ["gpu-report", *options, "greedy+model@2"], env=wide)
+    assert result.exit_code == 2 and "needs greedy+model before it" in result.output
+    result = CliRunner().invoke(app, ["gpu-report", *options, "target,greedy+model,greedy+pld@2"], env=wide)
+    assert result.exit_code == 2 and "greedy+model@<acceptance length>" in result.output

@@ -55,7 +55,7 @@ def test_the_budget_follows_the_device_and_the_batch():
         return 0 if block.tree is None else block.tree.num_nodes
 
     cpu, cuda = kept(device_verify_cost("cpu")), kept(device_verify_cost("cuda"))
-    assert cpu < 16 and cuda > 3 * cpu  # a GPU verifies far larger trees than this CPU
+    assert cpu < 16 and cuda >= 3 * cpu  # a GPU verifies far larger trees than this CPU
     assert kept([1.0]) == TREE.num_nodes  # a free verify: the whole tree
     assert kept(device_verify_cost("cpu"), rows=64) < cpu  # under load a step holds fewer
     assert kept([100.0]) == 0 and budget_tree(TREE, tokens, probs, [100.0]).tokens.numel() == 0

@@ -1,0 +1,163 @@
+"""CUDA graphs of a model's eager step, without inductor (SGLang's default): one graph per shape of
+the step's inputs, recorded at its first use and replayed after, all of a model's graphs in one
+memory pool. A graph replays the whole forward (every layer, the ragged attention, the KV pool's
+writes) as one launch: the step costs its device time, not its ~2,000 kernel launches.
+
+A replay reads its inputs from static buffers: the step's tokens, positions and layout are copied
+into the buffers of the graph that matches their shapes (batching.padded_size rounds every size
+to a few buckets, so a bounded set of graphs covers decoding). The pool's storage is a static
+address; where it moves (a growable pool grew) every graph is dropped and recorded again.
+
+Steps that no graph covers run eagerly: prompt chunks (long rows), steps of more than
+`GRAPH_MAX_TOKENS` tokens, the first forward (it allocates the pool), pipeline stages and ranks
+of a tensor-parallel group (their collectives stay outside graphs for now)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .ragged_attention import RowGroup, StepLayout
+
+# a step of more tokens than this (after padding) runs eagerly: 64 sessions' verify rows of up to
+# 16 tokens; a prompt chunk is one long row and never graphed
+GRAPH_MAX_TOKENS = 1024
+# a row of more new tokens than this is a prompt chunk (batching.LONG_ROW: it attends apart)
+GRAPH_MAX_ROW = 64
+
+
+@dataclasses.dataclass
+class CapturedStep:
+    """One graph and the buffers it reads and writes."""
+
+    inputs: dict  # the step's keyword arguments, every tensor a static buffer
+    hidden: torch.Tensor  # [1, N, H] the final hidden states the graph writes
+    graph: Optional["torch.cuda.CUDAGraph"]  # None: replayed eagerly over the buffers (CPU tests)
+    kept: dict  # what the forward's hooks kept (aux_states.py), restored after each replay
+
+
+class StepGraphs:
+    """The graphs of one model's step (`forward`: its base model's forward, keyword arguments as
+    batching.step_inputs makes them, returning an output with `last_hidden_state`).
+    `record`: capture CUDA graphs; without, a "replay" runs `forward` over the static buffers,
+    which tests the buffers' bookkeeping where there is no CUDA."""
+
+    def __init__(self, forward: Callable[..., Any], kept: Callable[[], dict], record: bool = True):
+        self.forward = forward
+        self.kept = kept  # the hooks' current states (an empty dict where the model keeps none)
+        self.record = record
+        self.memory_pool = torch.cuda.graph_pool_handle() if record else None
+        self.graphs: dict[tuple, CapturedStep] = {}
+        self.storage_address: Optional[int] = None
+        self.recorded, self.recording_seconds = 0, 0.0  # graphs recorded (dropped ones too), and their time
+
+    def covers(self, lengths: Sequence[int]) -> bool:
+        """Whether a step over rows of `lengths` new tokens replays a graph (padded to buckets)."""
+        return max(lengths) <= GRAPH_MAX_ROW and sum(lengths) <= GRAPH_MAX_TOKENS
+
+    def run(self, inputs: dict) -> torch.Tensor:
+        """The step's final hidden states `[1, N, H]` (N padded): a graph's static output,
+        overwritten by that graph's next replay."""
+        layout: StepLayout = inputs["ragged"]
+        if layout.pool.keys is None:  # the first forward allocates the pool: eagerly
+            return self.forward(**inputs).last_hidden_state
+        address = layout.pool.keys.data_ptr()
+        if address != self.storage_address:  # the pool grew (moved): every graph wrote the old one
+            self.drop()
+            self.storage_address = address
+        key = shapes(inputs)
+        captured = self.graphs.get(key)
+        if captured is None:
+            clock = time.perf_counter()
+            captured = self.graphs[key] = self.capture(inputs)
+            self.recorded, self.recording_seconds = (
+                self.recorded + 1,
+                self.recording_seconds + time.perf_counter() - clock,
+            )
+        for static, tensor in zip(tensors(captured.inputs), tensors(inputs)):
+            static.copy_(tensor, non_blocking=True)
+        if captured.graph is None:
+            captured.hidden.copy_(self.forward(**captured.inputs).last_hidden_state)
+        else:
+            captured.graph.replay()
+            self.kept().update(captured.kept)  # the hooks ran at the capture only
+        return captured.hidden
+
+    def drop(self) -> None:
+        """Forget every graph, and their memory pool with them (CUDA frees a pool with its last
+        graph: a graph recorded after needs a new one)."""
+        self.graphs.clear()
+        self.memory_pool = torch.cuda.graph_pool_handle() if self.record else None
+
+    def capture(self, inputs: dict) -> CapturedStep:
+        """Record the step for `inputs`' shapes. It runs once eagerly first (on a side stream, as
+        CUDA graphs require: libraries allocate their workspaces at a first call); both runs
+        write the same KV entries to the same slots, which the replay after writes again."""
+        static = map_tensors(inputs, torch.clone)
+        if not self.record:
+            hidden = self.forward(**static).last_hidden_state.clone()
+            return CapturedStep(static, hidden, None, dict(self.kept()))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.forward(**static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory_pool, capture_error_mode="thread_local"):
+            hidden = self.forward(**static).last_hidden_state
+        return CapturedStep(static, hidden, graph, dict(self.kept()))
+
+
+def tensors(inputs: dict) -> list[torch.Tensor]:
+    """The step's tensors in a fixed order (its tokens, positions and layout's)."""
+    found: list[torch.Tensor] = []
+    map_tensors(inputs, lambda tensor: found.append(tensor) or tensor)
+    return found
+
+
+def shapes(inputs: dict) -> tuple:
+    """What picks a step's graph: each tensor's shape and dtype, in `tensors`' order, and where
+    the layout has none (a group without a mask, one row without an output index)."""
+    described: list = []
+    map_tensors(inputs, lambda tensor: described.append((tuple(tensor.shape), tensor.dtype)) or tensor, described)
+    return tuple(described)
+
+
+def map_tensors(inputs: dict, function: Callable, absent: Optional[list] = None) -> dict:
+    """`inputs` with `function` applied to each tensor, its layout's included, in `tensors`' order
+    (`absent` collects a marker where the layout has None)."""
+
+    def apply(value):
+        if value is None and absent is not None:
+            absent.append(None)
+        return function(value) if isinstance(value, torch.Tensor) else value
+
+    mapped = {}
+    for name, value in sorted(inputs.items()):
+        if isinstance(value, StepLayout):
+            groups = [
+                RowGroup(apply(group.read), apply(group.query_index), apply(group.mask)) for group in value.groups
+            ]
+            value = StepLayout(value.pool, apply(value.write_slots), groups, apply(value.output_index))
+        mapped[name] = apply(value)
+    return mapped
+
+
+def use_step_graphs(model: torch.nn.Module, record: bool = True) -> StepGraphs:
+    """From now on `model`'s steps that a graph covers replay one (`record` False: over the static
+    buffers eagerly, the CPU's stand-in). One rank's whole model only: not a pipeline stage."""
+    base = model.model
+    if getattr(base, "pipeline_stage", None) is not None:
+        raise ValueError("a pipeline stage's step sends and receives between ranks: it runs eagerly")
+    base.step_graphs = StepGraphs(base.forward, lambda: getattr(base, "aux_states", {}), record)
+    return base.step_graphs
+
+
+def drop_step_graphs(model: torch.nn.Module) -> None:
+    """Forget `model`'s graphs (they no longer record what its forward does: hooks were added)."""
+    graphs = getattr(model.model, "step_graphs", None)
+    if graphs is not None:
+        graphs.drop()

@@ -1,0 +1,56 @@
+"""A measurement tool, not a drafter users can ask for: gpu-report's way to decode at a fixed
+acceptance length over random weights, which accept nothing on their own. It runs the draft
+model's forwards as the `model` drafter does (their cost is paid), then discards their tokens
+and proposes the target's own greedy continuation, recorded by an earlier target-only run, with
+the `accept_length`-th token corrupted: every step of greedy verification then keeps
+`accept_length - 1` drafts and the target's correction."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..drafters import make_drafter
+from ..drafters.model import ModelDrafter
+from ..types import DraftBlock
+
+RECORDED = "recorded-continuation"  # the name gpu-report's tables give it
+
+
+class RecordedContinuation(ModelDrafter):
+    """The `model` drafter's forwards, the recorded continuation's tokens (`recorded`: each
+    prompt's target-only greedy output, keyed by the prompt)."""
+
+    def __init__(self, model: torch.nn.Module, params: Any, recorded: dict[tuple, list[int]], accept_length: int):
+        super().__init__(model, params)
+        self.recorded, self.accept_length = recorded, accept_length
+
+    def reset(self, prompt_ids: Sequence[int], sampling: Any) -> None:
+        super().reset(prompt_ids, sampling)
+        self.continuation = self.recorded[tuple(prompt_ids)]
+
+    def drafting(self, max_tokens: int, batch_rows: int = 1, guess: int = 0):
+        block = yield from super().drafting(max_tokens, batch_rows, guess)
+        if not len(block.tokens):
+            return block
+        done = len(self.context) - self.prompt_tokens
+        tokens = self.continuation[done : done + len(block.tokens)]
+        tokens += [0] * (len(block.tokens) - len(tokens))  # past the recorded end: nothing is verified there
+        if self.accept_length <= len(tokens):  # the first draft the target must reject
+            tokens[self.accept_length - 1] = (tokens[self.accept_length - 1] + 1) % self.model.config.vocab_size
+        self.last_proposal = tokens
+        return DraftBlock(tokens=torch.tensor(tokens, device=block.tokens.device), logits=block.logits)
+
+
+def recorded_drafters(draft_model: torch.nn.Module, recorded: dict[tuple, list[int]], accept_length: int):
+    """An engine's `make_drafter` that gives `model` requests a RecordedContinuation and every
+    other request its usual drafter."""
+
+    def make(name: str, params: Optional[dict] = None, model: Optional[torch.nn.Module] = None, target: Any = None):
+        if name != "model":
+            return make_drafter(name, params, model, target)
+        validated = ModelDrafter.Params(**(params or {}))
+        return RecordedContinuation(draft_model, validated, recorded, accept_length)
+
+    return make
