@@ -54,7 +54,7 @@ async def speculative_loop(
         draft = await drafter.propose(min(request.num_draft_tokens, output.remaining - 1), batch_rows)
         metrics.draft_ms.append((time.perf_counter() - clock) * 1e3)
         clock = time.perf_counter()
-        scored = [last_token, *draft.tokens.tolist()]
+        scored = [last_token, *draft.token_ids]
         block = await (target.score(scored) if draft.tree is None else target.score_tree(scored, draft.tree))
         metrics.target_ms.append((time.perf_counter() - clock) * 1e3)
         batch_rows = block.batch_rows if follows_load else 1

@@ -70,6 +70,7 @@ class KVPool:
         self.prefix_caching = prefix_caching
         self.keys: Optional[torch.Tensor] = None
         self.values: Optional[torch.Tensor] = None
+        self.storage_version = 0  # one more each time the storage is placed: CUDA graphs wrote the old one
         self.free = list(range(num_blocks))
         self.holders = [0] * num_blocks
         self.published: dict[bytes, int] = {}  # prefix key -> block
@@ -135,6 +136,7 @@ class KVPool:
             for entries in (as_bytes(self.keys), as_bytes(self.values)):
                 grown.append(torch.cat([entries[:, :held], entries.new_zeros(extra), entries[:, held:]], 1))
             self.keys, self.values = (entries.view(self.keys.dtype) for entries in grown)
+            self.storage_version += 1
             self.mark_static()
         self.free += range(self.num_blocks, self.num_blocks + extra_blocks)
         self.holders += [0] * extra_blocks
@@ -153,6 +155,7 @@ class KVPool:
             shape = (self.num_layers, (self.num_blocks + 1) * self.block_size, key.shape[1], key.shape[3])
             self.keys = torch.zeros(shape, dtype=self.dtype or key.dtype, device=key.device)
             self.values = torch.zeros(shape, dtype=self.dtype or key.dtype, device=key.device)
+            self.storage_version += 1
             self.mark_static()
         return self.keys[layer], self.values[layer]
 

@@ -50,14 +50,14 @@ class OutputTracker:
     def suppress_early_stops(self, block: TargetBlock, tree: Optional[Topology]) -> TargetBlock:
         """`block` with the stop tokens at -inf in the rows that decide one of the first
         `min_tokens` tokens (vLLM's min-tokens logits processor): what the policy verifies."""
+        if not self.stop_ids or len(self.token_ids) >= self.sampling.min_tokens:  # no row is early
+            return block
         depths = tree.depths if tree is not None else torch.arange(block.logits.shape[0])  # [rows]
         early = (len(self.token_ids) + depths < self.sampling.min_tokens).to(block.logits.device)  # [rows]
-        if not self.stop_ids or not bool(early.any()):
-            return block
         logits = block.logits.clone()  # [rows, V]
         stops = torch.tensor(sorted(self.stop_ids), device=logits.device)
         logits[early.nonzero()[:, :1], stops] = float("-inf")
-        return dataclasses.replace(block, logits=logits)
+        return dataclasses.replace(block, logits=logits, argmax_ids=None)
 
     def append(self, new_tokens: Sequence[int], log_probs: Optional[list] = None) -> StreamChunk:
         """`log_probs`: logprobs.emitted_log_probs of `new_tokens`, when the request asks."""

@@ -79,13 +79,26 @@ def attend(group: RowGroup, query, pool_keys, pool_values, scaling) -> torch.Ten
     if queries.dtype in (torch.bfloat16, torch.float16) and queries.device.type == "cpu":
         return grouped_low_precision_attention(queries, keys, values, group.mask, scaling)  # [B, Q, heads, head_dim]
     if group.mask is not None and queries.device.type == "cuda":
-        # CUDA's efficient kernel takes a mask but not grouped K/V heads: without this the math
-        # one runs, 302 against 64 us a call on an H100 (docs/performance.md)
-        groups = queries.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        return folded_heads_attention(queries, keys, values, group.mask, scaling).transpose(1, 2)
     return torch.nn.functional.scaled_dot_product_attention(
         queries, keys, values, attn_mask=group.mask, scale=scaling, enable_gqa=True
     ).transpose(1, 2)  # [B, Q, heads, head_dim]
+
+
+def folded_heads_attention(queries, keys, values, mask, scaling) -> torch.Tensor:
+    """SDPA of `queries` `[B, H, Q, D]` over grouped `keys`, `values` `[B, H_kv, L, D]` under `mask`
+    `[B, 1, Q, L]`, each K/V head's G = H / H_kv query heads folded into its query rows: `[B, H,
+    Q, D]`. CUDA's efficient kernel takes a mask but not grouped heads (the math kernel that does
+    took 302 against 64 us a call on an H100), and expanding the K/V heads to the query heads'
+    count copies every key G times and reads it G times (docs/performance.md)."""
+    batch, heads, num_queries, head_dim = queries.shape
+    groups = heads // keys.shape[1]
+    # query head kv * G + g (transformers' repeat_kv order), query q -> row g * Q + q of head kv
+    folded = queries.reshape(batch, keys.shape[1], groups * num_queries, head_dim)  # [B, H_kv, G * Q, D]
+    output = torch.nn.functional.scaled_dot_product_attention(
+        folded, keys, values, attn_mask=mask.repeat(1, 1, groups, 1), scale=scaling
+    )  # [B, H_kv, G * Q, D]
+    return output.view(batch, heads, num_queries, head_dim)
 
 
 def register_ragged_attention() -> None:

@@ -8,9 +8,12 @@ into the buffers of the graph that matches their shapes (batching.padded_size ro
 to a few buckets, so a bounded set of graphs covers decoding). The pool's storage is a static
 address; where it moves (a growable pool grew) every graph is dropped and recorded again.
 
-Steps that no graph covers run eagerly: prompt chunks (long rows), steps of more than
-`GRAPH_MAX_TOKENS` tokens, the first forward (it allocates the pool), pipeline stages and ranks
-of a tensor-parallel group (their collectives stay outside graphs for now)."""
+Steps that no graph covers run eagerly: a row of more than `GRAPH_MAX_ROW` new tokens (a prompt
+chunk), a step of more than `GRAPH_MAX_TOKENS`, the first forward (it allocates the pool),
+pipeline stages and ranks of a tensor-parallel group (their collectives stay outside graphs for
+now). Graphs stay until the pool moves: a bucket of keys more per 1,024 tokens of context adds
+graphs, each holding its static inputs (the largest, a 64-row mask, a few MB); the pool's
+intermediates are shared."""
 
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ class StepGraphs:
         self.record = record
         self.memory_pool = torch.cuda.graph_pool_handle() if record else None
         self.graphs: dict[tuple, CapturedStep] = {}
-        self.storage_address: Optional[int] = None
+        self.storage: Optional[tuple] = None  # the KV pool and its storage version the graphs write
         self.recorded, self.recording_seconds = 0, 0.0  # graphs recorded (dropped ones too), and their time
 
     def covers(self, lengths: Sequence[int]) -> bool:
@@ -64,10 +67,10 @@ class StepGraphs:
         layout: StepLayout = inputs["ragged"]
         if layout.pool.keys is None:  # the first forward allocates the pool: eagerly
             return self.forward(**inputs).last_hidden_state
-        address = layout.pool.keys.data_ptr()
-        if address != self.storage_address:  # the pool grew (moved): every graph wrote the old one
+        storage = (id(layout.pool), layout.pool.storage_version)
+        if storage != self.storage:  # the pool grew (moved): every graph wrote the old storage
             self.drop()
-            self.storage_address = address
+            self.storage = storage
         key = shapes(inputs)
         captured = self.graphs.get(key)
         if captured is None:
@@ -119,11 +122,14 @@ def tensors(inputs: dict) -> list[torch.Tensor]:
 
 
 def shapes(inputs: dict) -> tuple:
-    """What picks a step's graph: each tensor's shape and dtype, in `tensors`' order, and where
-    the layout has none (a group without a mask, one row without an output index)."""
+    """What picks a step's graph: its other arguments (`use_cache`, an absent `input_ids`), each
+    tensor's shape and dtype in `tensors`' order, and where the layout has none (a group without
+    a mask, one row without an output index)."""
     described: list = []
     map_tensors(inputs, lambda tensor: described.append((tuple(tensor.shape), tensor.dtype)) or tensor, described)
-    return tuple(described)
+    plain = (torch.Tensor, StepLayout)
+    others = tuple((name, value) for name, value in sorted(inputs.items()) if not isinstance(value, plain))
+    return (others, *described)
 
 
 def map_tensors(inputs: dict, function: Callable, absent: Optional[list] = None) -> dict:

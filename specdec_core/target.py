@@ -8,6 +8,7 @@ it commits to the request's heads session, whose `guess` gives the next tree."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -20,7 +21,7 @@ from .heads import HeadGuesses, Heads, HeadsSession
 from .kv_pool import PagedKV
 from .logprobs import score_prompt_tokens, token_log_probs
 from .policies import AcceptancePolicy
-from .sampling import SamplingParams
+from .sampling import SamplingParams, argmax
 from .tree import Topology
 from .types import Prefilled, PromptScores, TargetBlock
 
@@ -241,14 +242,18 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
         sizes = [len(rows[index].tokens) for index in verifying]
         scored = hidden[0] if len(verifying) == len(rows) else torch.cat([parts[index] for index in verifying])
         # [1, M, H] into the LM head: a row-parallel LM head (DeepSpeed's) splits dim 2
-        logits = model.lm_head(scored[None])[0].float().split(sizes)  # [T_i, V] each
+        all_logits = model.lm_head(scored[None])[0].float()  # [M, V]
+        logits = all_logits.split(sizes)  # [T_i, V] each
         tokens = [token for index in verifying for token in rows[index].tokens]
         tokens = torch.tensor(tokens, dtype=torch.long, device=hidden.device).split(sizes)  # [T_i] each
-        for index, row_logits, row_tokens in zip(verifying, logits, tokens):
+        # every row's argmax in one op and one read back, for the greedy requests' verdicts
+        greedy = any(rows[index].scorer.sampling.greedy for index in verifying)
+        argmax_ids = split_list(argmax(all_logits).tolist(), sizes) if greedy else [None] * len(sizes)
+        for index, row_logits, row_tokens, row_argmax in zip(verifying, logits, tokens, argmax_ids):
             row = rows[index]
             row_features = feature_parts[index] if feature_parts is not None else None
             blocks[index] = row.scorer.finish(row_tokens, parts[index], row_logits, row.tree, row_features)
-            blocks[index].batch_rows = len(rows)
+            blocks[index].batch_rows, blocks[index].argmax_ids = len(rows), row_argmax
     for index, (row, part) in enumerate(zip(rows, parts)):
         if row.prefill:
             row.scorer.score_prefill(part[None])
@@ -259,3 +264,9 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
                 row_features = feature_parts[index] if feature_parts is not None else None
                 row.scorer.heads_session.advance(part, chunk, row_features)
     return blocks
+
+
+def split_list(values: list, sizes: Sequence[int]) -> list[list]:
+    """`values` cut into consecutive parts of `sizes`."""
+    ends = list(itertools.accumulate(sizes))
+    return [values[end - size : end] for size, end in zip(sizes, ends)]

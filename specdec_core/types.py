@@ -24,10 +24,18 @@ class DraftBlock:
     logits: Optional[torch.Tensor] = None  # [K, V]
     token_probs: Optional[torch.Tensor] = None  # [K] float32, only for sampled proposals
     tree: Optional[Topology] = None
+    ids: Optional[list[int]] = field(default=None, repr=False)  # `tokens` on the host, read once
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens as a host list, read back from the device once per block."""
+        if self.ids is None:
+            self.ids = self.tokens.tolist()
+        return self.ids
 
     @property
     def sampled(self) -> bool:
@@ -40,6 +48,7 @@ class DraftBlock:
         return DraftBlock(
             *(None if tensor is None else tensor.to(device) for tensor in (self.tokens, self.logits, self.token_probs)),
             tree=self.tree,
+            ids=self.ids,
         )
 
     def part(self, start: int, stop: int) -> "DraftBlock":
@@ -57,7 +66,7 @@ class DraftBlock:
 
     @staticmethod
     def empty() -> "DraftBlock":
-        return DraftBlock(tokens=torch.zeros(0, dtype=torch.long))
+        return DraftBlock(tokens=torch.zeros(0, dtype=torch.long), ids=[])
 
 
 @dataclass
@@ -74,6 +83,10 @@ class TargetBlock:
     features: dict[str, torch.Tensor] = field(default_factory=dict)  # policy.target_features
     token_log_probs: Optional[torch.Tensor] = None
     batch_rows: int = 1  # sessions in the forward that scored this block
+    # [K+1] each row's argmax, read back once for the whole step (target.forward_rows): a greedy
+    # verdict then needs no device operation per request; None where the logits were not scored
+    # so (or were changed after)
+    argmax_ids: Optional[list[int]] = None
 
     @property
     def vocab_size(self) -> int:
@@ -81,7 +94,8 @@ class TargetBlock:
 
     def along(self, nodes: list[int]) -> "TargetBlock":
         """A tree's rows at `nodes` (root first): the block of the chain they form."""
-        return TargetBlock(logits=self.logits[nodes], batch_rows=self.batch_rows)
+        argmax_ids = None if self.argmax_ids is None else [self.argmax_ids[node] for node in nodes]
+        return TargetBlock(logits=self.logits[nodes], batch_rows=self.batch_rows, argmax_ids=argmax_ids)
 
 
 @dataclass
@@ -129,5 +143,5 @@ class Verdict:
     def kept_tokens(self, draft: DraftBlock) -> list[int]:
         """The accepted draft tokens, in order."""
         if self.path is None:
-            return draft.tokens[: self.num_accepted].tolist()
-        return [int(draft.tokens[node - 1]) for node in self.path[1:]]
+            return draft.token_ids[: self.num_accepted]
+        return [draft.token_ids[node - 1] for node in self.path[1:]]

@@ -177,6 +177,7 @@ class ModelDrafter(Drafter):
             return DraftBlock.empty()
         return DraftBlock(
             tokens=torch.tensor(self.last_proposal, dtype=torch.long, device=self.model.device),
+            ids=list(self.last_proposal),
             logits=torch.cat(rows)[:max_tokens],
             token_probs=torch.cat(token_probs)[:max_tokens] if sampled else None,
         )

@@ -83,5 +83,5 @@ def compile_check_command(
     source line, as JSON."""
     from ..loader import ModelSpec, load_model
 
-    target = load_model(ModelSpec(source=model, dtype=dtype, num_layers=num_layers))
+    target = load_model(ModelSpec(source=model, dtype=dtype, num_layers=num_layers, cuda_graphs=False))
     print(json.dumps(explain_step(target, rows, timed=timed), indent=1))

@@ -178,7 +178,9 @@ def gpu_report(
     args = {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "num_draft": num_draft_tokens, "tests": tests}
     levels = [int(level) for level in concurrency.split(",")]
     method_list = methods.split(",")
-    fixed = [method for method in method_list if method_parts(method)[1]]
+    fixed = [method for method in method_list if method_parts(method)[1] is not None]
+    if any(not 1 <= method_parts(method)[1] <= num_draft_tokens + 1 for method in fixed):
+        raise typer.BadParameter(f"a fixed acceptance length (@a) is 1 to K + 1 = {num_draft_tokens + 1}")
     if fixed and RECORDING not in method_list[: method_list.index(fixed[0])]:
         raise typer.BadParameter(
             f"a method of fixed acceptance (@a) needs {RECORDING} before it: it records what they propose"

@@ -1,9 +1,11 @@
 """A measurement tool, not a drafter users can ask for: gpu-report's way to decode at a fixed
 acceptance length over random weights, which accept nothing on their own. It runs the draft
 model's forwards as the `model` drafter does (their cost is paid), then discards their tokens
-and proposes the target's own greedy continuation, recorded by an earlier target-only run, with
-the `accept_length`-th token corrupted: every step of greedy verification then keeps
-`accept_length - 1` drafts and the target's correction."""
+and proposes the target's own greedy continuation, as an earlier run of the `model` drafter over
+the same prompts recorded it (its verify rows have K + 1 tokens, as these do, so bf16 rounding
+decides the target's argmax the same way), with the `accept_length`-th token corrupted: every
+lockstep step of greedy verification then keeps `accept_length - 1` drafts and the target's
+correction."""
 
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ class RecordedContinuation(ModelDrafter):
         self.continuation = self.recorded[tuple(prompt_ids)]
 
     def drafting(self, max_tokens: int, batch_rows: int = 1, guess: int = 0):
-        block = yield from super().drafting(max_tokens, batch_rows, guess)
+        if guess:  # a run-ahead guess would shift the corrupted position by one
+            raise ValueError("the recorded continuation measures lockstep steps, without run-ahead")
+        block = yield from super().drafting(max_tokens, batch_rows)
         if not len(block.tokens):
             return block
         done = len(self.context) - self.prompt_tokens
@@ -40,7 +44,7 @@ class RecordedContinuation(ModelDrafter):
         if self.accept_length <= len(tokens):  # the first draft the target must reject
             tokens[self.accept_length - 1] = (tokens[self.accept_length - 1] + 1) % self.model.config.vocab_size
         self.last_proposal = tokens
-        return DraftBlock(tokens=torch.tensor(tokens, device=block.tokens.device), logits=block.logits)
+        return DraftBlock(tokens=torch.tensor(tokens, device=block.tokens.device), logits=block.logits, ids=tokens)
 
 
 def recorded_drafters(draft_model: torch.nn.Module, recorded: dict[tuple, list[int]], accept_length: int):

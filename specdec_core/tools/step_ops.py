@@ -88,6 +88,6 @@ def step_ops_command(
 ):
     """Operations one target verify step dispatches over n sessions (and, on CUDA, its wall and
     device-busy times)."""
-    target = load_model(ModelSpec(source=model, dtype=dtype, num_layers=num_layers))
+    target = load_model(ModelSpec(source=model, dtype=dtype, num_layers=num_layers, cuda_graphs=False))
     counts = [count_step_ops(target, int(size), tokens, history) for size in rows.split(",")]
     print(json.dumps(counts) if as_json else "\n".join(map(str, counts)))

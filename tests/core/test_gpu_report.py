@@ -56,3 +56,5 @@ def test_a_fixed_acceptance_method_needs_the_recording_run_first(tiny_source):
     assert result.exit_code == 2 and "needs greedy+model before it" in result.output
     result = CliRunner().invoke(app, ["gpu-report", *options, "target,greedy+model,greedy+pld@2"], env=wide)
     assert result.exit_code == 2 and "greedy+model@<acceptance length>" in result.output
+    result = CliRunner().invoke(app, ["gpu-report", *options, "greedy+model,greedy+model@0"], env=wide)
+    assert result.exit_code == 2 and "is 1 to K + 1 = 5" in result.output
