@@ -104,7 +104,8 @@ def draft_costs_path(target: ModelSpec, draft: ModelSpec, threads: Optional[tupl
             machine(),
             threads,
             *(source_identity(spec.source)[1] for spec in (target, draft)),
-            *(spec.model_dump(exclude={"source"}) for spec in (target, draft)),
+            # cuda_graphs: no bearing on a CPU pair, and the key stays what it was before the field
+            *(spec.model_dump(exclude={"source", "cuda_graphs"}) for spec in (target, draft)),
         ]
     )
     return cache_dir() / "draft_costs" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"

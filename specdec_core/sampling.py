@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import secrets
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -133,6 +134,14 @@ def argmax(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
         tail_max, tail_argmax = rows[:, num_chunks * chunk :].max(-1)
         best = torch.where(tail_max > chunk_max[row_index, best_chunk], num_chunks * chunk + tail_argmax, best)
     return best.reshape(logits.shape[:-1])
+
+
+def argmax_lists(logits: torch.Tensor, sizes: Sequence[int]) -> list[list[int]]:
+    """The argmax of each row of `logits` `[sum(sizes), V]` as host lists, one per part of
+    `sizes` rows: one operation and one read back for a whole step, whatever its rows."""
+    flat = argmax(logits).tolist()
+    ends = list(itertools.accumulate(sizes))
+    return [flat[end - size : end] for size, end in zip(sizes, ends)]
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:

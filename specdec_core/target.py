@@ -8,7 +8,6 @@ it commits to the request's heads session, whose `guess` gives the next tree."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -21,7 +20,7 @@ from .heads import HeadGuesses, Heads, HeadsSession
 from .kv_pool import PagedKV
 from .logprobs import score_prompt_tokens, token_log_probs
 from .policies import AcceptancePolicy
-from .sampling import SamplingParams, argmax
+from .sampling import SamplingParams, argmax_lists
 from .tree import Topology
 from .types import Prefilled, PromptScores, TargetBlock
 
@@ -248,7 +247,7 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
         tokens = torch.tensor(tokens, dtype=torch.long, device=hidden.device).split(sizes)  # [T_i] each
         # every row's argmax in one op and one read back, for the greedy requests' verdicts
         greedy = any(rows[index].scorer.sampling.greedy for index in verifying)
-        argmax_ids = split_list(argmax(all_logits).tolist(), sizes) if greedy else [None] * len(sizes)
+        argmax_ids = argmax_lists(all_logits, sizes) if greedy else [None] * len(sizes)
         for index, row_logits, row_tokens, row_argmax in zip(verifying, logits, tokens, argmax_ids):
             row = rows[index]
             row_features = feature_parts[index] if feature_parts is not None else None
@@ -264,9 +263,3 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
                 row_features = feature_parts[index] if feature_parts is not None else None
                 row.scorer.heads_session.advance(part, chunk, row_features)
     return blocks
-
-
-def split_list(values: list, sizes: Sequence[int]) -> list[list]:
-    """`values` cut into consecutive parts of `sizes`."""
-    ends = list(itertools.accumulate(sizes))
-    return [values[end - size : end] for size, end in zip(sizes, ends)]

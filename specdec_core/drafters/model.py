@@ -25,14 +25,14 @@ round (`propose_together`); a session's proposal comes out as it would alone."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Generator, Optional, Sequence
+from typing import ClassVar, Generator, NamedTuple, Optional, Sequence
 
 import torch
 
 from ..batching import forward_ragged
 from ..kernels.chunked import kernels_by_chunk
 from ..kv_pool import PagedKV
-from ..sampling import MAX_TOKENS, argmax, sample, sampling_probs
+from ..sampling import MAX_TOKENS, argmax, argmax_lists, sample, sampling_probs
 from ..types import DraftBlock
 from .base import Drafter, DraftSource, ahead_outcome, common_prefix_length, sync_cache
 from .block_length import (
@@ -105,7 +105,7 @@ class ModelDrafter(Drafter):
 
     def drafting_after(
         self, after: Sequence[int], max_tokens: int, batch_rows: int = 1
-    ) -> Generator["DraftForward", torch.Tensor, DraftBlock]:
+    ) -> Generator["DraftForward", "ScoredForward", DraftBlock]:
         """`drafting`, as if `after` (tokens the target is verifying now) were committed: a
         run-ahead proposal (run_ahead.py), the draft's guess of the target's next token and then
         a block of up to `max_tokens`. What the drafter learns from a proposal waits for the
@@ -128,7 +128,7 @@ class ModelDrafter(Drafter):
 
     def drafting(
         self, max_tokens: int, batch_rows: int = 1, guess: int = 0
-    ) -> Generator["DraftForward", torch.Tensor, DraftBlock]:
+    ) -> Generator["DraftForward", "ScoredForward", DraftBlock]:
         """The proposal: yields each forward it needs and receives that forward's logits;
         `guess` more tokens than its block, the first (run-ahead's guess of the target's next
         token) the draft's likeliest."""
@@ -146,16 +146,17 @@ class ModelDrafter(Drafter):
             sync_cache(self.cache, self.cached_tokens, sequence)
             pending = sequence[len(self.cached_tokens) :]
             guess = self.lookup(sequence, max_tokens - len(tokens) - 1)
-            logits = yield DraftForward(self.cache, pending + guess, len(guess) + 1)
+            scored = yield DraftForward(self.cache, pending + guess, len(guess) + 1)
+            logits = scored.logits  # [len(guess) + 1, V]
             self.forwards += 1
             self.cached_tokens.extend(pending + guess)
             if sampled:
                 probs = sampling_probs(logits, self.sampling)
                 # the guess of the target's next token is never verified as a draft: the likeliest
                 predicted_ids = argmax(logits) if guess and not tokens else sample(probs, self.generator)
-            else:
-                predicted_ids = argmax(logits)
-            predicted = predicted_ids.tolist()
+                predicted = predicted_ids.tolist()
+            else:  # read back with every session's in the round: nothing per session on the device
+                predicted = scored.argmax_ids
             matched = common_prefix_length(guess, predicted, len(guess))
             kept, gated = matched + 1, False
             if self.params.path_threshold > 0:  # keep up to the first token whose path value is <= tau
@@ -207,7 +208,7 @@ class MultiLevelDrafter(ModelDrafter):
         self.lookups = PromptLookupDrafter(AdaptiveLookupParams(**self.params.model_dump(include=LOOKUP_FIELDS)))
         self.lookups.reset(prompt_ids, sampling)
 
-    def drafting(self, max_tokens: int, batch_rows: int = 1) -> Generator["DraftForward", torch.Tensor, DraftBlock]:
+    def drafting(self, max_tokens: int, batch_rows: int = 1) -> Generator["DraftForward", "ScoredForward", DraftBlock]:
         if not self.drafts_with_model(max_tokens):  # the lookup level alone: pld
             self.last_proposal = []
             return self.lookups.propose(max_tokens, batch_rows)
@@ -224,6 +225,14 @@ class MultiLevelDrafter(ModelDrafter):
 
 
 LOOKUP_FIELDS = set(AdaptiveLookupParams.model_fields)
+
+
+class ScoredForward(NamedTuple):
+    """What a `DraftForward` gets back: the logits of its last `keep` tokens `[keep, V]`, and
+    their argmax, read back once for the whole round."""
+
+    logits: torch.Tensor
+    argmax_ids: list[int]
 
 
 @dataclass
@@ -243,9 +252,9 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
     blocks: list[Optional[DraftBlock]] = [None] * len(proposals)
     waiting: dict[int, DraftForward] = {}
 
-    def advance(index: int, logits: Optional[torch.Tensor]) -> None:
+    def advance(index: int, scored: Optional[ScoredForward]) -> None:
         try:
-            waiting[index] = proposals[index].send(logits)
+            waiting[index] = proposals[index].send(scored)
         except StopIteration as done:
             blocks[index] = done.value
             waiting.pop(index, None)
@@ -259,10 +268,12 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
             model, [forward.cache for forward in forwards], [forward.tokens for forward in forwards]
         )
         kept = torch.cat([torch.arange(end - forward.keep, end) for forward, end in zip(forwards, offsets[1:])])
-        with kernels_by_chunk([forward.keep for forward in forwards]):
+        keeps = [forward.keep for forward in forwards]
+        with kernels_by_chunk(keeps):
             logits = model.lm_head(hidden[0, kept.to(hidden.device)]).float()  # [sum(keep), V]
-        for index, forward_logits in zip(order, logits.split([forward.keep for forward in forwards])):
-            advance(index, forward_logits)
+        top = argmax_lists(logits, keeps)  # one read back for the round
+        for index, forward_logits, forward_top in zip(order, logits.split(keeps), top):
+            advance(index, ScoredForward(forward_logits, forward_top))
     return blocks
 
 

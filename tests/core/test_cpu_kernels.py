@@ -207,3 +207,15 @@ def test_the_avx2_path_packs_no_bf16_chooses_among_what_runs_and_stays_lossless(
     assert json.loads(stored.read_text())["machine"]["isa"] == "AVX2"
     outputs = report["outputs"]
     assert outputs["model"] == outputs["none"] and outputs["mla"] == outputs["none"]
+
+
+def test_the_draft_costs_key_ignores_what_cannot_change_a_cpu_pairs_costs():
+    """cuda_graphs has no bearing on a CPU pair: a spec that sets it finds the costs measured
+    without it (a changed key would measure them again, and a lossy policy's block lengths follow
+    them)."""
+    from specdec_core.draft_costs import draft_costs_path
+    from specdec_core.loader import ModelSpec
+
+    default = draft_costs_path(ModelSpec(), ModelSpec(dtype="int4"), None)
+    assert draft_costs_path(ModelSpec(cuda_graphs=False), ModelSpec(dtype="int4", cuda_graphs=False), None) == default
+    assert draft_costs_path(ModelSpec(num_layers=2), ModelSpec(dtype="int4"), None) != default

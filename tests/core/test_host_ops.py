@@ -1,7 +1,8 @@
 """What a batched step costs the host between forwards: on a GPU each tensor operation is a kernel
 launch and each read back a wait, so a loop over requests that dispatches them grows the step
 with its sessions (20.7 ms at 64 sessions on an H100, docs/performance.md). Greedy requests'
-verdicts come from one argmax over the whole step, read back once (target.forward_rows)."""
+verdicts come from one argmax over the whole step, read back once (target.forward_rows), and a
+draft round's greedy tokens from one argmax over every session's rows (drafters/model.py)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,27 @@ def test_a_greedy_verdict_from_the_step_argmax_is_the_rows_own():
         on_host = GreedyPolicy().verify(draft, TargetBlock(logits=logits, argmax_ids=best.tolist()), greedy, None)
         assert (on_host.num_accepted, on_host.next_token) == (on_device.num_accepted, on_device.next_token)
         assert torch.equal(on_host.trace["accepted"], on_device.trace["accepted"]) and on_host.num_accepted == agreeing
+
+
+def test_a_draft_round_reads_every_sessions_argmax_back_at_once(monkeypatch):
+    """propose_together: one argmax per draft round over all sessions' rows (was one per session
+    and round, each read back on its own)."""
+    from specdec_core.drafters import model as model_drafters
+
+    target = tiny_llama(seed=0)
+    engine = SpeculativeEngine(target, None, perturbed_copy(target, 0.5), profile=lambda *_: tiny_profile())
+    counter, rounds = OutsideForwards(), []
+    original = model_drafters.propose_together
+
+    def counted(model, proposals):
+        before = counter.ops["argmax"]
+        blocks = original(model, proposals)
+        rounds.append(counter.ops["argmax"] - before)
+        return blocks
+
+    monkeypatch.setattr(model_drafters, "propose_together", counted)
+    sessions, num_draft = 8, 4
+    batch = requests("greedy+model", sessions, 48, 12, num_draft, target.config.vocab_size)
+    with counter:
+        complete_together(engine, batch)
+    assert rounds and max(rounds) <= num_draft  # a step's K forwards, each one argmax for all 8 sessions
