@@ -97,8 +97,8 @@ def folded_heads_attention(queries, keys, values, mask, scaling) -> torch.Tensor
     folded = queries.reshape(batch, keys.shape[1], groups * num_queries, head_dim)  # [B, H_kv, G * Q, D]
     output = torch.nn.functional.scaled_dot_product_attention(
         folded, keys, values, attn_mask=mask.repeat(1, 1, groups, 1), scale=scaling
-    )  # [B, H_kv, G * Q, D]
-    return output.view(batch, heads, num_queries, head_dim)
+    )  # [B, H_kv, G * Q, D]; CUDA's efficient kernel lays it out as [B, G * Q, H_kv, D]: no view
+    return output.reshape(batch, heads, num_queries, head_dim)
 
 
 def register_ragged_attention() -> None:

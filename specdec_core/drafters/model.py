@@ -146,7 +146,7 @@ class ModelDrafter(Drafter):
             sync_cache(self.cache, self.cached_tokens, sequence)
             pending = sequence[len(self.cached_tokens) :]
             guess = self.lookup(sequence, max_tokens - len(tokens) - 1)
-            scored = yield DraftForward(self.cache, pending + guess, len(guess) + 1)
+            scored = yield DraftForward(self.cache, pending + guess, len(guess) + 1, not sampled)
             logits = scored.logits  # [len(guess) + 1, V]
             self.forwards += 1
             self.cached_tokens.extend(pending + guess)
@@ -232,7 +232,7 @@ class ScoredForward(NamedTuple):
     their argmax, read back once for the whole round."""
 
     logits: torch.Tensor
-    argmax_ids: list[int]
+    argmax_ids: Optional[list[int]]  # None where no proposal of the round takes the argmax
 
 
 @dataclass
@@ -242,6 +242,7 @@ class DraftForward:
     cache: PagedKV
     tokens: list[int]
     keep: int
+    by_argmax: bool = True  # its tokens are the argmax of the logits (not sampled)
 
 
 @torch.inference_mode()
@@ -271,7 +272,8 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
         keeps = [forward.keep for forward in forwards]
         with kernels_by_chunk(keeps):
             logits = model.lm_head(hidden[0, kept.to(hidden.device)]).float()  # [sum(keep), V]
-        top = argmax_lists(logits, keeps)  # one read back for the round
+        # one read back for the round, where a proposal takes its tokens by argmax
+        top = argmax_lists(logits, keeps) if any(forward.by_argmax for forward in forwards) else [None] * len(keeps)
         for index, forward_logits, forward_top in zip(order, logits.split(keeps), top):
             advance(index, ScoredForward(forward_logits, forward_top))
     return blocks

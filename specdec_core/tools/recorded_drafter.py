@@ -32,9 +32,12 @@ class RecordedContinuation(ModelDrafter):
         super().reset(prompt_ids, sampling)
         self.continuation = self.recorded[tuple(prompt_ids)]
 
-    def drafting(self, max_tokens: int, batch_rows: int = 1, guess: int = 0):
-        if guess:  # a run-ahead guess would shift the corrupted position by one
+    def drafting_after(self, after, max_tokens: int, batch_rows: int = 1):
+        if after:  # a run-ahead proposal's guess would shift the corrupted position by one
             raise ValueError("the recorded continuation measures lockstep steps, without run-ahead")
+        return (yield from self.drafting(max_tokens, batch_rows))
+
+    def drafting(self, max_tokens: int, batch_rows: int = 1):
         block = yield from super().drafting(max_tokens, batch_rows)
         if not len(block.tokens):
             return block

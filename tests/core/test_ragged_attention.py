@@ -8,7 +8,7 @@ import torch
 
 
 @pytest.mark.parametrize("num_queries", [1, 5])
-def test_folded_heads_attend_as_expanded_ones(num_queries: int):
+def test_folded_heads_attend_as_expanded_ones(monkeypatch, num_queries: int):
     """CUDA's masked path (ragged_attention.folded_heads_attention, run here on the CPU): each K/V
     head's query heads folded into its query rows give what SDPA gives over K/V heads expanded to
     the query heads, with a causal mask over padded keys."""
@@ -28,6 +28,14 @@ def test_folded_heads_attend_as_expanded_ones(num_queries: int):
     )
     folded = folded_heads_attention(queries, keys, values, mask, 0.1)
     torch.testing.assert_close(folded, expanded, atol=1e-6, rtol=1e-5)
+    # CUDA's efficient kernel returns its output laid out [B, M, H, D], transposed: the same here
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def laid_out_as_cuda(*args, **kwargs):
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", laid_out_as_cuda)
+    torch.testing.assert_close(folded_heads_attention(queries, keys, values, mask, 0.1), folded, atol=0, rtol=0)
 
 
 def test_the_attention_table_times_both_masked_calls():
