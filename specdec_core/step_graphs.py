@@ -8,8 +8,8 @@ into the buffers of the graph that matches their shapes (batching.padded_size ro
 to a few buckets, so a bounded set of graphs covers decoding). The pool's storage is a static
 address; where it moves (a growable pool grew) every graph is dropped and recorded again.
 
-Steps that no graph covers run eagerly: a row of more than `GRAPH_MAX_ROW` new tokens (a prompt
-chunk), a step of more than `GRAPH_MAX_TOKENS`, the first forward (it allocates the pool),
+Steps that no graph covers run eagerly: a row of more than `batching.LONG_ROW` new tokens (a
+prompt chunk), a step of more than `GRAPH_MAX_TOKENS`, the first forward (it allocates the pool),
 pipeline stages and ranks of a tensor-parallel group (their collectives stay outside graphs for
 now). Graphs stay until the pool moves: a bucket of keys more per 1,024 tokens of context adds
 graphs, each holding its static inputs (the largest, a 64-row mask, a few MB); the pool's
@@ -23,13 +23,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .batching import LONG_ROW
 from .ragged_attention import RowGroup, StepLayout
 
 # a step of more tokens than this (after padding) runs eagerly: 64 sessions' verify rows of up to
-# 16 tokens; a prompt chunk is one long row and never graphed
+# 16 tokens; a row of more than LONG_ROW new tokens (a prompt chunk) is never graphed
 GRAPH_MAX_TOKENS = 1024
-# a row of more new tokens than this is a prompt chunk (batching.LONG_ROW: it attends apart)
-GRAPH_MAX_ROW = 64
 
 
 @dataclasses.dataclass
@@ -59,7 +58,7 @@ class StepGraphs:
 
     def covers(self, lengths: Sequence[int]) -> bool:
         """Whether a step over rows of `lengths` new tokens replays a graph (padded to buckets)."""
-        return max(lengths) <= GRAPH_MAX_ROW and sum(lengths) <= GRAPH_MAX_TOKENS
+        return max(lengths) <= LONG_ROW and sum(lengths) <= GRAPH_MAX_TOKENS
 
     def run(self, inputs: dict) -> torch.Tensor:
         """The step's final hidden states `[1, N, H]` (N padded): a graph's static output,
@@ -76,10 +75,8 @@ class StepGraphs:
         if captured is None:
             clock = time.perf_counter()
             captured = self.graphs[key] = self.capture(inputs)
-            self.recorded, self.recording_seconds = (
-                self.recorded + 1,
-                self.recording_seconds + time.perf_counter() - clock,
-            )
+            self.recorded += 1
+            self.recording_seconds += time.perf_counter() - clock
         for static, tensor in zip(tensors(captured.inputs), tensors(inputs)):
             static.copy_(tensor, non_blocking=True)
         if captured.graph is None:

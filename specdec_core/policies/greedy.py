@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..drafters.base import common_prefix_length
 from ..sampling import argmax
 from ..tree_verify import best_path
 from ..types import Verdict
@@ -23,8 +24,7 @@ class GreedyPolicy(AcceptancePolicy):
     def verify(self, draft, target, sampling, generator) -> Verdict:
         if target.argmax_ids is not None:  # the step read every row's argmax back at once: all on the host
             drafted = draft.token_ids
-            agree = (index for index, (token, best) in enumerate(zip(drafted, target.argmax_ids)) if token != best)
-            num_accepted = next(agree, len(drafted))
+            num_accepted = common_prefix_length(drafted, target.argmax_ids, len(drafted))
             accepted = torch.arange(len(drafted)) < num_accepted  # [K]
             return Verdict(num_accepted, target.argmax_ids[num_accepted], {"accepted": accepted})
         decision = base_decision(draft, target, sampling, generator)

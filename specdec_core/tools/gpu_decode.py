@@ -30,8 +30,8 @@ METHODS = ["target", RECORDING, *(f"{RECORDING}@{length}" for length in (1, 2, 3
 def method_parts(method: str) -> tuple[str, Optional[int]]:
     """A method's drafter and its fixed acceptance length (None: the drafter's own tokens)."""
     name, _, accept_length = method.partition("@")
-    if name not in DRAFTERS or (accept_length and (name != "greedy+model" or not accept_length.isdigit())):
-        known = ", ".join([*DRAFTERS, "greedy+model@<acceptance length>"])
+    if name not in DRAFTERS or (accept_length and (name != RECORDING or not accept_length.isdigit())):
+        known = ", ".join([*DRAFTERS, f"{RECORDING}@<acceptance length>"])
         raise typer.BadParameter(f"method {method!r}: one of {known}")
     return DRAFTERS[name], int(accept_length) if accept_length else None
 
@@ -106,7 +106,7 @@ def decode_section(engine, concurrency: list[int], methods: list[str], args: dic
     rows = []
     for steps in ("eager", "graphs") if any(map(graphed, models)) else ("eager",):
         with steps_as(models, steps):
-            complete_together(engine, requests("greedy+model", 2, 32, 4, 2, args["vocab"]))  # warm-up
+            complete_together(engine, requests(RECORDING, 2, 32, 4, 2, args["vocab"]))  # warm-up
             for sessions in concurrency:
                 recorded, baseline = {}, None
                 for method in methods:

@@ -13,16 +13,14 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..drafters import make_drafter
+from ..drafters import make_drafter, validate_drafter
 from ..drafters.model import ModelDrafter
 from ..types import DraftBlock
-
-RECORDED = "recorded-continuation"  # the name gpu-report's tables give it
 
 
 class RecordedContinuation(ModelDrafter):
     """The `model` drafter's forwards, the recorded continuation's tokens (`recorded`: each
-    prompt's target-only greedy output, keyed by the prompt)."""
+    prompt's greedy output in the recording run, keyed by the prompt)."""
 
     def __init__(self, model: torch.nn.Module, params: Any, recorded: dict[tuple, list[int]], accept_length: int):
         super().__init__(model, params)
@@ -57,7 +55,6 @@ def recorded_drafters(draft_model: torch.nn.Module, recorded: dict[tuple, list[i
     def make(name: str, params: Optional[dict] = None, model: Optional[torch.nn.Module] = None, target: Any = None):
         if name != "model":
             return make_drafter(name, params, model, target)
-        validated = ModelDrafter.Params(**(params or {}))
-        return RecordedContinuation(draft_model, validated, recorded, accept_length)
+        return RecordedContinuation(draft_model, validate_drafter(name, params), recorded, accept_length)
 
     return make

@@ -10,8 +10,9 @@ import torch
 from conftest import perturbed_copy, repeating_prompt, tiny_llama, tiny_profile
 
 from specdec_core import GenerationRequest, SpeculativeEngine
+from specdec_core.batching import LONG_ROW
 from specdec_core.kv_pool import KVPool
-from specdec_core.step_graphs import GRAPH_MAX_ROW, use_step_graphs
+from specdec_core.step_graphs import use_step_graphs
 
 
 def request(drafter: str, max_tokens: int = 40) -> GenerationRequest:
@@ -65,9 +66,9 @@ def test_a_pool_that_grows_drops_its_graphs_and_records_again():
 
 
 def test_prompt_chunks_run_eagerly():
-    """A row longer than GRAPH_MAX_ROW (a prompt chunk) is not graphed."""
+    """A row longer than LONG_ROW (a prompt chunk) is not graphed."""
     _, _, graphs = engines()
-    assert graphs[0].covers([GRAPH_MAX_ROW, 1]) and not graphs[0].covers([GRAPH_MAX_ROW + 1])
+    assert graphs[0].covers([LONG_ROW, 1]) and not graphs[0].covers([LONG_ROW + 1])
     assert not graphs[0].covers([16] * 65)
 
 
