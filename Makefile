@@ -36,8 +36,8 @@ lint: install
 bench: install
 	$(VENV)/bin/specdec bench $(BENCH_ARGS)
 
-# what `specdec gpu-report` needs on a lent GPU machine and the machine lacks (Python 3.12, no
-# registry): these wheels, carried in .whl (docs/performance.md, "On a GPU")
+# what `specdec gpu-report` needs on a GPU machine with torch and transformers but no package
+# index (Python 3.12): these wheels, downloaded into .whl to install there (docs/performance.md)
 GPU_WHEELS := pydantic pydantic[-_]core annotated[-_]types typing[-_]inspection gguf
 gpu-wheels: install
 	rm -rf .whl && $(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \

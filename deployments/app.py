@@ -10,9 +10,9 @@ import ray
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
 from .config import AppConfig, refuse_unfit_heads
-from .placement import bundles
-from .server import SpecdecServer
-from .worker import GRACEFUL_STOP_S, WorkerGroup, deployment_name, worker_config
+from .coordination.placement import bundles
+from .ingress.server import SpecdecServer
+from .workers.worker import GRACEFUL_STOP_S, WorkerGroup, deployment_name, worker_config
 
 API_KEY_ENV = "SPECDEC_API_KEY"
 

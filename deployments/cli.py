@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from specdec_core.tools.cli import app, console, fail, request_from_options
+from specdec_core.tools.cli_app import app, console, fail, request_from_options
 
 from .cli_checks import SERVE  # importing it adds the commands that check a running service
 
@@ -63,11 +63,11 @@ def serve(
     from pydantic import ValidationError
     from ray import serve as ray_serve
 
-    from specdec_core.draft_costs import cpu_pair
+    from specdec_core.calibration.draft_costs import cpu_pair
 
     from .app import apply_serve_env_defaults, build_app
     from .config import AppConfig, refuse_unfit_heads
-    from .startup_log import NAMESPACE, start_with_notes
+    from .coordination.startup_log import NAMESPACE, start_with_notes
 
     start = time.perf_counter()
     args = options_over(
@@ -79,7 +79,7 @@ def serve(
         app_config = AppConfig(**args)
     except ValidationError as error:
         fail(f"bad config {config}: {error}")
-    from specdec_core.loader import resolve_source
+    from specdec_core.models.loader import resolve_source
 
     for spec in filter(None, (app_config.target, app_config.draft)):
         resolve_source(spec.source)  # convert GGUF checkpoints once, here, with a progress bar
@@ -128,7 +128,7 @@ def with_measured_draft(config):
     """`config` with its CPU draft's costs beside the target on this machine (measured once and
     cached, the draft's kernels chosen at its worker's threads), each said: which kernels the
     draft runs here and whether it can pay."""
-    from specdec_core.draft_costs import choose_draft
+    from specdec_core.calibration.draft_costs import choose_draft
 
     draft = config.draft
     console.print(f"pricing the draft ({draft.source}, {draft.dtype}) beside the target on this CPU (cached)")

@@ -1,5 +1,5 @@
 """The `specdec` commands that check a running service (or its start and redeploys) from outside:
-`probe`, `clients-check`, `start-check`, `rollout-check` (deployments/tools/ does the work).
+`probe`, `clients-check`, `start-check`, `rollout-check` (deployments/checks/ does the work).
 deployments/cli.py imports this module, which adds them to the app."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from specdec_core.tools.cli import app, console, fail
+from specdec_core.tools.cli_app import app, console, fail
 
 SERVE = "Serve"  # the group of `specdec --help` the service's commands are in (cli.py's)
 
@@ -37,8 +37,8 @@ def probe(
     from rich.markup import escape
     from rich.table import Table
 
-    from .tools.probe import Probe
-    from .tools.probe_cluster import LocalCluster
+    from .checks.probe import Probe
+    from .checks.probe_cluster import LocalCluster
 
     try:
         suite = Probe(endpoint, grpc_address or None, api_key, timeout_s)
@@ -88,9 +88,9 @@ def clients_check(
     from rich.table import Table
 
     from specdec_core import ModelSpec, SpeculativeEngine
-    from specdec_core.loader import load_model, load_tokenizer
+    from specdec_core.models.loader import load_model, load_tokenizer
 
-    from .tools.clients_check import ClientsCheck
+    from .checks.clients_check import ClientsCheck
 
     spec = ModelSpec(source=target)
     tokenizer = load_tokenizer(spec)
@@ -134,7 +134,7 @@ def start_check(
     every chat got 200."""
     from rich.table import Table
 
-    from .tools.deploy_check import start_with_serve_deploy, start_with_specdec_serve
+    from .checks.deploy_check import start_with_serve_deploy, start_with_specdec_serve
 
     if via not in ("serve", "deploy"):
         fail("--via is serve or deploy")
@@ -165,7 +165,7 @@ def rollout_check(
     1 if any request failed."""
     from rich.table import Table
 
-    from .tools.deploy_check import rollouts
+    from .checks.deploy_check import rollouts
 
     results = rollouts(configs, app_name, settle_s, limit_s, lambda line: console.print(f"[dim]{line}"))
     table = Table("config", "requests", "new output after s", "app", title="specdec rollout-check")

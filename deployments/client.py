@@ -13,9 +13,9 @@ import httpx
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec_core.request import GenerationRequest
+from specdec_core.api.request import GenerationRequest
 
-from .wire import component_to_proto, sampling_to_proto
+from .coordination.wire import component_to_proto, sampling_to_proto
 
 
 class SpecdecHttpClient:

@@ -8,13 +8,13 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specdec_core.draft_costs import DraftCosts
-from specdec_core.kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION
-from specdec_core.loader import DEFAULT_DRAFT, ModelSpec, load_configs, refuse_draft_only_target
-from specdec_core.profile import CalibrationSettings
-from specdec_core.request import RequestDefaults
-from specdec_core.target import PREFILL_CHUNK
-from specdec_core.target_heads import AUTO, TargetShape, named_heads, refusal
+from specdec_core.api.request import RequestDefaults
+from specdec_core.calibration.draft_costs import DraftCosts
+from specdec_core.calibration.profile_types import CalibrationSettings
+from specdec_core.heads.loading import AUTO, TargetShape, named_heads, refusal
+from specdec_core.models.loader import DEFAULT_DRAFT, ModelSpec, load_configs, refuse_draft_only_target
+from specdec_core.planning.kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION
+from specdec_core.target.scorer import PREFILL_CHUNK
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,9 @@ class WorkerConfig(BaseModel):
         default_factory=dict, description="custom Ray resources per rank: pins the worker to node types that have them"
     )
     replicas: int = Field(1, ge=1, description="replicas of the worker (each with its ranks); a request stays on one")
-    tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks of a stage (specdec_core/parallel.py)")
+    tp_size: int = Field(
+        1, ge=1, le=64, description="tensor-parallel ranks of a stage (specdec_core/models/parallel.py)"
+    )
     pp_size: int = Field(
         1, ge=1, le=64, description="pipeline stages of tp_size ranks each, layers split between them (pipeline.py)"
     )
@@ -98,7 +100,7 @@ class AppConfig(BaseModel):
     draft_costs: Optional[DraftCosts] = Field(
         None,
         description="the draft model's prices beside the target, the model drafters' defaults "
-        "(specdec_core/draft_costs.py): `specdec serve` measures them for a CPU pair on its machine; "
+        "(specdec_core/calibration/draft_costs.py): `specdec serve` measures them for a CPU pair on its machine; "
         "None: the drafters' built-in ones",
     )
     target_heads: Optional[str] = Field(
@@ -173,7 +175,7 @@ class AppConfig(BaseModel):
 
 def refuse_unfit_heads(config: AppConfig) -> None:
     """Named target heads that do not fit the target as configured (its kept layers, stages,
-    hidden size and vocabulary: target_heads.py) are a config error (ValueError), found before
+    hidden size and vocabulary: heads/loading.py) are a config error (ValueError), found before
     any replica starts: a target worker that cannot hold them would fail its start until Serve
     gives up. Heads or a target config not readable on this node (a cluster's head node, the
     files on the GPU nodes) are checked by the target worker as it loads them. Reading the target's

@@ -1,10 +1,10 @@
 """specdec_core: speculative decoding in one process (pure PyTorch + transformers)."""
 
-from .engine import SpeculativeEngine
-from .errors import SpecdecError
-from .loader import DEFAULT_DRAFT, EMBEDDED, ModelSpec
-from .request import Completion, ComponentSpec, GenerationRequest, RequestDefaults, StreamChunk
-from .sampling import SamplingParams
+from .api.errors import SpecdecError
+from .api.request import Completion, ComponentSpec, GenerationRequest, RequestDefaults, StreamChunk
+from .api.sampling import SamplingParams
+from .loop.engine import SpeculativeEngine
+from .models.loader import DEFAULT_DRAFT, EMBEDDED, ModelSpec
 
 __all__ = [
     "Completion",

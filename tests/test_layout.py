@@ -3,7 +3,9 @@ outside the repository, and the benchmark's questions ship inside the package.""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +28,9 @@ print(json.dumps({{"modules": modules, "serving": loaded}}))
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True)
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert {"specdec_core.engine", "specdec_core.tools.cli", "specdec_core.kernels.int4"} <= set(report["modules"])
+    assert {"specdec_core.loop.engine", "specdec_core.tools.cli_app", "specdec_core.models.kernels.int4"} <= set(
+        report["modules"]
+    )
     assert report["serving"] == []
 
 
@@ -38,7 +42,7 @@ def test_nothing_refers_to_paths_outside_the_repository():
         if (Path(path).suffix in (".py", ".md", ".yaml", ".toml", ".proto") or path == "Makefile")
         and path != "tests/test_layout.py"  # this file names what it looks for
     ]
-    assert "README.md" in texts and "specdec_core/engine.py" in texts
+    assert "README.md" in texts and "specdec_core/loop/engine.py" in texts
     for path in texts:
         content = (ROOT / path).read_text()
         for outside in ("../shared", "shared/DESIGN", "DESIGN.md", "papers/"):
@@ -47,7 +51,7 @@ def test_nothing_refers_to_paths_outside_the_repository():
 
 def test_spec_bench_questions_ship_with_the_package():
     import specdec_core
-    from specdec_core.questions import DEFAULT_QUESTIONS, load_questions
+    from specdec_core.calibration.questions import DEFAULT_QUESTIONS, load_questions
 
     package_dir = Path(specdec_core.__file__).parent
     assert DEFAULT_QUESTIONS.is_relative_to(package_dir)
@@ -78,5 +82,123 @@ def test_a_built_wheel_holds_the_grpc_stubs_the_default_config_and_the_shipped_d
     subprocess.run(build, cwd=source, check=True, capture_output=True)
     names = set(zipfile.ZipFile(next(tmp_path.glob("specdec-*.whl"))).namelist())
     assert {"protos/specdec_pb2.py", "protos/specdec_pb2_grpc.py", "deployments/data/local.yaml"} <= names
-    assert "deployments/tools/lm_eval_tasks/specdec_mc.yaml" in names
+    assert "deployments/checks/lm_eval_tasks/specdec_mc.yaml" in names
     assert any(name.startswith("specdec_core/data/profiles/") for name in names)  # the embedded target's
+
+
+PACKAGES = ("specdec_core", "deployments")
+
+
+def source_modules() -> dict[str, Path]:
+    """Every module of the two packages by dotted name (a package by its __init__.py)."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project's modules that `name` imports anywhere in its file: at the top, inside functions
+    or under TYPE_CHECKING alike, so an import moved into a function cannot hide a circle."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `from package import name`: the package itself
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in graph[node]:
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_module_imports_itself_back_through_others():
+    modules = source_modules()
+    graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    assert graph["specdec_core.loop.engine"] >= {"specdec_core.api.request", "specdec_core.drafters"}
+    assert import_circles(graph) == []
+    # the check sees a circle where there is one
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_module_and_package_names_are_unique_and_shadow_no_standard_module():
+    names = [
+        path.stem if path.name != "__init__.py" else path.parent.name
+        for path in source_modules().values()
+        if path.parent.name not in PACKAGES or path.name != "__init__.py"
+    ]
+    names.append("lm_eval_tasks")  # a directory of lm-eval tasks, not a package
+    assert len(names) > 150
+    assert sorted(name for name in set(names) if names.count(name) > 1) == []
+    assert sorted(set(names) & set(sys.stdlib_module_names)) == []
+
+
+def drawn_layout() -> set[str]:
+    """The paths docs/architecture.md's layout block draws: one entry a line, two spaces a level."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    drawn, parents = set(), []
+    for line in block.splitlines():
+        entry = re.match(r"( *)([\w.]+/|[\w]+\.py)(\s|$)", line)
+        if not entry:
+            continue
+        depth = len(entry[1]) // 2
+        parents = parents[:depth] + [entry[2]]
+        drawn.add("".join(parents))
+    return drawn
+
+
+def test_the_architecture_doc_draws_every_package_and_module():
+    tree = {f"{package}/" for package in PACKAGES}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*"):
+            relative = path.relative_to(ROOT)
+            if "__pycache__" in relative.parts or "data" in relative.parts[1:-1]:
+                continue
+            if path.is_dir():
+                tree.add(f"{relative}/")
+            elif path.suffix == ".py" and path.name != "__init__.py":
+                tree.add(str(relative))
+    drawn = {path for path in drawn_layout() if path.startswith(tuple(f"{package}/" for package in PACKAGES))}
+    assert "specdec_core/heads/eagle3_layer.py" in tree
+    assert sorted(tree - drawn) == [], "in the tree, not drawn"
+    assert sorted(drawn - tree) == [], "drawn, not in the tree"

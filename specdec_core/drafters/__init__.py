@@ -7,10 +7,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import SpecdecError, validate_params
-from .base import Drafter, DraftSource, NoDrafter
+from ..api.errors import SpecdecError, validate_params
+from .drafter_base import Drafter, DraftSource, NoDrafter
 from .eagle3 import Eagle3Drafter
-from .heads import HeadsDrafter
+from .head_trees import HeadsDrafter
 from .model import ModelDrafter, MultiLevelDrafter
 from .model_tree import ModelTreeDrafter, MultiLevelTreeDrafter
 from .pld import PromptLookupDrafter

@@ -26,7 +26,7 @@ from typing import Annotated, NamedTuple, Sequence
 
 from pydantic import Field
 
-from .base import DrafterParams, common_prefix_length
+from .drafter_base import DrafterParams, common_prefix_length
 
 # Cost of a target step that scores k = 1, 2, .. drafts, relative to a 1-token step, by the device
 # type of the target. CPU: `specdec verify-cost --draft none` for the embedded target on the

@@ -1,5 +1,5 @@
-"""`eagle3`: chains or trees from the target's EAGLE-3 layer (eagle3.py), which drafts token by
-token from the target's own hidden states at three depths. It is the heads drafter (heads.py:
+"""`eagle3`: chains or trees from the target's EAGLE-3 layer (heads/eagle3_layer.py), which drafts token by
+token from the target's own hidden states at three depths. It is the heads drafter (head_trees.py:
 the same guess call to the target session, the same tree schedules) over a target whose heads
 are an EAGLE-3 layer, with a chain for its default: of the length that the cost model
 (block_length.py) picks from this request's acceptance so far, the verify-cost curve and the
@@ -16,14 +16,14 @@ from typing import Sequence
 
 from pydantic import Field, model_validator
 
-from ..dynamic_tree import DynamicTree
-from ..eagle3 import MAX_DRAFT_DEPTH
-from ..sampling import SamplingParams
-from ..topologies import default_bank
-from ..types import DraftBlock
-from .base import assumed_tokens
+from ..api.sampling import SamplingParams
+from ..heads.eagle3_layer import MAX_DRAFT_DEPTH
+from ..loop.stage_types import DraftBlock
+from ..trees.dynamic_tree import DynamicTree
+from ..trees.topologies import default_bank
 from .block_length import AcceptanceEstimate, learning_block, least_drafts
-from .heads import HeadsDrafter, HeadsParams
+from .drafter_base import assumed_tokens
+from .head_trees import HeadsDrafter, HeadsParams
 
 DEFAULT_EAGLE3_TREE = "chain_8"
 

@@ -29,12 +29,11 @@ from typing import ClassVar, Generator, NamedTuple, Optional, Sequence
 
 import torch
 
-from ..batching import forward_ragged
-from ..kernels.chunked import kernels_by_chunk
-from ..kv_pool import PagedKV
-from ..sampling import MAX_TOKENS, argmax, argmax_lists, sample, sampling_probs
-from ..types import DraftBlock
-from .base import Drafter, DraftSource, ahead_outcome, common_prefix_length, sync_cache
+from ..api.sampling import MAX_TOKENS, argmax, argmax_lists, sample, sampling_probs
+from ..loop.stage_types import DraftBlock
+from ..models.kernels.chunked import kernels_by_chunk
+from ..runtime.batching import forward_ragged
+from ..runtime.kv_pool import PagedKV
 from .block_length import (
     AcceptanceEstimate,
     BlockChoice,
@@ -43,6 +42,7 @@ from .block_length import (
     draft_pays,
     learning_block,
 )
+from .drafter_base import Drafter, DraftSource, ahead_outcome, common_prefix_length, sync_cache
 from .model_params import ModelDrafterParams, MultiLevelParams
 from .pld import AdaptiveLookupParams, PromptLookupDrafter, lookup_continuation
 

@@ -20,13 +20,13 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 from pydantic import Field, field_validator
 
-from ..batching import forward_ragged
-from ..kv_pool import PagedKV
-from ..topologies import DEFAULT_DRAFT_TREE, default_bank
-from ..tree import Topology
-from ..types import DraftBlock
-from .base import Drafter, DraftSource, assumed_tokens, common_prefix_length, sync_cache
+from ..loop.stage_types import DraftBlock
+from ..runtime.batching import forward_ragged
+from ..runtime.kv_pool import PagedKV
+from ..trees.topologies import DEFAULT_DRAFT_TREE, default_bank
+from ..trees.tree import Topology
 from .block_length import AcceptanceEstimate, DraftCostParams, cost_per_draft, learning_block, least_drafts
+from .drafter_base import Drafter, DraftSource, assumed_tokens, common_prefix_length, sync_cache
 from .pld import PromptLookupParams, lookup_continuation
 from .tree_budget import budget_tree
 
@@ -116,7 +116,7 @@ def draft_next(model: torch.nn.Module, cache: PagedKV, cached: list[int], contex
 class ModelTreeParams(DraftCostParams):
     tree: str = Field(
         DEFAULT_DRAFT_TREE,
-        description="a named tree (specdec_core/topologies.py); a spine's nodes all hang off its top-1 path",
+        description="a named tree (specdec_core/trees/topologies.py); a spine's nodes all hang off its top-1 path",
     )
 
     @field_validator("tree")

@@ -14,9 +14,9 @@ from typing import Literal, Sequence
 import torch
 from pydantic import Field, model_validator
 
-from ..types import DraftBlock
-from .base import Drafter, DrafterParams
+from ..loop.stage_types import DraftBlock
 from .block_length import AcceptanceEstimate, AdaptiveLengthParams, best_block
+from .drafter_base import Drafter, DrafterParams
 
 
 class PromptLookupParams(DrafterParams):

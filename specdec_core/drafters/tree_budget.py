@@ -20,9 +20,9 @@ from typing import Sequence
 
 import torch
 
-from ..topologies import default_bank
-from ..tree import Topology, listed_name
-from ..types import DraftBlock
+from ..loop.stage_types import DraftBlock
+from ..trees.topologies import default_bank
+from ..trees.tree import Topology, listed_name
 from .block_length import best_length
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..errors import SpecdecError, validate_params
-from .base import AcceptancePolicy, PolicyParams
+from ..api.errors import SpecdecError, validate_params
 from .dropmatch import DropMatchPolicy
 from .ears import EarsPolicy
 from .easd import EasdPolicy
 from .fly import FlyPolicy
 from .greedy import GreedyPolicy
+from .policy_base import AcceptancePolicy, PolicyParams
 from .rejection import RejectionPolicy
 from .typical import TypicalPolicy
 

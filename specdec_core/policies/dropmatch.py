@@ -17,9 +17,9 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator
 
-from ..sampling import argmax, entropy, sample, sampling_probs
-from ..types import Verdict
-from .base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
+from ..api.sampling import argmax, entropy, sample, sampling_probs
+from ..loop.stage_types import Verdict
+from .policy_base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
 
 Criterion = Literal["majority", "js", "naive"]
 

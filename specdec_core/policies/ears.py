@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..types import Verdict
-from .base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
+from ..loop.stage_types import Verdict
+from .policy_base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
 
 
 class EarsParams(PolicyParams):

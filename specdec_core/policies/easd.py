@@ -8,7 +8,7 @@ p_t renormalized: the token is rejected and the replacement drawn from the penal
 (its argmax at T = 0). Otherwise the base rule applies. tau_H = inf is exactly the base rule.
 `>=` for the overlap: the paper's Table 7 rows for tau_O = 0 and 0.2 coincide, which only fits
 `>=`. Drafts without a distribution (prompt lookup) have zero entropy and are never penalized.
-tau_H is a per-model calibration in the paper; left out, it is the target's (profile.py)."""
+tau_H is a per-model calibration in the paper; left out, it is the target's (calibration/target_profile.py)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from typing import Optional
 import torch
 from pydantic import Field
 
-from ..errors import SpecdecError
-from ..sampling import entropy_of_logits, sample, warp_logits
-from ..types import Verdict
-from .base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
+from ..api.errors import SpecdecError
+from ..api.sampling import entropy_of_logits, sample, warp_logits
+from ..loop.stage_types import Verdict
+from .policy_base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
 
 
 class EasdParams(PolicyParams):

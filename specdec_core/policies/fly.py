@@ -24,9 +24,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from ..sampling import entropy_of_logits
-from ..types import Verdict
-from .base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
+from ..api.sampling import entropy_of_logits
+from ..loop.stage_types import Verdict
+from .policy_base import AcceptancePolicy, PolicyParams, accepted_prefix, base_decision, first_false, recover_token
 
 
 class FlyParams(PolicyParams):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from ..drafters.base import common_prefix_length
-from ..sampling import argmax
-from ..tree_verify import best_path
-from ..types import Verdict
-from .base import AcceptancePolicy, accepted_prefix, base_decision, first_false
+from ..api.sampling import argmax
+from ..drafters.drafter_base import common_prefix_length
+from ..loop.stage_types import Verdict
+from ..trees.tree_verify import best_path
+from .policy_base import AcceptancePolicy, accepted_prefix, base_decision, first_false
 
 
 class GreedyPolicy(AcceptancePolicy):

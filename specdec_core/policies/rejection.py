@@ -4,10 +4,10 @@ EAGLE's trees are), lossless for any tree."""
 
 from __future__ import annotations
 
-from ..tree_verify import sample_path
-from ..types import Verdict
-from .base import AcceptancePolicy, accepted_prefix, base_decision, first_false, recover_token
+from ..loop.stage_types import Verdict
+from ..trees.tree_verify import sample_path
 from .greedy import GreedyPolicy, tree_verdict
+from .policy_base import AcceptancePolicy, accepted_prefix, base_decision, first_false, recover_token
 
 
 class RejectionPolicy(AcceptancePolicy):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..sampling import entropy_of_probs, sample, warp_logits
-from ..tree_verify import best_path
-from ..types import Verdict
-from .base import AcceptancePolicy, PolicyParams, accepted_prefix, first_false
+from ..api.sampling import entropy_of_probs, sample, warp_logits
+from ..loop.stage_types import Verdict
+from ..trees.tree_verify import best_path
 from .greedy import GreedyPolicy, tree_verdict
+from .policy_base import AcceptancePolicy, PolicyParams, accepted_prefix, first_false
 
 
 class TypicalParams(PolicyParams):

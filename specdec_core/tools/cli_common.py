@@ -1,6 +1,6 @@
 """What the `specdec` commands share: the console, the model and question options, parsing of
 command-line values, building the in-process engine, failing with a message, printing a table and
-building a request from options. The command modules (cli_*.py) import this; cli.py assembles them."""
+building a request from options. The command modules (cli_*.py) import this; cli_app.py assembles them."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import format_validation_errors
-from ..loader import DEFAULT_DRAFT, ModelSpec
-from ..questions import DEFAULT_QUESTIONS, HUMANEVAL
-from ..target_heads import AUTO
+from ..api.errors import format_validation_errors
+from ..calibration.questions import DEFAULT_QUESTIONS, HUMANEVAL
+from ..heads.loading import AUTO
+from ..models.loader import DEFAULT_DRAFT, ModelSpec
 from . import params
 
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -81,9 +81,9 @@ def build_engine(
     compiled: bool = False,
 ):
     """`compiled`: both models' steps under torch.compile (ModelSpec.compile)."""
-    from ..engine import SpeculativeEngine
-    from ..kernels.cpu import configure_cpu
-    from ..topologies import load_tree_bank
+    from ..loop.engine import SpeculativeEngine
+    from ..models.kernels.cpu import configure_cpu
+    from ..trees.topologies import load_tree_bank
 
     configure_cpu(os.cpu_count() or 1)
     for bank in trees:
@@ -123,7 +123,7 @@ def request_from_options(
     clear message on bad input."""
     from pydantic import ValidationError
 
-    from ..request import GenerationRequest
+    from ..api.request import GenerationRequest
 
     policy_params = parse_params(policy_param)
     if policy_params and not policy:

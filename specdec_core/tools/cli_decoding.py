@@ -12,12 +12,12 @@ from typing import Optional
 
 import typer
 
+from ..api.errors import SpecdecError
+from ..api.request import RequestDefaults
+from ..api.sampling import SamplingParams
+from ..calibration.questions import first_turn, load_questions
 from ..drafters.pld import PromptLookupParams
-from ..errors import SpecdecError
-from ..loader import ModelSpec
-from ..questions import first_turn, load_questions
-from ..request import RequestDefaults
-from ..sampling import SamplingParams
+from ..models.loader import ModelSpec
 from .cli_common import (
     DraftDtypeOpt,
     DraftLayersOpt,
@@ -138,8 +138,9 @@ def bench(
     OUT/outputs.jsonl (every method's output per question)."""
     from tqdm.auto import tqdm
 
-    from .bench import BenchConfig, run_bench
-    from .report import TABLE_COLUMNS, write_report
+    from .benchmarks.bench import run_bench
+    from .benchmarks.bench_records import BenchConfig
+    from .benchmarks.report import TABLE_COLUMNS, write_report
 
     config = BenchConfig(
         questions=questions,
@@ -186,10 +187,10 @@ def bench(
 
 def load_sweep(config, levels: list[int], connect, target: str, out: Path) -> None:
     """`bench --concurrency`: the config's endpoint methods under each load level (load.py)."""
-    from ..frontend import Frontend
-    from ..request import GenerationRequest
-    from .bench import Runner, parse_specdec_method
-    from .load import sweep
+    from ..api.request import GenerationRequest
+    from ..loop.frontend import Frontend
+    from .benchmarks.bench import Runner, parse_specdec_method
+    from .benchmarks.load import sweep
 
     if any(not method.startswith("endpoint:") for method in config.methods):
         fail("--concurrency runs endpoint:<policy>+<drafter>[@K] methods only (target-only: endpoint:greedy+none)")
@@ -234,7 +235,7 @@ def quality(
     Writes each bench run under OUT/ and the comparison to OUT/quality.json and OUT/quality.md."""
     from tqdm.auto import tqdm
 
-    from .quality import MODES, QUESTION_SETS, QualityConfig, markdown, run_quality
+    from .benchmarks.quality import MODES, QUESTION_SETS, QualityConfig, markdown, run_quality
 
     chosen = comma_list(sets)
     if not chosen or set(chosen) - set(QUESTION_SETS):

@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from ..errors import format_validation_errors
-from ..loader import ModelSpec
+from ..api.errors import format_validation_errors
+from ..models.loader import ModelSpec
 from .cli_common import (
     DraftDtypeOpt,
     DraftLayersOpt,
@@ -41,7 +41,7 @@ def verify_cost(
     """Cost of one forward over n = 1..max-tokens new tokens, target and draft model: the
     curve that decides when speculation pays (a K-draft verify is n = K + 1); with
     --batch-sizes, the target's batched steps (that many sessions' blocks in one forward)."""
-    from .verify_cost import measure
+    from .measuring.verify_cost import measure
 
     if max_tokens < 1 or repeats < 1 or context < max_tokens:
         fail("need --max-tokens >= 1, --repeats >= 1 and --context >= --max-tokens")
@@ -75,8 +75,8 @@ def lookup_ceiling(
 ):
     """Replay the bench's target-only greedy outputs through the pld drafter and through three
     oracles under the verify cost curve: what prompt lookup earns and could at most earn."""
-    from .lookup_ceiling import load_bench_run
-    from .lookup_ceiling import lookup_ceiling as ceiling_rows
+    from .benchmarks.lookup_ceiling import load_bench_run
+    from .benchmarks.lookup_ceiling import lookup_ceiling as ceiling_rows
 
     try:
         outputs, params, max_draft = load_bench_run(bench_dir, parse_params(drafter_param))
@@ -97,7 +97,8 @@ def calibrate_easd(
     answers. The value EASD uses when a request gives no tau_h; measured once and cached."""
     from pydantic import ValidationError
 
-    from ..profile import CalibrationSettings, calibration_progress, load_profile, profile_path
+    from ..calibration.profile_types import CalibrationSettings
+    from ..calibration.target_profile import calibration_progress, load_profile, profile_path
 
     try:
         settings = CalibrationSettings(

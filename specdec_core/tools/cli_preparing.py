@@ -12,8 +12,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from ..errors import SpecdecError, format_validation_errors
-from ..loader import ModelSpec
+from ..api.errors import SpecdecError, format_validation_errors
+from ..models.loader import ModelSpec
 from .cli_common import (
     HeadsOpt,
     TargetDtypeOpt,
@@ -39,8 +39,8 @@ def train_heads_command(
     setting: list[str] = typer.Option(
         [],
         "--set",
-        help="a training setting k=v, repeatable (TrainSettings in tools/train_heads.py, Eagle3TrainSettings in "
-        "tools/train_eagle3.py)",
+        help="a training setting k=v, repeatable (TrainSettings in tools/training/train_heads.py, "
+        "Eagle3TrainSettings in tools/training/train_eagle3.py)",
     ),
     kind: str = typer.Option("medusa", "--kind", help="medusa: heads on the final state; eagle3: an EAGLE-3 layer"),
     answers: str = typer.Option(
@@ -59,11 +59,11 @@ def train_heads_command(
     last checkpoint."""
     from pydantic import ValidationError
 
-    from ..engine import SpeculativeEngine
-    from ..kernels.cpu import configure_cpu
-    from ..questions import SHAREGPT_HELD_OUT, sharegpt_exchanges
-    from .train_eagle3 import Eagle3TrainSettings, train_eagle3_heads
-    from .train_heads import DistillSettings, TrainSettings, train_heads
+    from ..calibration.questions import SHAREGPT_HELD_OUT, sharegpt_exchanges
+    from ..loop.engine import SpeculativeEngine
+    from ..models.kernels.cpu import configure_cpu
+    from .training.train_eagle3 import Eagle3TrainSettings, train_eagle3_heads
+    from .training.train_heads import DistillSettings, TrainSettings, train_heads
 
     trainers = {"medusa": (TrainSettings, train_heads), "eagle3": (Eagle3TrainSettings, train_eagle3_heads)}
     if kind not in trainers:
@@ -125,7 +125,7 @@ def frontier(
     """EntMTP's offline tree search for the target's heads: per task the acceptance frontier
     (Algorithm 1), re-scored by each tree's own rollout, re-ranked by measured tokens/s; writes
     OUT/TASK.json (a tree bank: load it with --trees) and OUT/TASK.png."""
-    from .frontier import frontier as search
+    from .training.frontier import frontier as search
 
     if budget < 1 or rerank < 1 or prompts < 1:
         fail("need --budget, --rerank and --prompts >= 1")
@@ -168,8 +168,8 @@ def plan(
     request at max length, one verify step's activations, the reserve and the headroom (of the
     rank that needs most); and the smallest layout that fits. Exits 1 when the asked layout does
     not fit. Shipped configs (no weights): see `specdec_core/data/model_configs`."""
-    from ..memory import BYTES_PER_VALUE, GIB, load_model_config, shipped_configs, smallest_layout
-    from ..memory import plan as plan_memory
+    from ..planning.memory import BYTES_PER_VALUE, GIB, load_model_config, shipped_configs, smallest_layout
+    from ..planning.memory import plan as plan_memory
 
     for name, value in (("--dtype", dtype), ("--kv-dtype", kv_dtype)):
         if value not in BYTES_PER_VALUE:
@@ -224,7 +224,7 @@ def plan(
 
 def convert(target: str = TargetOpt):
     """Convert (once) and cache a GGUF checkpoint; prints cold/warm load times."""
-    from ..loader import load_model, resolve_source
+    from ..models.loader import load_model, resolve_source
 
     start = time.perf_counter()
     path = resolve_source(target)

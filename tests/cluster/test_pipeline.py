@@ -1,4 +1,4 @@
-"""A target split into pipeline stages (specdec_core/pipeline.py), each stage's ranks processes
+"""A target split into pipeline stages (specdec_core/models/pipeline.py), each stage's ranks processes
 of their own over gloo: every rank's logits and policy features equal one process's, before and
 after a rollback and in steps of several sessions (a step of 72 tokens runs as 2 micro-batches),
 as 2 stages of 1 rank and 2 stages of 2 ranks (tensor parallel inside each); only the first
@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, tiny_llama
 from test_tensor_parallel import assert_every_rank_scores_as, sharded_steps, steps
 
-from specdec_core.loader import ModelSpec
-from specdec_core.parallel import join_group, load_sharded_model, run_local_ranks
-from specdec_core.pipeline import split_rows, stage_layers
+from specdec_core.models.loader import ModelSpec
+from specdec_core.models.parallel import join_group, load_sharded_model, run_local_ranks
+from specdec_core.models.pipeline import split_rows, stage_layers
+
+from helpers.tiny_models import TINY_VOCAB, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def test_a_tied_head_is_the_last_stages_embedding(tmp_path):
 def test_a_truncated_model_ends_on_the_last_stage_of_its_kept_layers(checkpoint):
     """`num_layers` 2 of the 3-layer checkpoint over 2 stages: the second stage holds layer 1,
     the norm and the head, as one process truncated to 2 layers."""
-    from specdec_core.loader import truncate_layers
+    from specdec_core.models.loader import truncate_layers
 
     reference_model = tiny_llama(seed=3, prepared=False, num_layers=3)
     truncate_layers(reference_model, 2)
@@ -86,7 +87,7 @@ def test_pipeline_step_times_a_step_whole_and_a_micro_batch_a_stage(checkpoint, 
     shape, whole and (stages only) split."""
     from typer.testing import CliRunner
 
-    from specdec_core.tools.cli import app
+    from specdec_core.tools.cli_app import app
 
     arguments = ["pipeline-step", "--target", checkpoint, "--pp", str(pp), "--steps", "4x9,2x1", "--repeats", "1"]
     result = CliRunner().invoke(app, arguments, terminal_width=200)
@@ -97,7 +98,7 @@ def test_pipeline_step_times_a_step_whole_and_a_micro_batch_a_stage(checkpoint, 
 
 
 def test_pipeline_step_shapes_are_sessions_by_tokens():
-    from specdec_core.tools.pipeline_step import step_shapes
+    from specdec_core.tools.measuring.pipeline_step import step_shapes
 
     assert step_shapes("8x11,8x1") == [(8, 11), (8, 1)]
     for bad in ("8", "8x0", "ax2", ""):
@@ -108,15 +109,15 @@ def test_pipeline_step_shapes_are_sessions_by_tokens():
 def heads_rank(rank: int, world_size: int, port: int, checkpoint: str, medusa_dir: str, eagle3_dir: str):
     """A rank of 2 stages: the kinds of the heads it holds from "auto" (the shipped heads, here
     the tiny Medusa heads and EAGLE-3 layer), and why it refuses the EAGLE-3 layer named."""
-    from specdec_core import target_heads
+    from specdec_core.heads import loading
 
     torch.set_num_threads(1)
     join_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
     model = load_sharded_model(ModelSpec(source=checkpoint), "transformers", 2)
-    target_heads.SHIPPED_HEADS = {"tiny": [medusa_dir, eagle3_dir]}
-    kinds = sorted(target_heads.load_heads("auto", "tiny", model))
+    loading.SHIPPED_HEADS = {"tiny": [medusa_dir, eagle3_dir]}
+    kinds = sorted(loading.load_heads("auto", "tiny", model))
     try:
-        target_heads.load_heads(eagle3_dir, "tiny", model)
+        loading.load_heads(eagle3_dir, "tiny", model)
         refusal = None
     except ValueError as error:
         refusal = str(error)
@@ -127,10 +128,11 @@ def test_a_target_in_stages_holds_the_shipped_medusa_heads_and_refuses_an_eagle3
     """An EAGLE-3 layer reads layers that the stages split between them: "auto" leaves it out
     (the embedded target's shipped layer must not stop cluster/local-pp2.yaml from starting), a
     named one is refused with a message; the Medusa heads load on every stage."""
-    from eagle3_heads import write_eagle3
     from transformers import AutoModelForCausalLM
 
-    from specdec_core.heads import MedusaHeads
+    from specdec_core.heads.medusa import MedusaHeads
+
+    from helpers.eagle3_heads import write_eagle3
 
     target = AutoModelForCausalLM.from_pretrained(checkpoint)
     MedusaHeads(target.config.hidden_size, target.config.vocab_size, 2, own_lm_head=False).save(tmp_path / "medusa")

@@ -16,13 +16,13 @@ httpx = pytest.importorskip("httpx")
 
 pytestmark = [pytest.mark.needs_smollm2, pytest.mark.ray]  # SmolLM2's tokenizer; a local Ray cluster
 
-from conftest import perturbed_copy, tiny_llama  # noqa: E402
-
 from deployments.config import AppConfig  # noqa: E402
-from deployments.worker import ROLES, worker_handle  # noqa: E402
+from deployments.workers.worker import ROLES, worker_handle  # noqa: E402
 from specdec_core import GenerationRequest, ModelSpec, SpeculativeEngine  # noqa: E402
-from specdec_core.loader import load_model, load_tokenizer  # noqa: E402
+from specdec_core.models.loader import load_model, load_tokenizer  # noqa: E402
 from specdec_core.policies import POLICIES  # noqa: E402
+
+from helpers.tiny_models import perturbed_copy, tiny_llama  # noqa: E402
 
 HTTP_PORT, GRPC_PORT = 18431, 19431
 URL = f"http://127.0.0.1:{HTTP_PORT}"

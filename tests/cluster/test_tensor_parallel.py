@@ -1,4 +1,4 @@
-"""A target sharded over 2 ranks on CPU (gloo), by both backends (specdec_core/parallel.py): every
+"""A target sharded over 2 ranks on CPU (gloo), by both backends (specdec_core/models/parallel.py): every
 rank's logits and policy features equal one process's, before and after a rollback. Each rank is
 a process of its own; the served group over Ray is tested in test_serve.py."""
 
@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY_VOCAB, tiny_llama
 
-from deployments.tensor_parallel import ControlChannel
-from specdec_core.loader import ModelSpec, load_model
-from specdec_core.parallel import join_group, load_sharded_model, run_local_ranks, shard_problem
+from deployments.workers.tensor_parallel import ControlChannel
+from specdec_core.api.sampling import SamplingParams
+from specdec_core.models.loader import ModelSpec, load_model
+from specdec_core.models.parallel import join_group, load_sharded_model, run_local_ranks, shard_problem
 from specdec_core.policies import make_policy
-from specdec_core.sampling import SamplingParams
-from specdec_core.target import Row, TargetScorer, forward_rows
+from specdec_core.target.scorer import Row, TargetScorer, forward_rows
+
+from helpers.tiny_models import TINY_VOCAB, tiny_llama
 
 PROMPT = [5, 17, 42, 99, 3, 7, 250, 11]
 FIRST_BLOCK = [11, 61, 300, 2, 77, 140]  # [the prompt's last token, 5 drafts]
@@ -77,7 +78,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory):
     """The same tiny model with its decoder linears in FP8 (Meta's fbgemm_fp8 format)."""
-    from fp8_checkpoints import FORMATS, write_fp8_checkpoint
+    from helpers.fp8_checkpoints import FORMATS, write_fp8_checkpoint
 
     path = tmp_path_factory.mktemp("tp") / "fp8"
     write_fp8_checkpoint(tiny_llama(seed=3, prepared=False), path, FORMATS["fbgemm_fp8"])

@@ -1,4 +1,4 @@
-"""Many sessions in one forward (specdec_core/batching.py, target.forward_rows): each row's
+"""Many sessions in one forward (specdec_core/runtime/batching.py, target.forward_rows): each row's
 logits equal its own unbatched forward, through prompt chunks and rejections of different
 lengths in the same step."""
 
@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import repeating_prompt, tiny_llama, tiny_profile
 
-from specdec_core.batching import padded_size
-from specdec_core.compiled_step import pad_steps
+from specdec_core.api.sampling import SamplingParams
 from specdec_core.policies import make_policy
-from specdec_core.sampling import SamplingParams
-from specdec_core.target import Row, TargetScorer, forward_rows
+from specdec_core.runtime.batching import padded_size
+from specdec_core.runtime.compiled_step import pad_steps
+from specdec_core.target.scorer import Row, TargetScorer, forward_rows
+
+from helpers.tiny_models import repeating_prompt, tiny_llama, tiny_profile
 
 
 @torch.inference_mode()
@@ -84,7 +85,7 @@ def test_a_long_prompt_chunk_attends_apart_and_every_row_scores_as_alone(padded:
     attention calls per layer (the short rows are not padded to the chunk); each verify row's
     logits are those of its step alone, and the chunk's prompt continues as unbatched; the same
     with the step's sizes padded (its calls then have 8 and 128 queries)."""
-    from specdec_core.batching import LONG_ROW
+    from specdec_core.runtime.batching import LONG_ROW
 
     model = tiny_llama(seed=4)
     if padded:
@@ -124,8 +125,8 @@ def test_proposals_in_lockstep_equal_each_proposal_alone():
     their own chunk's length) come out bitwise as each alone, over two steps with commits."""
     from specdec_core.drafters import make_drafter
     from specdec_core.drafters.model import propose_together
-    from specdec_core.kernels.chunked import CHUNK_LENGTHS, ChunkedLinear, kernel_for
-    from specdec_core.kernels.int4 import quantize_int4
+    from specdec_core.models.kernels.chunked import CHUNK_LENGTHS, ChunkedLinear, kernel_for
+    from specdec_core.models.kernels.int4 import quantize_int4
 
     model = tiny_llama(seed=5).to(torch.bfloat16)
     table = ((1, "int4"), (4, "fp32"), (12, "int4"), (256, "bf16"))  # three kernels by chunk length
@@ -182,10 +183,11 @@ def test_a_compiled_step_captures_without_breaks_and_decodes_as_eager(monkeypatc
     recorded per shape), where the eager steps' shapes change nearly every step."""
     from torch._dynamo.utils import counters
 
-    from specdec_core import GenerationRequest, SpeculativeEngine, batching
-    from specdec_core.batching import LONG_ROW
-    from specdec_core.compiled_step import compile_step
-    from specdec_core.lockstep import complete_together
+    from specdec_core import GenerationRequest, SpeculativeEngine
+    from specdec_core.loop.lockstep import complete_together
+    from specdec_core.runtime import batching
+    from specdec_core.runtime.batching import LONG_ROW
+    from specdec_core.runtime.compiled_step import compile_step
 
     shapes = {False: [], True: []}  # padded or not: each step's tensor sizes
 
@@ -224,7 +226,7 @@ def test_a_compiled_step_captures_without_breaks_and_decodes_as_eager(monkeypatc
 
 
 def test_sizes_pad_to_powers_of_two_then_to_multiples_of_the_step():
-    from specdec_core.batching import PAD_STEP
+    from specdec_core.runtime.batching import PAD_STEP
 
     assert [padded_size(size) for size in (1, 2, 3, 5, 64, 65, PAD_STEP)] == [1, 2, 4, 8, 64, 128, PAD_STEP]
     assert [padded_size(size) for size in (PAD_STEP + 1, 3 * PAD_STEP - 7)] == [2 * PAD_STEP, 3 * PAD_STEP]

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import repeating_prompt, tiny_llama
 
 from specdec_core import GenerationRequest, SpeculativeEngine
-from specdec_core.kernels import kernel_choice
-from specdec_core.kernels.chunked import ChunkedLinear, DenseKernel, describe, kernel_for, kernels_by_chunk
-from specdec_core.kernels.int4 import Int4Kernel, int4_candidates, quantize_int4
-from specdec_core.sampling import SamplingParams
+from specdec_core.api.sampling import SamplingParams
+from specdec_core.models.kernels import kernel_choice
+from specdec_core.models.kernels.chunked import ChunkedLinear, DenseKernel, describe, kernel_for, kernels_by_chunk
+from specdec_core.models.kernels.int4 import Int4Kernel, int4_candidates, quantize_int4
+
+from helpers.tiny_models import repeating_prompt, tiny_llama
 
 INT4_THEN_BF16 = ((12, "int4"), (256, "bf16"))
 
@@ -127,7 +128,7 @@ def test_int4_draft_runs_chunked_kernels_and_keeps_greedy_speculation_identical(
     """`quantize_int4` makes the body linears and the head of a bf16 copy chunked linears (the
     head without int4), and that draft leaves greedy output token-identical through both model
     drafters while drafts get accepted."""
-    from specdec_core.kernels import prepare_model
+    from specdec_core.models.kernels import prepare_model
 
     draft = tiny_llama(prepared=False).to(torch.bfloat16)  # the target's weights (same seed)
     quantize_int4(draft, fixed(((4, "int4"), (8, "fp32"), (256, "bf16"))))
@@ -149,7 +150,7 @@ def test_a_cpu_without_int4_or_onednn_kernels_runs_the_draft_on_torch_matmul(tin
     """Where torch has no int4 CPU kernel and oneDNN packs nothing (as on some aarch64 builds),
     the int4 draft loads on the kernels that remain, torch's matmul in bf16 or fp32, and stays
     lossless."""
-    from specdec_core.kernels import chunked, int4, prepare_model
+    from specdec_core.models.kernels import chunked, int4, prepare_model
 
     def no_int4(linear):
         raise NotImplementedError("no int4 CPU kernel in this build")
@@ -193,7 +194,7 @@ def test_the_avx2_path_packs_no_bf16_chooses_among_what_runs_and_stays_lossless(
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     tests_dir = str(Path(__file__).parents[1])
     result = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("avx2_draft.py")), tests_dir, str(tmp_path)],
+        [sys.executable, str(Path(__file__).parents[1] / "helpers" / "avx2_draft.py"), tests_dir, str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,
@@ -213,8 +214,8 @@ def test_the_draft_costs_key_ignores_what_cannot_change_a_cpu_pairs_costs():
     """cuda_graphs has no bearing on a CPU pair: a spec that sets it finds the costs measured
     without it (a changed key would measure them again, and a lossy policy's block lengths follow
     them)."""
-    from specdec_core.draft_costs import draft_costs_path
-    from specdec_core.loader import ModelSpec
+    from specdec_core.calibration.draft_costs import draft_costs_path
+    from specdec_core.models.loader import ModelSpec
 
     default = draft_costs_path(ModelSpec(), ModelSpec(dtype="int4"), None)
     assert draft_costs_path(ModelSpec(cuda_graphs=False), ModelSpec(dtype="int4", cuda_graphs=False), None) == default

@@ -1,4 +1,4 @@
-"""EAGLE-2's dynamic tree (specdec_core/dynamic_tree.py) over a drafter whose next-token
+"""EAGLE-2's dynamic tree (specdec_core/trees/dynamic_tree.py) over a drafter whose next-token
 probabilities are known, and trees named by their paths (tree.py's `listed_name`)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from specdec_core.dynamic_tree import DynamicTree, grow
-from specdec_core.errors import SpecdecError
-from specdec_core.topologies import default_bank
-from specdec_core.tree import listed_name, listed_paths
+from specdec_core.api.errors import SpecdecError
+from specdec_core.trees.dynamic_tree import DynamicTree, grow
+from specdec_core.trees.topologies import default_bank
+from specdec_core.trees.tree import listed_name, listed_paths
 
 # every node's children: probabilities 0.6, 0.3, 0.1 (tokens 10 * depth + rank)
 PROBS = torch.tensor([0.6, 0.3, 0.1]).log()

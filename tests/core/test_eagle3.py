@@ -1,4 +1,4 @@
-"""EAGLE-3 layers (specdec_core/eagle3.py, eagle3_checkpoint.py, eagle3_session.py): a tiny random
+"""EAGLE-3 layers (specdec_core/heads/eagle3_layer.py, eagle3_checkpoint.py, eagle3_session.py): a tiny random
 head written by the test in the EAGLE authors' format and in `speculators`' loads; its guesses
 after every commit (chains, trees, rollbacks) are a plain re-implementation's, computed from the
 checkpoint's tensors by their published names over a fresh target forward; heads that do not fit
@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import repeating_prompt, tiny_llama
-from eagle3_heads import write_eagle3
 from safetensors.torch import load_file, save_file
 
+from specdec_core.api.sampling import SamplingParams
+from specdec_core.heads.loading import load_heads_from
 from specdec_core.policies import make_policy
-from specdec_core.sampling import SamplingParams
-from specdec_core.target import TargetScorer
-from specdec_core.target_heads import load_heads_from
+from specdec_core.target.scorer import TargetScorer
+
+from helpers.eagle3_heads import write_eagle3
+from helpers.tiny_models import repeating_prompt, tiny_llama
 
 NUM_LAYERS = 8  # the default target layers read: 2, 4 and 5
 
@@ -120,8 +121,8 @@ def test_a_published_eagle3_head_guesses_what_its_reference_drafts_after_every_c
     ],
 )
 def test_a_head_for_another_target_is_refused_with_the_reason(tmp_path, target, change, message):
-    """From its files, before loading (target_heads.py); loading onto such a target is refused too."""
-    from specdec_core.target_heads import TargetShape, refusal
+    """From its files, before loading (heads/loading.py); loading onto such a target is refused too."""
+    from specdec_core.heads.loading import TargetShape, refusal
 
     directory = write_eagle3(tmp_path, target, "speculators")
     other = copy.deepcopy(target.config)
@@ -135,7 +136,7 @@ def test_a_head_for_another_target_is_refused_with_the_reason(tmp_path, target, 
 
 
 def test_a_format_variant_it_does_not_read_is_refused(tmp_path, target):
-    from specdec_core.eagle3_checkpoint import load_eagle3
+    from specdec_core.heads.eagle3_checkpoint import load_eagle3
 
     directory = write_eagle3(tmp_path, target, "speculators")
     config = json.loads((directory / "config.json").read_text())
@@ -173,7 +174,7 @@ def test_greedy_decoding_over_eagle3_drafts_is_target_only_greedy(eagle3_engine,
 
 def test_the_eagle3_drafter_needs_an_eagle3_layer_on_the_target(tiny_engine, heads_engine):
     from specdec_core import GenerationRequest
-    from specdec_core.errors import SpecdecError
+    from specdec_core.api.errors import SpecdecError
 
     request = GenerationRequest(prompt_ids=repeating_prompt(0), drafter={"name": "eagle3"})
     for engine, has in ((tiny_engine, "none"), (heads_engine, "medusa")):
@@ -185,7 +186,7 @@ def test_a_target_holds_medusa_heads_and_an_eagle3_layer_and_each_drafter_reads_
     """`heads` drafts from the Medusa heads, `eagle3` from the layer, on one target; both give
     target-only greedy output; two sets of one kind are refused."""
     from specdec_core import GenerationRequest
-    from specdec_core.target_heads import load_heads
+    from specdec_core.heads.loading import load_heads
 
     assert list(eagle3_engine.heads) == ["medusa", "eagle3"]
     prompt = repeating_prompt(2)
@@ -202,7 +203,7 @@ def test_a_target_holds_medusa_heads_and_an_eagle3_layer_and_each_drafter_reads_
 
 
 def test_the_eagle3_cost_report_times_each_call_at_its_size():
-    from specdec_core.tools.eagle3_cost import eagle3_costs
+    from specdec_core.tools.measuring.eagle3_cost import eagle3_costs
 
     rows = eagle3_costs(tiny_llama(seed=6, num_layers=NUM_LAYERS), prompt_tokens=32, repeats=1)
     sizes = {row["call"]: row["tokens"] for row in rows}

@@ -7,16 +7,18 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, assert_target_log_probs, perturbed_copy, repeating_prompt, tiny_llama
 from scipy.stats import chisquare
 
 from specdec_core import GenerationRequest, SpecdecError, SpeculativeEngine
+from specdec_core.api.request import ComponentSpec
+from specdec_core.api.sampling import SamplingParams, sampling_probs
 from specdec_core.drafters import DrafterError, make_drafter
 from specdec_core.drafters.pld import PromptLookupParams, lookup_continuation
 from specdec_core.policies import POLICIES, make_policy
-from specdec_core.request import ComponentSpec
-from specdec_core.sampling import SamplingParams, sampling_probs
-from specdec_core.target import TargetScorer
+from specdec_core.target.scorer import TargetScorer
+
+from helpers.reference_scores import assert_target_log_probs
+from helpers.tiny_models import TINY_VOCAB, perturbed_copy, repeating_prompt, tiny_llama
 
 
 def greedy_scorer(model, prompt_ids) -> TargetScorer:
@@ -438,7 +440,7 @@ def test_measured_draft_costs_price_the_model_drafters_unless_a_request_names_it
     """The engine's draft costs (draft_costs.py) become the model drafters' defaults; the eagle3
     layer's own draft_cost and drafters without a draft model keep theirs; a request's own
     values win. Measured, they are positive ratios, cached per machine and pair."""
-    from specdec_core.draft_costs import DraftCosts, measure_draft_costs
+    from specdec_core.calibration.draft_costs import DraftCosts, measure_draft_costs
 
     costs = DraftCosts(draft_cost=0.7, prefill_cost=0.05)
     engine = SpeculativeEngine(tiny_target, None, tiny_engine.draft_model, draft_costs=costs)
@@ -460,8 +462,8 @@ def test_only_exact_greedy_requests_follow_the_targets_load(tiny_engine):
     """The loop hands the target's batch size to the drafter for greedy decoding with a lossless
     policy only: a sampled or lossy request's tokens depend on its blocks."""
     from specdec_core.drafters import NoDrafter
-    from specdec_core.engine import speculative_loop
-    from specdec_core.sessions import Immediate, run_immediately
+    from specdec_core.loop.engine import speculative_loop
+    from specdec_core.loop.sessions import Immediate, run_immediately
 
     class Recording(NoDrafter):
         def propose(self, max_tokens, batch_rows=1):
@@ -494,8 +496,8 @@ def test_the_loop_runs_without_an_event_loop_only_over_sessions_that_never_wait(
     import asyncio
 
     from specdec_core.drafters import NoDrafter
-    from specdec_core.engine import speculative_loop
-    from specdec_core.sessions import Immediate, run_immediately
+    from specdec_core.loop.engine import speculative_loop
+    from specdec_core.loop.sessions import Immediate, run_immediately
 
     class Waits(Immediate):
         async def score(self, tokens):
@@ -528,7 +530,7 @@ def test_packed_linear_is_batch_invariant_and_matches_linear(dtype):
     """Each row of an n-row PackedLinear call is bitwise the row computed alone (so a token's
     logits do not depend on the verify block it sits in), it matches F.linear, and the packed
     copy follows in-place weight changes. bf16 (the draft) is packed where oneDNN supports it."""
-    from specdec_core.kernels.linear import PackedLinear, packable_dtypes
+    from specdec_core.models.kernels.linear import PackedLinear, packable_dtypes
 
     if dtype not in packable_dtypes():
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
@@ -578,7 +580,7 @@ def test_grouped_low_precision_attention_matches_sdpa_and_runs_for_low_precision
     """The low-precision attention equals SDPA (float64 reference, bf16 tolerance) with no mask, a
     boolean mask and an additive one, each query head reading its own KV group, for one query and
     several; a bf16 model's steps run it and give transformers' sdpa logits within bf16 rounding."""
-    from specdec_core.kernels import attention
+    from specdec_core.models.kernels import attention
 
     generator = torch.Generator().manual_seed(0)
     key, value = torch.randn(2, 2, 2, 30, 16, generator=generator)
@@ -595,7 +597,7 @@ def test_grouped_low_precision_attention_matches_sdpa_and_runs_for_low_precision
             result = attention.grouped_low_precision_attention(*low, mask)
             torch.testing.assert_close(result.double(), reference, atol=3e-2, rtol=0)
 
-    from specdec_core import ragged_attention
+    from specdec_core.runtime import ragged_attention
 
     calls = []
     original = ragged_attention.grouped_low_precision_attention
@@ -621,7 +623,12 @@ def test_lookup_replay_reproduces_the_engine_and_the_oracle_bounds_it(tiny_engin
     engine proposed; the copy oracle is never costlier than the replay."""
     from specdec_core.drafters.block_length import block_cost
     from specdec_core.drafters.pld import AdaptiveLookupParams
-    from specdec_core.tools.lookup_ceiling import cheapest_cost, copyable_lengths, lookup_lengths, replay_drafter
+    from specdec_core.tools.benchmarks.lookup_ceiling import (
+        cheapest_cost,
+        copyable_lengths,
+        lookup_lengths,
+        replay_drafter,
+    )
 
     params = AdaptiveLookupParams()
     for seed in range(3):
@@ -641,7 +648,7 @@ def test_lookup_replay_reproduces_the_engine_and_the_oracle_bounds_it(tiny_engin
 
 
 def test_copy_oracle_on_a_hand_built_output():
-    from specdec_core.tools.lookup_ceiling import cheapest_cost, copyable_lengths
+    from specdec_core.tools.benchmarks.lookup_ceiling import cheapest_cost, copyable_lengths
 
     # the longest upcoming run found in prompt + output so far; the last token is the target's
     assert copyable_lengths([1, 2, 3, 4], [1, 2, 3, 9, 1, 2], 10) == [3, 2, 1, 0, 1, 0]
@@ -657,7 +664,7 @@ def test_random_weights_of_a_config_load_the_same_twice_and_decode_from_token_id
     """`random:<config>` (timing real shapes without a checkpoint): seed-0 weights, equal on every
     load, no tokenizer; the engine serves token-id prompts with it."""
     from specdec_core import ModelSpec
-    from specdec_core.loader import load_model, load_tokenizer
+    from specdec_core.models.loader import load_model, load_tokenizer
 
     config = {
         "model_type": "llama",

@@ -1,4 +1,4 @@
-"""FP8 checkpoints (specdec_core/fp8_checkpoint.py, kernels/fp8.py): a tiny random Llama written
+"""FP8 checkpoints (specdec_core/models/fp8_checkpoint.py, kernels/fp8.py): a tiny random Llama written
 by the test in each format loads through `load_model`, de-quantized on the CPU, and gives the
 logits of its original within FP8's rounding; layouts the loader does not know are refused."""
 
@@ -8,11 +8,12 @@ import json
 
 import pytest
 import torch
-from conftest import repeating_prompt, tiny_llama
-from fp8_checkpoints import FORMATS, write_fp8_checkpoint
 
-from specdec_core.kernels.fp8 import FP8, dequantize, quantize_rows
-from specdec_core.loader import ModelSpec, load_model
+from specdec_core.models.kernels.fp8 import FP8, dequantize, quantize_rows
+from specdec_core.models.loader import ModelSpec, load_model
+
+from helpers.fp8_checkpoints import FORMATS, write_fp8_checkpoint
+from helpers.tiny_models import repeating_prompt, tiny_llama
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

@@ -1,4 +1,4 @@
-"""EntMTP's offline tree search (specdec_core/tools/frontier_search.py): the greedy replay of a tree equals
+"""EntMTP's offline tree search (specdec_core/tools/training/frontier_search.py): the greedy replay of a tree equals
 what the engine accepts with it, and Algorithm 1 grows trees by what-if scoring, as the paper
 states it."""
 
@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import repeating_prompt
 
 from specdec_core import GenerationRequest
-from specdec_core.tools.frontier_search import (
+from specdec_core.tools.training.frontier_search import (
     accept_lengths,
     acceptance_frontier,
     next_children,
@@ -17,7 +16,9 @@ from specdec_core.tools.frontier_search import (
     rank_table,
     visited_starts,
 )
-from specdec_core.topologies import default_bank
+from specdec_core.trees.topologies import default_bank
+
+from helpers.tiny_models import repeating_prompt
 
 
 @pytest.mark.parametrize("tree", ["medusa_8", "chain_4", "mc_sim_7b_63"])

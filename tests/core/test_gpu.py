@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import repeating_prompt, tiny_llama, tiny_profile
 
 from specdec_core import GenerationRequest, SpeculativeEngine
 from specdec_core.policies import POLICIES
-from specdec_core.target import TargetScorer
+from specdec_core.target.scorer import TargetScorer
+
+from helpers.tiny_models import repeating_prompt, tiny_llama, tiny_profile
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -61,10 +62,10 @@ def test_cuda_logits_match_the_cpu_in_fp32():
 def test_a_fraction_of_the_card_sizes_the_pool_once():
     """gpu_memory_utilization: the pool gets the fraction less the weights and a profiled step,
     is allocated at the first forward and never grows."""
-    from specdec_core.batching import fix_pool, forward_ragged
-    from specdec_core.kv_budget import kv_budget
-    from specdec_core.kv_pool import PagedKV
-    from specdec_core.memory import kv_bytes_per_token
+    from specdec_core.planning.kv_budget import kv_budget
+    from specdec_core.planning.memory import kv_bytes_per_token
+    from specdec_core.runtime.batching import fix_pool, forward_ragged
+    from specdec_core.runtime.kv_pool import PagedKV
 
     model = tiny_llama(seed=0, prepared=False).to("cuda")
     total = torch.cuda.mem_get_info()[1]
@@ -86,10 +87,10 @@ def test_a_fraction_of_the_card_sizes_the_pool_once():
 def test_an_fp8_checkpoint_multiplies_in_fp8_within_its_rounding(tmp_path):
     """On Ada/Hopper an FP8 checkpoint's linears are Fp8Linear (FP8 matmuls, activations scaled
     per token): logits within 5% (relative norm) of the bf16 model of the same de-quantized weights."""
-    from fp8_checkpoints import FORMATS, write_fp8_checkpoint
+    from specdec_core.models.kernels.fp8 import Fp8Linear
+    from specdec_core.models.loader import ModelSpec, load_model
 
-    from specdec_core.kernels.fp8 import Fp8Linear
-    from specdec_core.loader import ModelSpec, load_model
+    from helpers.fp8_checkpoints import FORMATS, write_fp8_checkpoint
 
     original = tiny_llama(seed=2, prepared=False)
     expected = write_fp8_checkpoint(original, tmp_path, FORMATS["fbgemm_fp8"])
@@ -109,7 +110,7 @@ def test_an_fp8_checkpoint_multiplies_in_fp8_within_its_rounding(tmp_path):
 def graphed_engine():
     """cuda_engine's target with its steps replayed as CUDA graphs (step_graphs.py), beside a draft
     graphed too."""
-    from specdec_core.step_graphs import use_step_graphs
+    from specdec_core.runtime.step_graphs import use_step_graphs
 
     target = tiny_llama(seed=0, prepared=False).to("cuda")
     draft = tiny_llama(seed=0, prepared=False)
@@ -135,10 +136,10 @@ def test_a_replayed_step_keeps_the_states_eagle3_reads():
     """The kept layer inputs (aux_states.py) after a replay are the replayed step's, not the
     recording's: two steps of one shape and different tokens, against an eager twin. Keeping
     them drops the graphs recorded before (and their memory pool); the next step records anew."""
-    from specdec_core.aux_states import aux_states, keep_aux_states
-    from specdec_core.batching import forward_ragged
-    from specdec_core.kv_pool import PagedKV
-    from specdec_core.step_graphs import use_step_graphs
+    from specdec_core.runtime.batching import forward_ragged
+    from specdec_core.runtime.kv_pool import PagedKV
+    from specdec_core.runtime.step_graphs import use_step_graphs
+    from specdec_core.target.aux_states import aux_states, keep_aux_states
 
     graphed, eager = (tiny_llama(seed=2, prepared=False).to("cuda") for _ in range(2))
     use_step_graphs(graphed)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
 from typer.testing import CliRunner
 
-from specdec_core.tools.cli import app
+from specdec_core.tools.cli_app import app
+
+from helpers.tiny_models import tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Multi-token heads (specdec_core/heads.py): Medusa's published checkpoint format loads and
+"""Multi-token heads (specdec_core/heads/medusa.py): Medusa's published checkpoint format loads and
 computes what Medusa's own module computes, and heads saved here load back."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from specdec_core.heads import MedusaHeads
+from specdec_core.heads.medusa import MedusaHeads
 
 
 class PublishedResBlock(nn.Module):
@@ -64,9 +64,9 @@ def test_heads_saved_here_load_back_and_a_foreign_file_is_refused(tmp_path):
 
 
 def test_train_heads_lowers_the_loss_and_writes_heads_that_load_and_resume(trained_heads, tiny_target):
-    from conftest import HEADS_PROMPTS
+    from specdec_core.tools.training.train_heads import DISTILLED_FILE, head_labels, train
 
-    from specdec_core.tools.train_heads import DISTILLED_FILE, head_labels, train
+    from helpers.tiny_models import HEADS_PROMPTS
 
     heads, log, out, settings = trained_heads
     data = torch.load(out / DISTILLED_FILE, weights_only=True)
@@ -85,9 +85,9 @@ def test_train_heads_lowers_the_loss_and_writes_heads_that_load_and_resume(train
 
 
 def heads_request(drafter: dict, seed: int = 0, policy: str = "greedy", temperature: float = 0.0):
-    from conftest import repeating_prompt
-
     from specdec_core import GenerationRequest
+
+    from helpers.tiny_models import repeating_prompt
 
     return GenerationRequest(
         prompt_ids=repeating_prompt(seed),
@@ -122,7 +122,7 @@ def heads_request(drafter: dict, seed: int = 0, policy: str = "greedy", temperat
 def test_greedy_heads_decoding_is_target_only_greedy(heads_engine, params):
     """Trees from the target's heads, verified greedily, give target-only greedy decoding's tokens;
     the trained heads earn more than a token per step, and the scheduler's trees are the ones used."""
-    from specdec_core.drafters.heads import HeadsParams
+    from specdec_core.drafters.head_trees import HeadsParams
 
     trees, used = set(HeadsParams(**params).tree_names()), set()
     for seed in (0, 1):
@@ -137,7 +137,7 @@ def test_greedy_heads_decoding_is_target_only_greedy(heads_engine, params):
 def test_greedy_heads_decoding_within_the_node_budget_is_target_only_greedy(heads_engine):
     """By default each step verifies the default tree's most valuable nodes that pay for their
     verify on the CPU (tree_budget.py): a handful of mc_sim_7b_63's 63, chosen per step."""
-    from specdec_core.topologies import default_bank
+    from specdec_core.trees.topologies import default_bank
 
     sizes = set()
     for seed in (0, 1):
@@ -153,8 +153,8 @@ def test_greedy_heads_decoding_within_the_node_budget_is_target_only_greedy(head
 
 
 def test_heads_sharing_the_targets_lm_head_save_small_load_back_and_guess(tmp_path):
-    from specdec_core.heads import HeadGuesses
-    from specdec_core.topologies import default_bank
+    from specdec_core.heads.contract import HeadGuesses
+    from specdec_core.trees.topologies import default_bank
 
     lm_head = nn.Linear(8, 20, bias=False)
     heads = MedusaHeads(hidden_size=8, vocab_size=20, num_heads=3, num_layers=1, own_lm_head=False)
@@ -186,10 +186,10 @@ def test_the_heads_drafter_builds_the_schedulers_tree_from_the_guesses():
     the tokens guessed for their paths."""
     import asyncio
 
-    from specdec_core.drafters.heads import HeadsDrafter, HeadsParams
-    from specdec_core.heads import HeadGuesses
-    from specdec_core.sampling import SamplingParams
-    from specdec_core.topologies import default_bank
+    from specdec_core.api.sampling import SamplingParams
+    from specdec_core.drafters.head_trees import HeadsDrafter, HeadsParams
+    from specdec_core.heads.contract import HeadGuesses
+    from specdec_core.trees.topologies import default_bank
 
     class Source:
         def __init__(self, root_probs):
@@ -263,7 +263,7 @@ def test_sharegpt_exchanges_are_read_item_by_item_and_a_truncated_tail_is_skippe
     import io
     import json
 
-    from specdec_core.questions import first_exchanges, sharegpt_exchanges, sharegpt_first_turns
+    from specdec_core.calibration.questions import first_exchanges, sharegpt_exchanges, sharegpt_first_turns
 
     def conversation(first: str) -> dict:
         return {"id": first, "conversations": [{"from": "human", "value": first}, {"from": "gpt", "value": "ok"}]}

@@ -11,15 +11,17 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_llama, tiny_profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specdec_core import SpeculativeEngine, lockstep
-from specdec_core.lockstep import StepTimes, complete_together
+from specdec_core import SpeculativeEngine
+from specdec_core.api.sampling import SamplingParams
+from specdec_core.loop import lockstep
+from specdec_core.loop.lockstep import StepTimes, complete_together
+from specdec_core.loop.stage_types import DraftBlock, TargetBlock
 from specdec_core.policies.greedy import GreedyPolicy
-from specdec_core.sampling import SamplingParams
-from specdec_core.tools.gpu_decode import requests
-from specdec_core.types import DraftBlock, TargetBlock
+from specdec_core.tools.measuring.gpu_decode import requests
+
+from helpers.tiny_models import perturbed_copy, tiny_llama, tiny_profile
 
 
 class OutsideForwards(TorchDispatchMode):

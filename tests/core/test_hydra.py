@@ -1,4 +1,4 @@
-"""Hydra's heads (specdec_core/hydra.py): its published format loads, trees expand depth by depth
+"""Hydra's heads (specdec_core/heads/hydra.py): its published format loads, trees expand depth by depth
 as Hydra's proposal does (each node's children read its path), Hydra++'s prefix layer keeps its
 cache across commits, and decoding with them is exact."""
 
@@ -8,12 +8,14 @@ import json
 
 import pytest
 import torch
-from conftest import PublishedHydra, hydra_from_medusa, repeating_prompt, tiny_llama, tiny_profile
 
 from specdec_core import GenerationRequest
-from specdec_core.hydra import HydraHeads
-from specdec_core.target_heads import load_heads, load_heads_from
-from specdec_core.topologies import default_bank
+from specdec_core.heads.hydra import HydraHeads
+from specdec_core.heads.loading import load_heads, load_heads_from
+from specdec_core.trees.topologies import default_bank
+
+from helpers.published_hydra import PublishedHydra, hydra_from_medusa
+from helpers.tiny_models import repeating_prompt, tiny_llama, tiny_profile
 
 
 def published_hydra(target, architecture: str, num_layers: int) -> PublishedHydra:
@@ -132,14 +134,14 @@ def test_only_heads_sessions_run_the_heads_and_a_worker_reserves_their_prefix_ca
     """A target worker with Hydra++ heads runs them (and their prefix layer's cache) only for the
     sessions reset with `heads_kind`, and admits those for the prefix cache too."""
     grpc = pytest.importorskip("grpc")
-    from deployments.admission import Admission
-    from deployments.servicers import TargetServicer, start_server
-    from deployments.target_service import TargetService
-    from deployments.wire import component_to_proto, sampling_to_proto
+    from deployments.coordination.wire import component_to_proto, sampling_to_proto
+    from deployments.workers.admission import Admission
+    from deployments.workers.servicers import TargetServicer, start_server
+    from deployments.workers.target_service import TargetService
     from protos import specdec_pb2 as pb
     from protos import specdec_pb2_grpc as pb_grpc
-    from specdec_core.request import ComponentSpec
-    from specdec_core.sampling import SamplingParams
+    from specdec_core.api.request import ComponentSpec
+    from specdec_core.api.sampling import SamplingParams
 
     target = tiny_llama()
     published_hydra(target, "prefix-mlp", 1).save(tmp_path, "prefix-mlp")

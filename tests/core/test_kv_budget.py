@@ -6,13 +6,14 @@ from __future__ import annotations
 import gc
 
 import pytest
-from conftest import tiny_llama
 
 from deployments.config import WorkerConfig
-from specdec_core.batching import pool_of
-from specdec_core.errors import SpecdecError
-from specdec_core.kv_budget import kv_budget, kv_budget_from_fraction, profile_step
-from specdec_core.memory import GIB
+from specdec_core.api.errors import SpecdecError
+from specdec_core.planning.kv_budget import kv_budget, kv_budget_from_fraction, profile_step
+from specdec_core.planning.memory import GIB
+from specdec_core.runtime.batching import pool_of
+
+from helpers.tiny_models import tiny_llama
 
 
 def test_the_pool_gets_the_fraction_less_the_step_peak_and_what_others_hold():

@@ -1,4 +1,4 @@
-"""The KV pool (specdec_core/kv_pool.py): blocks taken as sessions grow, given back on rollback
+"""The KV pool (specdec_core/runtime/kv_pool.py): blocks taken as sessions grow, given back on rollback
 and when a session ends, a fixed pool that says when it is full, growth that keeps what was
 written, a tree's accepted path moved into place, and an FP8 cache."""
 
@@ -8,10 +8,11 @@ import gc
 
 import pytest
 import torch
-from conftest import tiny_llama
 
-from specdec_core.batching import forward_ragged, kv_cache_dtype, pool_of, set_kv_cache_dtype
-from specdec_core.kv_pool import KVPool, KVPoolExhausted, PagedKV, write
+from specdec_core.runtime.batching import forward_ragged, kv_cache_dtype, pool_of, set_kv_cache_dtype
+from specdec_core.runtime.kv_pool import KVPool, KVPoolExhausted, PagedKV, write
+
+from helpers.tiny_models import tiny_llama
 
 
 def test_sessions_take_blocks_as_they_grow_and_give_them_back():
@@ -77,7 +78,7 @@ def test_a_trees_path_moves_into_place_and_the_rest_is_dropped(dtype):
 
 def greedy_steps(scorers, prompts, num_tokens: int) -> list[list[int]]:
     """Target-only greedy decoding of every session together, one token per step each."""
-    from specdec_core.target import Row, forward_rows
+    from specdec_core.target.scorer import Row, forward_rows
 
     lasts, outputs = [prompt[-1] for prompt in prompts], [[] for _ in prompts]
     for _ in range(num_tokens):
@@ -93,9 +94,9 @@ def test_sessions_sharing_a_prefix_take_its_blocks_and_each_continue_as_alone():
     """The second session of a shared 40-token prefix finds its 2 full blocks cached and prefills
     only the rest; both sessions, open together, continue token for token as each does on a model
     without prefix caching; when they end, every block is back and the prefix stays cached."""
+    from specdec_core.api.sampling import SamplingParams
     from specdec_core.policies import make_policy
-    from specdec_core.sampling import SamplingParams
-    from specdec_core.target import TargetScorer
+    from specdec_core.target.scorer import TargetScorer
 
     shared = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     prompts = [shared + [5, 6, 7], shared + [9, 8]]
@@ -146,9 +147,9 @@ def test_an_fp8_cache_holds_a_quarter_of_fp32s_bytes_and_scores_close_to_it():
     """The same tiny fp32 target with its cache in fp32 and in FP8 (e4m3, scale 1): 60 scored
     positions after a 40-token prompt differ by under 5% of the logits' norm (measured: about
     1%) and agree on the argmax at 90% of them or more (58 of 60); FP8 saturates, not NaN."""
+    from specdec_core.api.sampling import SamplingParams
     from specdec_core.policies import make_policy
-    from specdec_core.sampling import SamplingParams
-    from specdec_core.target import TargetScorer
+    from specdec_core.target.scorer import TargetScorer
 
     exact, fp8 = tiny_llama(seed=5), tiny_llama(seed=5)
     set_kv_cache_dtype(fp8, "fp8")
@@ -167,7 +168,7 @@ def test_an_fp8_cache_holds_a_quarter_of_fp32s_bytes_and_scores_close_to_it():
             last = block[1]
         logits[name] = torch.cat(rows)  # [50, V]
     # several sessions in one forward (a gather of their blocks, not a view) score as alone
-    from specdec_core.target import Row, forward_rows
+    from specdec_core.target.scorer import Row, forward_rows
 
     together = [TargetScorer(fp8) for _ in range(2)]
     for scorer, head in zip(together, (prompt, prompt[::-1])):

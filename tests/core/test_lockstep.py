@@ -4,10 +4,11 @@ session that has work for it."""
 from __future__ import annotations
 
 import pytest
-from conftest import repeating_prompt
 
 from specdec_core import GenerationRequest
-from specdec_core.lockstep import StepTimes, complete_together
+from specdec_core.loop.lockstep import StepTimes, complete_together
+
+from helpers.tiny_models import repeating_prompt
 
 
 def request(seed: int, drafter: str, max_tokens: int, policy: str = "greedy", temperature: float = 0.0):

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import repeating_prompt, target_rows
 
 from specdec_core import GenerationRequest
-from specdec_core.output import OutputTracker
-from specdec_core.sampling import SamplingParams
-from specdec_core.target import PREFILL_CHUNK
+from specdec_core.api.output import OutputTracker
+from specdec_core.api.sampling import SamplingParams
+from specdec_core.target.scorer import PREFILL_CHUNK
+
+from helpers.reference_scores import target_rows
+from helpers.tiny_models import repeating_prompt
 
 
 class Letters:
@@ -48,8 +50,8 @@ def test_stop_tokens_end_the_output_after_min_tokens_only():
 
 
 def test_the_rows_before_min_tokens_lose_their_stop_tokens_chains_and_trees():
-    from specdec_core.topologies import default_bank
-    from specdec_core.types import TargetBlock
+    from specdec_core.loop.stage_types import TargetBlock
+    from specdec_core.trees.topologies import default_bank
 
     output = tracker(min_tokens=3, stop_token_ids=[7])
     output.append([1])  # one token out: rows deciding tokens 2 and 3 (index 1, 2) are early
@@ -66,7 +68,7 @@ def test_the_rows_before_min_tokens_lose_their_stop_tokens_chains_and_trees():
 @pytest.mark.needs_smollm2  # SmolLM2's tokenizer
 def test_special_tokens_show_only_when_asked():
     from specdec_core import ModelSpec
-    from specdec_core.loader import load_tokenizer
+    from specdec_core.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(ModelSpec())
     ids = tokenizer("<|im_start|>Hi", add_special_tokens=False).input_ids

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from specdec_core.memory import GIB, load_model_config, plan, shipped_configs, smallest_layout
-from specdec_core.tools.cli import app
+from specdec_core.planning.memory import GIB, load_model_config, plan, shipped_configs, smallest_layout
+from specdec_core.tools.cli_app import app
 
 # Llama-3.1-8B by hand: hidden 4096, MLP 14336, 32 layers, 32 query and 8 KV heads of 128, vocab 128256
 EMBEDDING = 128256 * 4096

@@ -9,13 +9,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec_core.errors import SpecdecError
-from specdec_core.policies import POLICIES, PolicyError, make_policy
-from specdec_core.policies.base import first_false
-from specdec_core.policies.easd import calibrate_tau_h
-from specdec_core.policies.fly import top3_entropy
-from specdec_core.profile import CalibrationSettings, TargetProfile
-from specdec_core.sampling import (
+from specdec_core.api.errors import SpecdecError
+from specdec_core.api.sampling import (
     SamplingParams,
     argmax,
     entropy,
@@ -25,9 +20,14 @@ from specdec_core.sampling import (
     sampling_probs,
     warp_logits,
 )
-from specdec_core.topologies import default_bank
-from specdec_core.tree import listed_name
-from specdec_core.types import DraftBlock, TargetBlock
+from specdec_core.calibration.profile_types import CalibrationSettings, TargetProfile
+from specdec_core.loop.stage_types import DraftBlock, TargetBlock
+from specdec_core.policies import POLICIES, PolicyError, make_policy
+from specdec_core.policies.easd import calibrate_tau_h
+from specdec_core.policies.fly import top3_entropy
+from specdec_core.policies.policy_base import first_false
+from specdec_core.trees.topologies import default_bank
+from specdec_core.trees.tree import listed_name
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLE = SamplingParams(temperature=1.0)
@@ -557,7 +557,7 @@ def test_every_policy_is_deterministic_under_a_seed_and_handles_empty_drafts(nam
 def test_compact_wire_rows_give_the_same_verdicts():
     """Policies that declare `wire_top_k` decide identically on the compact rows that travel
     (top-k log-probs + uniform tail) as on the full rows."""
-    from specdec_core.compact import compact_rows, expand_rows
+    from specdec_core.target.compact import compact_rows, expand_rows
 
     variants = {"fly": ({}, {"theta": 0.0}), "easd": ({}, {"tau_h": 1.0, "tau_o": 0.2})}  # the second fires often
     penalized = 0

@@ -1,5 +1,5 @@
 """Quality measurement: the bench's answer checks (GSM8K final numbers, HumanEval executed in a
-sandboxed child) and EASD's default threshold, the target's own calibration (profile.py)."""
+sandboxed child) and EASD's default threshold, the target's own calibration (calibration/target_profile.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from decimal import Decimal
 import pytest
 import torch
 
-from specdec_core.questions import DEFAULT_QUESTIONS, HUMANEVAL, load_questions
-from specdec_core.tools.grading import Grader, check_humaneval, extract_code, final_number, gsm8k_correct
+from specdec_core.calibration.questions import DEFAULT_QUESTIONS, HUMANEVAL, load_questions
+from specdec_core.tools.benchmarks.grading import Grader, check_humaneval, extract_code, final_number, gsm8k_correct
 
 
 @pytest.mark.parametrize(
@@ -90,13 +90,14 @@ def test_code_is_taken_from_a_chat_answer(humaneval_problem):
 
 @pytest.mark.needs_smollm2  # SmolLM2's tokenizer and chat template build the calibration prompts
 def test_easd_without_tau_h_uses_the_targets_calibrated_value_cached_per_model(tmp_path, monkeypatch):
-    from conftest import tiny_llama
-
-    import specdec_core.profile as profile_module
+    import specdec_core.calibration.target_profile as profile_module
     from specdec_core import GenerationRequest, ModelSpec, SpeculativeEngine
-    from specdec_core.loader import load_tokenizer
+    from specdec_core.calibration.profile_types import CalibrationSettings
+    from specdec_core.calibration.target_profile import calibration_prompts
+    from specdec_core.models.loader import load_tokenizer
     from specdec_core.policies.easd import calibrate_tau_h
-    from specdec_core.profile import CalibrationSettings, calibration_prompts
+
+    from helpers.tiny_models import tiny_llama
 
     tokenizer = load_tokenizer(ModelSpec())
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))

@@ -1,4 +1,4 @@
-"""The ragged step's attention calls (specdec_core/ragged_attention.py) beyond what the batching
+"""The ragged step's attention calls (specdec_core/runtime/ragged_attention.py) beyond what the batching
 tests cover: CUDA's masked path, run here on the CPU, and gpu-report's table of them."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ def test_folded_heads_attend_as_expanded_ones(monkeypatch, num_queries: int):
     """CUDA's masked path (ragged_attention.folded_heads_attention, run here on the CPU): each K/V
     head's query heads folded into its query rows give what SDPA gives over K/V heads expanded to
     the query heads, with a causal mask over padded keys."""
-    from specdec_core.ragged_attention import folded_heads_attention
+    from specdec_core.runtime.ragged_attention import folded_heads_attention
 
     generator = torch.Generator().manual_seed(num_queries)
     rows, heads, kv_heads, keys_length, head_dim = 3, 8, 2, 16, 32
@@ -41,7 +41,7 @@ def test_folded_heads_attend_as_expanded_ones(monkeypatch, num_queries: int):
 def test_the_attention_table_times_both_masked_calls():
     """gpu-report's attention section (tools/attention_calls.py), here on the CPU with small rows:
     the masked call with the K/V heads expanded and with the query heads folded."""
-    from specdec_core.tools.attention_calls import attention_calls
+    from specdec_core.tools.measuring.attention_calls import attention_calls
 
     calls = attention_calls(rows=2, tokens=3, history=20, device="cpu")
     assert [call["kernel"] for call in calls] == [

@@ -1,10 +1,10 @@
-"""The bench's report (specdec_core/tools/report.py): rows per method and category, the trees a
+"""The bench's report (specdec_core/tools/benchmarks/report.py): rows per method and category, the trees a
 method's steps verified, and their mean size."""
 
 from __future__ import annotations
 
-from specdec_core.tools.bench import MethodRun
-from specdec_core.tools.report import MethodResult, aggregate, tree_size
+from specdec_core.tools.benchmarks.bench_records import MethodResult, MethodRun
+from specdec_core.tools.benchmarks.report import aggregate, tree_size
 
 
 def result(method: str, category: str, tokens: int, seconds: float, **metrics) -> MethodResult:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import repeating_prompt
 from scipy.stats import chisquare
 
 from specdec_core import GenerationRequest
+from specdec_core.api.sampling import SamplingParams, sampling_probs
 from specdec_core.drafters import make_drafter
-from specdec_core.sampling import SamplingParams, sampling_probs
+
+from helpers.tiny_models import repeating_prompt
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_a_used_ahead_tree_is_the_tree_drafted_after_its_outcome(engine, drafter
     """A tree's ahead proposal assumes its top-1 path kept and then the draft's likeliest token:
     past that guess it is the tree a fresh drafter proposes after that outcome, node for node,
     and cut to a shallower depth it keeps that depth's nodes."""
-    from specdec_core.run_ahead import assumed_tokens, next_block
+    from specdec_core.loop.run_ahead import assumed_tokens, next_block
 
     prompt = repeating_prompt(6)
     ahead, fresh = (make_drafter(drafter, {}, engine.draft_model) for _ in range(2))

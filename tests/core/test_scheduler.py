@@ -1,4 +1,4 @@
-"""EntMTP's tree scheduler (specdec_core/scheduler.py): binary_tau switches exactly where the
+"""EntMTP's tree scheduler (specdec_core/trees/scheduler.py): binary_tau switches exactly where the
 scores cross tau_on and tau_off, never flaps between them, ladder bins, and the paper's score."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from specdec_core.scheduler import SchedulerParams, TreeScheduler, path_score
+from specdec_core.trees.scheduler import SchedulerParams, TreeScheduler, path_score
 
 PARAMS = TypeAdapter(SchedulerParams)
 

@@ -5,10 +5,11 @@ tests/cluster/test_tensor_parallel.py and test_pipeline.py)."""
 from __future__ import annotations
 
 import torch
-from conftest import repeating_prompt, tiny_llama
 from safetensors.torch import save_file
 
-from specdec_core.shard_loader import Checkpoint, load_shard, stage_names
+from specdec_core.models.shard_loader import Checkpoint, load_shard, stage_names
+
+from helpers.tiny_models import repeating_prompt, tiny_llama
 
 
 def test_a_rank_reads_its_contiguous_part_of_a_tensor(tmp_path):

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from specdec_core import GenerationRequest
 from specdec_core.drafters import make_drafter, validate_drafter
-from specdec_core.tools.cli import app
+from specdec_core.tools.cli_app import app
 
 pytestmark = pytest.mark.needs_smollm2
 

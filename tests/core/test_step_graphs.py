@@ -1,4 +1,4 @@
-"""Graphed steps (specdec_core/step_graphs.py) on the CPU: a "replay" runs the forward over the
+"""Graphed steps (specdec_core/runtime/step_graphs.py) on the CPU: a "replay" runs the forward over the
 graph's static buffers, so these tests check the buffers' bookkeeping (every input copied in, one
 graph per shape, graphs dropped when the pool moves); tests/core/test_gpu.py records real CUDA
 graphs."""
@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturbed_copy, repeating_prompt, tiny_llama, tiny_profile
 
 from specdec_core import GenerationRequest, SpeculativeEngine
-from specdec_core.batching import LONG_ROW
-from specdec_core.kv_pool import KVPool
-from specdec_core.step_graphs import use_step_graphs
+from specdec_core.runtime.batching import LONG_ROW
+from specdec_core.runtime.kv_pool import KVPool
+from specdec_core.runtime.step_graphs import use_step_graphs
+
+from helpers.tiny_models import perturbed_copy, repeating_prompt, tiny_llama, tiny_profile
 
 
 def request(drafter: str, max_tokens: int = 40) -> GenerationRequest:
@@ -75,8 +76,8 @@ def test_prompt_chunks_run_eagerly():
 def test_a_replay_copies_every_input_in():
     """Two steps of the same shapes and different tokens, positions and histories: the second
     replays the first's graph and gives its own rows' states, not the first's."""
-    from specdec_core.batching import forward_ragged
-    from specdec_core.kv_pool import PagedKV
+    from specdec_core.runtime.batching import forward_ragged
+    from specdec_core.runtime.kv_pool import PagedKV
 
     model, reference = tiny_llama(seed=6), tiny_llama(seed=6)
     graphs = use_step_graphs(model, record=False)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import tiny_llama
 from typer.testing import CliRunner
 
-from specdec_core.tools.cli import app
-from specdec_core.tools.step_ops import OpCounter, count_step_ops
+from specdec_core.tools.cli_app import app
+from specdec_core.tools.measuring.step_ops import OpCounter, count_step_ops
+
+from helpers.tiny_models import tiny_llama
 
 
 def test_the_counter_counts_each_dispatched_operation():
@@ -40,8 +41,8 @@ def test_step_ops_command_prints_json(tmp_path):
 def test_compile_check_finds_one_graph_and_names_where_a_step_would_break(monkeypatch):
     """The step compiles as one graph on the CPU kernels too (the packed linears step aside
     under compile); a break in the attention is reported at its source line."""
-    import specdec_core.ragged_attention as ragged_attention
-    from specdec_core.tools.compile_check import explain_step
+    import specdec_core.runtime.ragged_attention as ragged_attention
+    from specdec_core.tools.measuring.compile_check import explain_step
 
     report = explain_step(tiny_llama(num_layers=2), rows=3)
     assert (report["graphs"], report["graph_breaks"], report["breaks_by_line"]) == (1, 0, {})

@@ -1,4 +1,4 @@
-"""target_heads.py: which heads a target holds. `auto` keeps the shipped heads that fit the target
+"""heads/loading.py: which heads a target holds. `auto` keeps the shipped heads that fit the target
 as configured (its kept layers, its stages) and says which it left out and why; named heads that
 do not fit (hidden size, vocabulary, layers, stages) are refused, from their files alone."""
 
@@ -8,12 +8,14 @@ import logging
 import re
 
 import pytest
-from conftest import PublishedHydra, tiny_llama
-from eagle3_heads import write_eagle3
 
-from specdec_core.heads import MedusaHeads
-from specdec_core.loader import EMBEDDED, ModelSpec, load_configs, load_model
-from specdec_core.target_heads import TargetShape, heads_shape, load_heads, refusal, shipped_heads
+from specdec_core.heads.loading import TargetShape, heads_shape, load_heads, refusal, shipped_heads
+from specdec_core.heads.medusa import MedusaHeads
+from specdec_core.models.loader import EMBEDDED, ModelSpec, load_configs, load_model
+
+from helpers.eagle3_heads import write_eagle3
+from helpers.published_hydra import PublishedHydra
+from helpers.tiny_models import tiny_llama
 
 
 @pytest.mark.needs_smollm2
@@ -44,7 +46,7 @@ def test_auto_keeps_the_shipped_heads_that_fit_the_embedded_target_as_configured
 @pytest.mark.needs_smollm2
 def test_the_embedded_target_cut_to_20_layers_loads_the_medusa_heads_and_logs_the_layer_left_out(caplog):
     model = load_model(ModelSpec(num_layers=20))
-    with caplog.at_level(logging.WARNING, logger="specdec_core.target_heads"):
+    with caplog.at_level(logging.WARNING, logger="specdec_core.heads.loading"):
         held = load_heads("auto", EMBEDDED, model)
     assert list(held) == ["medusa"]
     assert "target_heads auto leaves out" in caplog.text and "the target keeps 20 layers" in caplog.text
@@ -89,7 +91,7 @@ def test_named_heads_are_refused_where_they_do_not_fit_and_say_why(tmp_path):
 
 
 def test_an_eagle3_layer_that_embeds_with_the_targets_embedding_needs_its_size():
-    from specdec_core.target_heads import HeadsShape, fit_refusal
+    from specdec_core.heads.loading import HeadsShape, fit_refusal
 
     borrowing = HeadsShape("eagle3", 64, 512, (2, 4, 5), embedding_size=32)
     assert "embeds its tokens at size 32 with the target's embedding, of size 64" in fit_refusal(

@@ -1,4 +1,4 @@
-"""Training an EAGLE-3 layer (specdec_core/tools/train_eagle3.py) on a tiny target's own greedy
+"""Training an EAGLE-3 layer (specdec_core/tools/training/train_eagle3.py) on a tiny target's own greedy
 continuations: the training-time test's steps learn the target's tokens, a rerun resumes, and the
 head it writes loads and drafts greedy decoding's own tokens, more than one a step."""
 
@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import repeating_prompt, tiny_llama, tiny_profile
 
-from specdec_core.target_heads import load_heads_from
-from specdec_core.tools.train_eagle3 import Eagle3TrainSettings, train_eagle3_heads, ttt_logits
-from specdec_core.tools.train_heads import DistillSettings
-from specdec_core.tools.training_state import STATE_FILE
+from specdec_core.heads.loading import load_heads_from
+from specdec_core.tools.training.train_eagle3 import Eagle3TrainSettings, train_eagle3_heads, ttt_logits
+from specdec_core.tools.training.train_heads import DistillSettings
+from specdec_core.tools.training.training_state import STATE_FILE
+
+from helpers.tiny_models import repeating_prompt, tiny_llama, tiny_profile
 
 DISTILL = DistillSettings(continuation_tokens=24, batch_size=6)
 SETTINGS = Eagle3TrainSettings(
@@ -51,7 +52,7 @@ def test_an_eagle3_layer_trained_on_the_targets_continuations_drafts_them(tmp_pa
 
 def test_a_later_step_reads_its_own_earlier_outputs_and_the_targets_positions_up_to_its_anchor():
     """Step 1's logits at anchor a do not change when a later position's states or tokens do."""
-    from specdec_core.tools.eagle3_cost import random_eagle3
+    from specdec_core.tools.measuring.eagle3_cost import random_eagle3
 
     target = tiny_llama(seed=8, num_layers=8)
     draft = random_eagle3(target)
@@ -73,11 +74,11 @@ def test_a_later_step_reads_its_own_earlier_outputs_and_the_targets_positions_up
 def test_training_sees_what_drafting_sees():
     """Fed a chain the layer drafted (as the true tokens), the training-time test's steps at the
     chain's anchor predict that chain: training and drafting run the same function."""
-    from specdec_core.aux_states import aux_states
+    from specdec_core.api.sampling import SamplingParams
     from specdec_core.policies import make_policy
-    from specdec_core.sampling import SamplingParams
-    from specdec_core.target import TargetScorer
-    from specdec_core.tools.eagle3_cost import random_eagle3
+    from specdec_core.target.aux_states import aux_states
+    from specdec_core.target.scorer import TargetScorer
+    from specdec_core.tools.measuring.eagle3_cost import random_eagle3
 
     target = tiny_llama(seed=9, num_layers=8)
     draft = random_eagle3(target)
@@ -97,7 +98,7 @@ def test_training_sees_what_drafting_sees():
 def test_given_answers_read_teacher_forced_are_labelled_with_the_targets_own_next_tokens(tmp_path):
     """Distilled over given answers, each position's label is the target's argmax there; given the
     target's own greedy continuations as the answers, the data is the self-distilled data."""
-    from specdec_core.tools.train_eagle3 import distill_eagle3
+    from specdec_core.tools.training.train_eagle3 import distill_eagle3
 
     target = tiny_llama(seed=7, num_layers=8)
     prompts = [repeating_prompt(seed, length=16) for seed in range(4)]
@@ -124,8 +125,8 @@ def test_given_answers_read_teacher_forced_are_labelled_with_the_targets_own_nex
 def test_each_step_counts_the_predictions_of_the_answers_tokens_and_the_last_positions_next():
     """Step j at anchor a predicts the target's token after position a + j + 1: it counts where
     that is an answer token (a + j + 2 >= the prompt's length) or the one after the sequence."""
-    from specdec_core.tools.eagle3_cost import random_eagle3
-    from specdec_core.tools.train_eagle3 import ttt_loss
+    from specdec_core.tools.measuring.eagle3_cost import random_eagle3
+    from specdec_core.tools.training.train_eagle3 import ttt_loss
 
     target = tiny_llama(seed=8, num_layers=8)
     draft = random_eagle3(target)

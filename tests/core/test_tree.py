@@ -1,4 +1,4 @@
-"""Candidate trees (specdec_core/tree.py): the buffers of a small hand-checked tree, validation,
+"""Candidate trees (specdec_core/trees/tree.py): the buffers of a small hand-checked tree, validation,
 and the shipped topologies' internal consistency."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import re
 import pytest
 import torch
 
-from specdec_core.errors import SpecdecError
+from specdec_core.api.errors import SpecdecError
+from specdec_core.api.sampling import SamplingParams
+from specdec_core.loop.stage_types import DraftBlock, TargetBlock
 from specdec_core.policies import make_policy
-from specdec_core.sampling import SamplingParams
-from specdec_core.topologies import DEFAULT_TREE, NAMED_TREES, default_bank
-from specdec_core.tree import Topology, TopologyBank
-from specdec_core.types import DraftBlock, TargetBlock
+from specdec_core.trees.topologies import DEFAULT_TREE, NAMED_TREES, default_bank
+from specdec_core.trees.tree import Topology, TopologyBank
 
 
 def test_buffers_of_a_small_tree_equal_the_hand_computed_ones():
@@ -145,11 +145,11 @@ def test_tree_decoding_is_greedy_decoding_and_keeps_the_cache_consistent_across_
     against the target: the tokens equal target-only greedy decoding, some nodes are accepted,
     and after the accepted paths were moved into place the next step's logits equal a fresh
     forward over the committed tokens (1e-5)."""
-    from conftest import perturbed_copy, repeating_prompt, tiny_llama
-
     from specdec_core.drafters.model_tree import draft_tree
-    from specdec_core.kv_pool import PagedKV
-    from specdec_core.target import TargetScorer
+    from specdec_core.runtime.kv_pool import PagedKV
+    from specdec_core.target.scorer import TargetScorer
+
+    from helpers.tiny_models import perturbed_copy, repeating_prompt, tiny_llama
 
     target = tiny_llama()
     draft_model = perturbed_copy(target, 0.002)
@@ -183,10 +183,10 @@ def test_mla_trees_hold_the_draft_models_tokens_in_fewer_forwards(tree_name, mon
     """mla_tree drafts the top-1 path as mla drafts a chain: whatever the lookup guesses, the
     tree's tokens are the draft's own top-k; a guess of the whole path fills a spine in one
     forward, a guess right for k tokens saves k forwards."""
-    from conftest import repeating_prompt, tiny_llama
-
     from specdec_core.drafters import model_tree
-    from specdec_core.kv_pool import PagedKV
+    from specdec_core.runtime.kv_pool import PagedKV
+
+    from helpers.tiny_models import repeating_prompt, tiny_llama
 
     draft_model, context, tree = tiny_llama(seed=1), repeating_prompt(3), default_bank().get(tree_name)
     cache, cached = PagedKV(), []
@@ -227,9 +227,9 @@ def test_mla_trees_hold_the_draft_models_tokens_in_fewer_forwards(tree_name, mon
     [("model_tree", t) for t in ("medusa_8", "mc_sim_7b_63", "chain_4")] + [("mla_tree", "spine_6x2")],
 )
 def test_the_engine_decodes_draft_model_trees_as_target_only_greedy(tiny_engine, drafter, tree):
-    from conftest import repeating_prompt
-
     from specdec_core import GenerationRequest
+
+    from helpers.tiny_models import repeating_prompt
 
     def request(drafter: dict, policy: str = "greedy", temperature: float = 0.0) -> GenerationRequest:
         sampling = {"max_tokens": 30, "temperature": temperature, "seed": 4}

@@ -10,7 +10,7 @@ import torch
 
 from specdec_core.drafters.block_length import VERIFY_COSTS, best_block, best_length, device_verify_cost
 from specdec_core.drafters.tree_budget import budget_tree, kept_nodes, path_values
-from specdec_core.topologies import default_bank
+from specdec_core.trees.topologies import default_bank
 
 TREE = default_bank().get("mc_sim_7b_63")
 

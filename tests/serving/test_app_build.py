@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from conftest import tiny_llama
-from eagle3_heads import write_eagle3
 from typer.testing import CliRunner
+
+from helpers.eagle3_heads import write_eagle3
+from helpers.tiny_models import tiny_llama
 
 pytest.importorskip("ray")
 
@@ -64,7 +65,7 @@ def test_specdec_serve_prices_a_cpu_draft_on_this_machine_and_says_what_it_chose
 
     from deployments.cli import with_measured_draft
     from deployments.config import AppConfig
-    from specdec_core.kernels.kernel_choice import machine
+    from specdec_core.models.kernels.kernel_choice import machine
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     tiny = tiny_llama(prepared=False).config.to_dict()

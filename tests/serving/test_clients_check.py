@@ -7,16 +7,17 @@ the embedded service."""
 from __future__ import annotations
 
 import pytest
-from conftest import perturbed_copy, tiny_llama
+
+from helpers.tiny_models import perturbed_copy, tiny_llama
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("guidellm")
 
-from served import HttpServer, Workers  # noqa: E402
-
-from deployments.tools.clients_check import ClientsCheck  # noqa: E402
+from deployments.checks.clients_check import ClientsCheck  # noqa: E402
 from specdec_core import ModelSpec, SpeculativeEngine  # noqa: E402
-from specdec_core.loader import load_tokenizer  # noqa: E402
+from specdec_core.models.loader import load_tokenizer  # noqa: E402
+
+from helpers.served import HttpServer, Workers  # noqa: E402
 
 pytestmark = pytest.mark.needs_smollm2  # SmolLM2's tokenizer
 

@@ -8,12 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import perturbed_copy, tiny_llama
-from served import HttpServer, Workers
 
-from deployments.tools.deploy_check import Client, first_listing, service_url
+from deployments.checks.deploy_check import Client, first_listing, service_url
 from specdec_core import ModelSpec, SpeculativeEngine
-from specdec_core.loader import load_tokenizer
+from specdec_core.models.loader import load_tokenizer
+
+from helpers.served import HttpServer, Workers
+from helpers.tiny_models import perturbed_copy, tiny_llama
 
 pytestmark = pytest.mark.needs_smollm2  # SmolLM2's tokenizer and chat template
 

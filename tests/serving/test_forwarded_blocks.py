@@ -1,4 +1,4 @@
-"""Forwarded blocks on the target worker (deployments/forwarded_blocks.py): a block the draft
+"""Forwarded blocks on the target worker (deployments/workers/forwarded_blocks.py): a block the draft
 worker sends ahead is scored before the server's Score only on the verdict it assumed, and that
 Score gets exactly the rows a fresh forward would give; stale, wrong and cut blocks cost nothing
 but their own forward; a Score that commits otherwise than the target's verdict fails."""
@@ -9,20 +9,22 @@ import time
 
 import pytest
 import torch
-from conftest import repeating_prompt
+
+from helpers.tiny_models import repeating_prompt
 
 pytest.importorskip("grpc")
 
 import grpc  # noqa: E402
-from served import Workers  # noqa: E402
 
-from deployments.forwarded_blocks import ForwardedBlock  # noqa: E402
-from deployments.target_service import TargetService  # noqa: E402
-from deployments.wire import component_to_proto, sampling_to_proto  # noqa: E402
+from deployments.coordination.wire import component_to_proto, sampling_to_proto  # noqa: E402
+from deployments.workers.forwarded_blocks import ForwardedBlock  # noqa: E402
+from deployments.workers.target_service import TargetService  # noqa: E402
 from protos import specdec_pb2 as pb  # noqa: E402
 from specdec_core import GenerationRequest, SpecdecError  # noqa: E402
-from specdec_core.request import ComponentSpec  # noqa: E402
-from specdec_core.sampling import SamplingParams  # noqa: E402
+from specdec_core.api.request import ComponentSpec  # noqa: E402
+from specdec_core.api.sampling import SamplingParams  # noqa: E402
+
+from helpers.served import Workers  # noqa: E402
 
 GREEDY = ComponentSpec(name="greedy")
 PROMPT = repeating_prompt(3)

@@ -10,17 +10,19 @@ import json
 import time
 
 import pytest
-from conftest import perturbed_copy, repeating_prompt, target_rows, tiny_llama
+
+from helpers.reference_scores import target_rows
+from helpers.tiny_models import perturbed_copy, repeating_prompt, tiny_llama
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from served import HttpServer, Workers, http_client  # noqa: E402
+from helpers.served import HttpServer, Workers, http_client  # noqa: E402
 
 pytestmark = pytest.mark.needs_smollm2  # SmolLM2's tokenizer
 
 from specdec_core import GenerationRequest, ModelSpec, SpeculativeEngine  # noqa: E402
-from specdec_core.loader import load_tokenizer  # noqa: E402
+from specdec_core.models.loader import load_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import repeating_prompt, target_rows
-from served import ADD, Workers, http_client
+
+from helpers.reference_scores import target_rows
+from helpers.served import ADD, Workers, http_client
+from helpers.tiny_models import repeating_prompt
 
 pytest.importorskip("grpc")
 pytest.importorskip("fastapi")
@@ -21,23 +23,23 @@ pytest.importorskip("fastapi")
 import grpc  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
+from deployments.checks.hostile_inputs import GRPC_CASES, HttpCase, http_cases  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
-from deployments.draft_service import DraftService  # noqa: E402
-from deployments.errors import WorkerUnavailable  # noqa: E402
-from deployments.http_ingress import build_http_app  # noqa: E402
-from deployments.remote_engine import RemoteEngine  # noqa: E402
-from deployments.servicers import DraftServicer, TargetServicer, checked, start_server  # noqa: E402
-from deployments.target_service import TargetService  # noqa: E402
-from deployments.tools.hostile_inputs import GRPC_CASES, HttpCase, http_cases  # noqa: E402
-from deployments.wire import component_to_proto, sampling_to_proto  # noqa: E402
-from deployments.worker_ops import OpenDraft, TargetRow  # noqa: E402
+from deployments.coordination.wire import component_to_proto, sampling_to_proto  # noqa: E402
+from deployments.ingress.error_replies import WorkerUnavailable  # noqa: E402
+from deployments.ingress.http_ingress import build_http_app  # noqa: E402
+from deployments.ingress.remote_engine import RemoteEngine  # noqa: E402
+from deployments.workers.draft_service import DraftService  # noqa: E402
+from deployments.workers.servicers import DraftServicer, TargetServicer, checked, start_server  # noqa: E402
+from deployments.workers.target_service import TargetService  # noqa: E402
+from deployments.workers.worker_ops import OpenDraft, TargetRow  # noqa: E402
 from protos import specdec_pb2 as pb  # noqa: E402
 from protos import specdec_pb2_grpc as pb_grpc  # noqa: E402
 from specdec_core import GenerationRequest, SpecdecError  # noqa: E402
+from specdec_core.api.request import ComponentSpec  # noqa: E402
+from specdec_core.api.sampling import SamplingParams  # noqa: E402
 from specdec_core.policies import POLICIES  # noqa: E402
-from specdec_core.request import ComponentSpec  # noqa: E402
-from specdec_core.sampling import SamplingParams  # noqa: E402
-from specdec_core.topologies import default_bank  # noqa: E402
+from specdec_core.trees.topologies import default_bank  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +300,7 @@ def test_the_load_sweep_streams_from_concurrent_clients_and_compares_outputs_acr
     answered, outputs equal across levels and to target-only's (run-ahead drafting as well),
     sessions freed."""
     from deployments.client import SpecdecHttpClient
-    from specdec_core.tools.load import sweep
+    from specdec_core.tools.benchmarks.load import sweep
 
     app = build_http_app(cluster, AppConfig(model_name="tiny"))
 
@@ -483,9 +485,9 @@ def test_past_the_kv_budget_requests_get_503_and_the_admitted_ones_finish(tiny_e
     usual tokens, and the next request is served."""
     import gc
 
-    from deployments.admission import Admission
-    from specdec_core.batching import pool_of
-    from specdec_core.kv_pool import BLOCK_SIZE
+    from deployments.workers.admission import Admission
+    from specdec_core.runtime.batching import pool_of
+    from specdec_core.runtime.kv_pool import BLOCK_SIZE
 
     req = request("greedy", "pld")
     model = tiny_engine.target_model
@@ -652,10 +654,10 @@ def post(client: TestClient, case: HttpCase, base: dict):
 def tokenizer_engine():
     """A tiny random pair with SmolLM2's vocabulary behind its real tokenizer, so chat requests
     and token strings work."""
-    from conftest import perturbed_copy, tiny_llama
-
     from specdec_core import ModelSpec, SpeculativeEngine
-    from specdec_core.loader import load_tokenizer
+    from specdec_core.models.loader import load_tokenizer
+
+    from helpers.tiny_models import perturbed_copy, tiny_llama
 
     tokenizer = load_tokenizer(ModelSpec())
     target = tiny_llama(vocab_size=len(tokenizer))
@@ -723,7 +725,7 @@ def test_log_probs_on_both_endpoints_are_the_targets(tokenizer_engine, policy):
 
 @pytest.fixture(scope="module")
 def grpc_ingress(tokenizer_engine):
-    from deployments.grpc_ingress import GrpcIngress
+    from deployments.ingress.grpc_ingress import GrpcIngress
 
     _, workers = tokenizer_engine
     ingress = GrpcIngress(workers.engine, AppConfig(grpc_port=0, api_key="sk-test"))
@@ -928,7 +930,7 @@ def test_the_grpc_ingress_binds_the_configured_host(grpc_ingress):
 def test_a_stopping_worker_answers_unavailable_not_internal(tiny_engine):
     """Once the process stops taking torch work (Ray shutting an actor down), calls get
     UNAVAILABLE, which the coordinator treats as a worker gone (a draft falls back), not a bug."""
-    from deployments.steps import StepBatcher, WorkerStopping
+    from deployments.workers.steps import StepBatcher, WorkerStopping
 
     stopped = ThreadPoolExecutor(max_workers=1)
     stopped.shutdown()

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from deployments.errors import WorkerUnavailable
-from deployments.replicas import FIRST_ANSWER_S, ReplicaDirectory
+from deployments.coordination.replicas import FIRST_ANSWER_S, ReplicaDirectory
+from deployments.ingress.error_replies import WorkerUnavailable
 
 WAIT_S, REFRESH_TIMEOUT_S = 2.0, 0.05  # a request's wait for a first replica; a refresh's bound
 

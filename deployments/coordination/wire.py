@@ -1,0 +1,75 @@
+"""Conversions between torch/pydantic objects and protobuf messages (no pickle anywhere)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from protos import specdec_pb2 as pb
+from specdec_core.api.request import ComponentSpec
+from specdec_core.api.sampling import SamplingParams
+from specdec_core.loop.stage_types import PromptScores
+
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32, "bool": np.bool_}
+
+
+def tensor_to_proto(tensor: torch.Tensor) -> pb.Tensor:
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.float()
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return pb.Tensor(dtype=dtype, shape=list(tensor.shape), data=tensor.numpy().tobytes())
+
+
+def tensor_from_proto(message: pb.Tensor) -> torch.Tensor:
+    if message.dtype not in _NUMPY_DTYPES:
+        raise ValueError(f"unsupported tensor dtype on the wire: {message.dtype!r}")
+    array = np.frombuffer(message.data, dtype=_NUMPY_DTYPES[message.dtype]).reshape(tuple(message.shape))
+    return torch.from_numpy(array.copy())
+
+
+def sampling_to_proto(sampling: SamplingParams) -> pb.Sampling:
+    return pb.Sampling(**sampling.model_dump(exclude_none=True))
+
+
+def sampling_from_proto(message: pb.Sampling) -> SamplingParams:
+    """Validated like any request (pydantic's ValidationError on a bad field); unset optional
+    fields take SamplingParams' defaults."""
+    optional = ("max_tokens", "seed", "logprobs", "skip_special_tokens", "prompt_logprobs")
+    return SamplingParams(
+        temperature=message.temperature,
+        top_p=message.top_p,
+        top_k=message.top_k,
+        min_tokens=message.min_tokens,
+        stop=list(message.stop),
+        stop_token_ids=list(message.stop_token_ids),
+        include_stop_str_in_output=message.include_stop_str_in_output,
+        ignore_eos=message.ignore_eos,
+        **{name: getattr(message, name) for name in optional if message.HasField(name)},
+    )
+
+
+def prompt_scores_to_proto(scores: PromptScores) -> pb.PromptScores:
+    return pb.PromptScores(
+        token_log_probs=tensor_to_proto(scores.token_log_probs),
+        top_ids=tensor_to_proto(scores.top_ids),
+        top_log_probs=tensor_to_proto(scores.top_log_probs),
+    )
+
+
+def prompt_scores_from_proto(message: pb.PromptScores) -> PromptScores:
+    return PromptScores(
+        tensor_from_proto(message.token_log_probs),
+        tensor_from_proto(message.top_ids),
+        tensor_from_proto(message.top_log_probs),
+    )
+
+
+def component_to_proto(spec: ComponentSpec) -> pb.Component:
+    return pb.Component(name=spec.name, params_json=json.dumps(spec.params))
+
+
+def component_from_proto(message: pb.Component) -> ComponentSpec:
+    return ComponentSpec(name=message.name, params=json.loads(message.params_json or "{}"))

@@ -1,0 +1,1 @@
+"""The draft and target workers: their services, sessions, continuous batching, admission, tensor parallelism."""

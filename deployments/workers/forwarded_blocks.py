@@ -1,0 +1,231 @@
+"""Forwarded blocks on the target worker (run-ahead, specdec_core/loop/run_ahead.py): the draft worker
+sends an ahead proposal for block t+1 straight here, with the verdict on block t it assumes; the
+target decides block t's verdict itself (`target_outcome`) and, when they agree, commits block t
+and scores block t+1 at once, before the server's next Score asks for it. That Score then gets
+the scored rows without waiting for a forward, so the target never waits for the server's
+verdict and round trip between two blocks.
+
+Invariants (per session, all under one lock):
+- at most one forwarded block is scored and not yet claimed by the server (`prescored`), so a
+  session never has two rows in one step, and a claim that does not match undoes nothing but
+  the rows of that one block;
+- a forwarded block is scored only on the verdict it assumed, reached by the server's own rule on
+  the rows it receives, so the server's next Score commits exactly what the target committed
+  (a Score that commits otherwise is a bug, and fails);
+- a block is known by the sequence length before it (`after_length`, the prompt and the tokens
+  generated): one for an older length is stale and dropped."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import grpc
+
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from specdec_core.api.errors import SpecdecError
+from specdec_core.loop.run_ahead import Outcome
+
+from ..ingress.auth import SECRET_METADATA
+from .worker_ops import TargetRow
+from .worker_service import SessionMissing
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ForwardedBlock:
+    after_length: int  # the sequence's tokens before block t (whose last is block t's root)
+    assumed: list[int]  # the verdict on block t it assumes: its drafts kept, then the guess
+    tokens: list[int]  # [guess, block t+1's drafts]: the next Score's tokens under that verdict
+    tree: str = ""
+
+
+@dataclass
+class Prescored:
+    row: TargetRow  # what was committed and scored, as a Score would ask it
+    future: Future  # the row's answer (the ScoredRows a Score returns)
+
+
+@dataclass
+class SessionForwards:
+    verdict: Optional[tuple[int, Outcome]] = None  # (after_length, outcome) of the last block scored
+    waiting: Optional[ForwardedBlock] = None  # arrived before its block's verdict
+    prescored: Optional[Prescored] = None
+    stale_below: int = 0  # forwarded blocks for shorter sequences come too late
+    claiming: bool = False  # a Score is settling the block scored ahead
+
+
+class ForwardedBlocks:
+    """The forwarded blocks of a target worker's sessions that take them (`open`); `submit(row)`
+    runs a row in the worker's next step and returns its future (the step batcher's). The lock is
+    never held while submitting: the batcher's own lock is taken before this one where a step
+    expires idle sessions (`close`)."""
+
+    def __init__(self, submit: Callable[[TargetRow], Future]):
+        self.submit = submit
+        self.lock = threading.Lock()
+        self.sessions: dict[str, SessionForwards] = {}
+        self.scored = self.used = 0  # over all sessions: blocks scored ahead, and claimed
+
+    def open(self, session_id: str) -> None:
+        with self.lock:
+            self.sessions[session_id] = SessionForwards()
+
+    def close(self, session_id: str) -> None:
+        with self.lock:
+            self.sessions.pop(session_id, None)
+
+    def takes(self, session_id: str) -> bool:
+        with self.lock:
+            return session_id in self.sessions
+
+    def on_scored(self, session_id: str, after_length: int, outcome: Outcome) -> None:
+        """The target's verdict on the block it just scored for `session_id` (on the torch thread,
+        before the block's answer goes out)."""
+        with self.lock:
+            state = self.sessions.get(session_id)
+            if state is None:
+                return
+            state.verdict = (after_length, outcome)
+            started = self._start(session_id, state)
+        self._launch(started)
+
+    def on_forwarded(self, session_id: str, block: ForwardedBlock) -> None:
+        """A block the draft worker forwarded; unknown sessions (released, or not taking them) drop it."""
+        with self.lock:
+            state = self.sessions.get(session_id)
+            if state is None or block.after_length < state.stale_below:
+                return
+            state.waiting = block
+            started = self._start(session_id, state)
+        self._launch(started)
+
+    def _start(self, session_id: str, state: SessionForwards) -> Optional[Prescored]:
+        """(Under the lock.) The waiting block as a row to score ahead, when the verdict is the one
+        it assumed and no block scored ahead is unclaimed or being claimed."""
+        if state.prescored is not None or state.claiming or state.verdict is None or state.waiting is None:
+            return None
+        after_length, outcome = state.verdict
+        if state.waiting.after_length > after_length:
+            return None  # for a later block: it waits for that block's verdict
+        block, state.waiting = state.waiting, None
+        if block.after_length < after_length or block.assumed != outcome.new_tokens:
+            return None  # stale, or the verdict went otherwise: the server's next Score drafts anew
+        row = TargetRow(
+            session_id=session_id,
+            tokens=block.tokens,
+            commit_keep=outcome.commit_keep,
+            commit_path=list(outcome.commit_path),
+            tree=block.tree,
+        )
+        state.prescored, state.verdict = Prescored(row, Future()), None
+        self.scored += 1
+        return state.prescored
+
+    def _launch(self, prescored: Optional[Prescored]) -> None:
+        """(Outside the lock.) Submit a row `_start` made; its answer goes to its future."""
+        if prescored is None:
+            return
+        try:
+            answer = self.submit(prescored.row)
+        except Exception as error:  # noqa: BLE001 - the claimant's to see (a stopping worker)
+            prescored.future.set_exception(error)
+            return
+        answer.add_done_callback(lambda done: chain(done, prescored.future))
+
+    def claim(self, row: TargetRow) -> tuple[Optional[Future], TargetRow]:
+        """The server's Score `row` (on a gRPC handler thread): the future of the same row scored
+        ahead, else None and the row to run (without its commit where a block scored ahead and
+        unused already applied it). Waits for a block scored ahead to finish first."""
+        with self.lock:
+            state = self.sessions.get(row.session_id)
+            if state is None:
+                return None, row
+            prescored, state.prescored = state.prescored, None
+            if prescored is None:  # the server moves past the verdict: its forwarded block is late
+                if state.verdict is not None:
+                    state.stale_below = state.verdict[0] + 1
+                state.verdict = None
+                return None, row
+            state.claiming = True  # no block starts ahead until this claim settles
+        try:
+            error = prescored.future.exception()  # waits for its step
+            if isinstance(error, (SpecdecError, SessionMissing)):  # refused by its checks: nothing applied
+                with self.lock:
+                    state.verdict = None
+                return None, row
+            if error is not None:  # its forward failed: the session's state is the claimant's error
+                raise error
+            ahead = prescored.row
+            if (row.commit_keep, row.commit_path) != (ahead.commit_keep, ahead.commit_path):
+                raise RuntimeError(
+                    f"session {row.session_id}: the server committed {row.commit_keep} / {row.commit_path}, "
+                    f"the target's own verdict {ahead.commit_keep} / {ahead.commit_path}"
+                )
+            with self.lock:
+                state.claiming = False
+                if (row.tokens, row.tree) != (ahead.tokens, ahead.tree):
+                    state.verdict = None  # the verdict on the unused block is not the server's
+                    return None, row.model_copy(update={"commit_keep": 0, "commit_path": []})
+                self.used += 1
+                started = self._start(row.session_id, state)  # the block after it may be waiting
+            self._launch(started)
+            return prescored.future, row
+        finally:
+            with self.lock:
+                state.claiming = False
+
+
+def chain(source: Future, target: Future) -> None:
+    error = source.exception()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(source.result())
+
+
+MAX_TARGET_CHANNELS = 16  # target replicas a draft worker keeps a channel to, least recently used dropped
+
+
+class BlockForwarder:
+    """The draft worker's side: sends an ahead proposal to the target replica the server named,
+    beside the Propose answer, never holding it up. A failed send costs the target only its
+    head start (the server's Score still carries the block), so it is logged, not raised."""
+
+    def __init__(self, secret: Optional[str], deadline_s: float = 10.0):
+        self.metadata = [(SECRET_METADATA, secret)] if secret else None
+        self.deadline_s = deadline_s
+        self.stubs: OrderedDict[str, tuple[grpc.Channel, pb_grpc.TargetStub]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def stub(self, address: str) -> pb_grpc.TargetStub:
+        with self.lock:
+            if address not in self.stubs:
+                channel = grpc.insecure_channel(address)
+                self.stubs[address] = (channel, pb_grpc.TargetStub(channel))
+                while len(self.stubs) > MAX_TARGET_CHANNELS:
+                    self.stubs.popitem(last=False)[1][0].close()
+            self.stubs.move_to_end(address)
+            return self.stubs[address][1]
+
+    def send(self, address: str, block: pb.ForwardedBlock) -> None:
+        try:
+            call = self.stub(address).Forward.future(block, timeout=self.deadline_s, metadata=self.metadata)
+        except ValueError as error:  # its channel was closed meanwhile (evicted): the block is only lost
+            logger.warning("forwarding session %s's block to %s failed: %s", block.session_id, address, error)
+            return
+        call.add_done_callback(lambda done: self.check(done, block.session_id, address))
+
+    @staticmethod
+    def check(call: grpc.Future, session_id: str, address: str) -> None:
+        code = call.code()
+        if code == grpc.StatusCode.NOT_FOUND:  # the request ended first (its session released)
+            logger.debug("forwarded block of session %s came after its release", session_id)
+        elif code != grpc.StatusCode.OK:
+            logger.warning("forwarding session %s's block to %s failed: %s", session_id, address, code.name)

@@ -1,0 +1,242 @@
+"""The target worker's service: scorer sessions over the target model, whose verify blocks and
+prompt chunks of one step share a forward (`forward_rows`), the heads' guesses, and the target's
+profile. A verify row's answer is made compact here, on the torch thread: top-k rows where the
+request's policy reads no more (compact.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from specdec_core.api.errors import SpecdecError, check_token_ids
+from specdec_core.api.request import MAX_DRAFT_TOKENS, ComponentSpec
+from specdec_core.api.sampling import SamplingParams
+from specdec_core.calibration.profile_types import CalibrationSettings, TargetProfile
+from specdec_core.calibration.target_profile import calibration_progress, measure_profile
+from specdec_core.heads.contract import HeadGuesses, Heads
+from specdec_core.loop.frontend import Frontend
+from specdec_core.loop.run_ahead import target_outcome
+from specdec_core.loop.stage_types import Prefilled, TargetBlock
+from specdec_core.models.loader import ModelSpec
+from specdec_core.policies import make_policy
+from specdec_core.target.compact import compact_rows, expand_rows, wire_top_k
+from specdec_core.target.scorer import PREFILL_CHUNK, Row, TargetScorer, forward_rows
+from specdec_core.trees.dynamic_tree import check_guess_tree
+from specdec_core.trees.topologies import default_bank
+
+from .admission import Admission
+from .forwarded_blocks import ForwardedBlock, ForwardedBlocks
+from .steps import PendingRow
+from .tensor_parallel import ControlChannel
+from .worker_ops import Guess, MeasureProfile, OpenTarget, Release, TargetRow, TargetStep
+from .worker_service import WorkerService
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoredRows:
+    """A verify row's answer: its block, and its rows as top-k (`top_ids`, `top_log_probs`
+    `[T, k]`) where they may travel so (None: the whole `block.logits` `[T, V]`)."""
+
+    block: TargetBlock
+    top_ids: Optional[torch.Tensor] = None
+    top_log_probs: Optional[torch.Tensor] = None
+    forwarded: bool = False  # scored from the draft worker's forwarded block, before the Score came
+
+
+class TargetService(WorkerService):
+    def __init__(
+        self,
+        target_model: torch.nn.Module,
+        idle_timeout_s: float = 120.0,
+        profile: Optional[TargetProfile] = None,
+        channel: Optional[ControlChannel] = None,
+        batch_window_s: float = 0.005,
+        prefill_chunk: int = PREFILL_CHUNK,
+        admission: Optional[Admission] = None,
+        heads: Optional[dict[str, Heads]] = None,
+    ):
+        """`profile`: the target's, measured at load (the defaults of policies that need one);
+        `heads`: its multi-token heads by kind (drafters `heads`, `eagle3`), on its device."""
+        super().__init__(
+            target_model.config, idle_timeout_s, channel, admission, target_model, batch_window_s, prefill_chunk
+        )
+        self.target_model = target_model
+        self.profile = profile
+        self.heads = heads or {}
+        self.operations.update(
+            {OpenTarget: self.open, TargetStep: self.step, Guess: self.guess_after, MeasureProfile: self.measure}
+        )
+        self.operations[Release] = self.release
+        self.forwarded = ForwardedBlocks(self.batcher.submit)  # rank 0's: the other ranks follow its steps
+
+    def reset(
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        policy: ComponentSpec,
+        sampling: SamplingParams,
+        heads_kind: Optional[str],
+        takes_forwarded: bool = False,
+    ) -> Prefilled:
+        """Open a session and prefill its prompt (in steps); the prompt's scores when asked.
+        `takes_forwarded`: the draft worker forwards the session's ahead blocks (`forward`)."""
+        policy_object = make_policy(policy.name, policy.params)
+        if takes_forwarded and not policy_object.decided_by_target_rows(sampling):
+            raise SpecdecError(f"policy {policy.name!r} decides with the server: it takes no forwarded blocks")
+        if policy_object.needs_profile:
+            policy_object = policy_object.for_target(self.profile)
+        prompt_ids = self.check_prompt(prompt_ids)
+        if heads_kind is not None and heads_kind not in self.heads:
+            raise SpecdecError(f"this target has no {heads_kind} heads (it has: {', '.join(self.heads) or 'none'})")
+        # the policy travels with its target-dependent parameters filled in, for every rank
+        filled = ComponentSpec(name=policy_object.name, params=json.loads(policy_object.params.model_dump_json()))
+        op = OpenTarget(
+            session_id=session_id,
+            prompt_ids=prompt_ids,
+            policy=filled,
+            sampling=sampling.seeded(),
+            heads_kind=heads_kind,
+        )
+        prefill = self.open_session(op, self.heads[heads_kind].cache_bytes_per_token() if heads_kind else 0.0)
+        if prefill:
+            self.batcher.submit(TargetRow(session_id=session_id, tokens=prefill, prefill=True)).result()
+        if takes_forwarded:
+            self.forwarded.open(session_id)
+        return self.session(session_id).prefilled()
+
+    def open(self, op: OpenTarget) -> list[int]:
+        """Open the session; returns the prompt tokens to prefill (in steps)."""
+        scorer = TargetScorer(self.target_model, self.heads)
+        policy = make_policy(op.policy.name, op.policy.params)
+        prefill = scorer.start(op.prompt_ids, policy, op.sampling, op.heads_kind)
+        self.table.put(op.session_id, scorer)
+        return prefill
+
+    def measure(self, op: MeasureProfile) -> TargetProfile:
+        """Measure the target's profile (every rank of a group runs the same forwards)."""
+        frontend = Frontend.from_spec(op.spec)
+        progress = calibration_progress(op.spec.source)
+        self.profile = measure_profile(self.target_model, frontend, op.settings, progress)
+        return self.profile
+
+    def measure_profile(self, spec: ModelSpec, settings: CalibrationSettings) -> TargetProfile:
+        return self.call(MeasureProfile(spec=spec, settings=settings))
+
+    def score(
+        self, session_id: str, tokens: list[int], commit_keep: int, commit_path: list[int], tree: str
+    ) -> ScoredRows:
+        """Commit the last score (`commit_keep` tokens or a tree's `commit_path`), then score
+        `[last committed, drafts]` (or a tree's root and nodes) in the next step."""
+        tokens = self.check_block(tokens, tree)
+        row = TargetRow(
+            session_id=session_id, tokens=tokens, commit_keep=commit_keep, commit_path=commit_path, tree=tree
+        )
+        scored_ahead, row = self.forwarded.claim(row)
+        if scored_ahead is not None:
+            return dataclasses.replace(scored_ahead.result(), forwarded=True)
+        return self.batcher.submit(row).result()
+
+    def forward(self, session_id: str, block: ForwardedBlock) -> None:
+        """A block the draft worker sends ahead (run-ahead): scored before the server's Score for
+        it comes, when the target's verdict on the session's last block is the one it assumed."""
+        self.session(session_id)
+        if not self.forwarded.takes(session_id):
+            raise SpecdecError(f"session {session_id!r} was not reset to take forwarded blocks")
+        self.check_tokens(block.assumed, "assumed", 1, MAX_DRAFT_TOKENS + 1)
+        self.check_block(block.tokens, block.tree)
+        self.forwarded.on_forwarded(session_id, block)
+
+    def check_block(self, tokens: list[int], tree: str) -> list[int]:
+        """A block to score: `[last committed, drafts]`, or a named tree's root and nodes."""
+        tokens = self.check_tokens(tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)
+        if tree and len(tokens) != (wanted := default_bank().get(tree).num_nodes + 1):
+            raise SpecdecError(f"tree {tree!r} takes {wanted} tokens (root and nodes)")
+        return tokens
+
+    def stats(self) -> dict:
+        return {**super().stats(), "forwarded_scored": self.forwarded.scored, "forwarded_used": self.forwarded.used}
+
+    def release(self, op: Release) -> None:
+        super().release(op)
+        self.forwarded.close(op.session_id)
+
+    def on_expire(self, session_id: str) -> None:
+        super().on_expire(session_id)
+        self.forwarded.close(session_id)
+
+    def check_row(self, row: PendingRow) -> None:
+        scorer = self.session(row.session_id)
+        if row.prefill:
+            return
+        step_row: TargetRow = row.row
+        scorer.check_commit(step_row.commit_keep, step_row.commit_path)
+        reach = scorer.committed_len + step_row.commit_keep + len(step_row.commit_path) + len(step_row.tokens)
+        if reach > self.max_positions:
+            raise SpecdecError(f"the session would exceed {self.max_positions} positions")
+        row.reply = functools.partial(self.scored_rows, scorer, step_row)
+
+    def scored_rows(self, scorer: TargetScorer, row: TargetRow, block: TargetBlock) -> ScoredRows:
+        # a top-k row with its stop tokens masked would be flat where they led: ship it whole
+        early = scorer.within_min_tokens()
+        top_k = None if early else wire_top_k(scorer.policy, scorer.sampling)
+        scored = ScoredRows(block) if top_k is None else ScoredRows(block, *compact_rows(block.logits, top_k))
+        if not early and self.forwarded.takes(row.session_id):
+            try:
+                self.decide(scorer, row, scored)
+            except Exception:  # noqa: BLE001 - logged; the block's answer stands, only its head start is lost
+                logger.exception("session %s: deciding its verdict on the target failed", row.session_id)
+        return scored
+
+    def decide(self, scorer: TargetScorer, row: TargetRow, scored: ScoredRows) -> None:
+        """The server's verdict on a scored block, decided here on the rows the server receives
+        (a CPU copy of the wire's tensors, expanded as the server expands them)."""
+        block = scored.block
+        if scored.top_ids is None:
+            rows = block.logits.cpu()
+        else:
+            rows = expand_rows(scored.top_ids.cpu(), scored.top_log_probs.cpu(), block.vocab_size)
+        tree = default_bank().get(row.tree) if row.tree else None
+        outcome = target_outcome(scorer.policy, scorer.sampling, row.tokens, tree, rows)
+        self.forwarded.on_scored(row.session_id, scorer.committed_len + 1, outcome)
+
+    def guess(
+        self, session_id: str, commit_keep: int, commit_path: list[int], root_token: int, tree: str
+    ) -> Optional[HeadGuesses]:
+        """After the last score's commit: the heads' node tokens of `tree` after `root_token`."""
+        if self.session(session_id).heads_session is None:
+            raise SpecdecError("this session was not reset with heads (heads_kind)")
+        check_token_ids([root_token], self.vocab_size, "root_token")
+        check_guess_tree(tree)
+        op = Guess(
+            session_id=session_id, commit_keep=commit_keep, commit_path=commit_path, root_token=root_token, tree=tree
+        )
+        return self.call(op)
+
+    def guess_after(self, op: Guess) -> Optional[HeadGuesses]:
+        scorer = self.session(op.session_id)
+        scorer.check_commit(op.commit_keep, op.commit_path)
+        scorer.commit_scored(op.commit_keep, op.commit_path)
+        return scorer.guess(op.root_token, op.tree)
+
+    def step_of(self, rows: list[TargetRow]) -> TargetStep:
+        return TargetStep(rows=rows)
+
+    def step(self, op: TargetStep) -> list[Optional[TargetBlock]]:
+        """One forward over the rows of a step: verify blocks (after their commits) and prompt chunks."""
+        step = []
+        for row in op.rows:
+            scorer = self.session(row.session_id)
+            if not row.prefill:
+                scorer.commit_scored(row.commit_keep, row.commit_path)
+            step.append(
+                Row(scorer, row.tokens, prefill=row.prefill, tree=default_bank().get(row.tree) if row.tree else None)
+            )
+        return forward_rows(step)

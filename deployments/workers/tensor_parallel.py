@@ -1,0 +1,62 @@
+"""A worker whose model is sharded over several ranks (specdec_core/models/parallel.py): rank 0 serves
+the gRPC service and, before each operation that touches the model (open a session, score or
+propose, release), sends it to the other ranks over a gloo group, so every rank runs the same
+forwards in the same order and keeps the same sessions and KV caches. Operations (worker_ops.py)
+travel as JSON (nothing is pickled): a length, then the bytes, each a broadcast from rank 0."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from specdec_core.api.errors import GroupBroken
+
+from .worker_ops import Message, operation_from_json
+
+logger = logging.getLogger(__name__)
+
+
+class ControlChannel:
+    """Rank 0 sends operations; the other ranks receive them, in order."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+
+    def send(self, op: Message) -> None:
+        payload = torch.frombuffer(bytearray(op.model_dump_json().encode()), dtype=torch.uint8)
+        try:
+            dist.broadcast(torch.tensor([payload.numel()]), src=0, group=self.group)
+            dist.broadcast(payload, src=0, group=self.group)
+        except (RuntimeError, dist.DistError) as error:
+            raise GroupBroken(f"a rank of the group is gone: {error}") from None
+
+    def smallest(self, value: float) -> float:
+        """The smallest of every rank's `value` (every rank calls it at the same point)."""
+        values = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.MIN, group=self.group)
+        return float(values)
+
+    def receive(self) -> Message:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.group)
+        return operation_from_json(payload.numpy().tobytes())
+
+
+def follow(channel: ControlChannel, apply) -> None:
+    """A rank other than 0: apply every operation rank 0 sends until the group breaks (rank 0 is
+    gone: the group is being rebuilt)."""
+    while True:
+        try:
+            op = channel.receive()
+        except (RuntimeError, dist.DistError) as error:
+            logger.warning("the group broke: %s", error)
+            return
+        try:
+            apply(op)
+        except Exception:  # noqa: BLE001 - rank 0 met the same error on the same op and answered it
+            logger.exception("operation %s failed on this rank as on rank 0", op.op)

@@ -1,0 +1,175 @@
+"""What a worker does with its model, apart from the wire: per-request sessions (session_table.py), the
+checks of everything a caller sends, KV admission, and the operations (worker_ops.py) that touch
+the model, run on the one torch thread. The gRPC servicers (servicers.py) convert protos to and
+from these calls; a tensor-parallel group's rank 0 sends each operation to its other ranks first,
+which `apply` it too (tensor_parallel.py)."""
+
+from __future__ import annotations
+
+from concurrent import futures
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from specdec_core.api.errors import SpecdecError, check_token_ids
+from specdec_core.api.request import session_positions
+from specdec_core.api.sampling import SamplingParams
+from specdec_core.planning.memory import kv_bytes_per_token
+from specdec_core.runtime.batching import fix_pool, kv_cache_dtype
+from specdec_core.runtime.kv_pool import BLOCK_SIZE, blocks_for
+from specdec_core.target.scorer import PREFILL_CHUNK
+
+from .admission import Admission
+from .session_table import SessionTable
+from .steps import PendingRow, StepBatcher, schedule
+from .tensor_parallel import ControlChannel
+from .worker_ops import Message, Release
+
+# All torch work of a worker process runs on this one thread: every operation on the model
+# (the handlers, on gRPC's pool, check their input and hand the work over) and model loading. It
+# keeps one forward at a time on the shared model (the target's steps batch sessions), and it
+# keeps OpenMP fast: every thread that runs a parallel region owns a team of OpenMP threads, and
+# once the teams outnumber the cores libgomp stops spin-waiting, which doubled forward times when
+# gRPC's pool threads ran them (docs/architecture.md, "Why the CPU kernels").
+TORCH_THREAD = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+MAX_BATCH_ROWS = 1 << 16
+
+
+def on_torch_thread(call: Callable[..., Any], *args: Any) -> Any:
+    """Run `call` on the torch thread and wait for its result."""
+    return schedule(TORCH_THREAD, call, *args).result()
+
+
+class SessionMissing(LookupError):
+    """A call on a session that was released or expired (or died with a restarted worker)."""
+
+
+class WorkerService:
+    """What both workers share: the session table, input checks, admission, release and stats.
+    Every token id, size and setting a worker receives is checked here as well as at the server,
+    so a direct caller can neither crash a worker nor read past its vocabulary or cache. A call
+    checks its input, then `run`s an operation that `apply` carries out on the torch thread."""
+
+    def __init__(
+        self,
+        target_config: Any,
+        idle_timeout_s: float,
+        channel: Optional[ControlChannel] = None,
+        admission: Optional[Admission] = None,
+        model: Optional[torch.nn.Module] = None,
+        batch_window_s: float = 0.005,
+        prefill_chunk: int = PREFILL_CHUNK,
+    ):
+        """`target_config`: the target model's config (the ids are the target's); `channel`: rank
+        0's link to the other ranks of its group; `admission`: this rank's KV budget, the size
+        of its pool, allocated once; rank 0 admits by it, reserving the KV bytes of `model` (this
+        rank's shard of it) for every position a session can reach.
+        The calls of different sessions share steps (steps.py): rank 0's batcher decides each
+        step and sends it to the other ranks as one operation."""
+        self.vocab_size = target_config.vocab_size
+        self.max_positions = getattr(target_config, "max_position_embeddings", 1 << 20)
+        self.channel = channel
+        self.admission = admission
+        self.kv_bytes_per_token = 0.0
+        if model is not None:
+            # this rank's share of the KV heads: its stage's tp ranks (transformers' tp_size), or the group's
+            tp_size = model.tp_size or (channel.size if channel is not None else 1)
+            width = kv_cache_dtype(model).itemsize
+            self.kv_bytes_per_token = kv_bytes_per_token(model.config, tp_size, width)
+            if admission is not None and admission.budget_bytes is not None:
+                fix_pool(model, admission.budget_bytes, self.kv_bytes_per_token)
+        self.table = SessionTable(idle_timeout_s, self.on_expire)
+        self.batcher = StepBatcher(
+            TORCH_THREAD,
+            run_step=lambda rows: self.run(self.step_of(rows)),
+            check_row=self.check_row,
+            open_sessions=self.sessions_in_steps,
+            window_s=batch_window_s,
+            chunk=prefill_chunk,
+        )
+        self.operations: dict[type, Callable[[Any], Any]] = {Release: self.release}
+
+    def sessions_in_steps(self) -> int:
+        """How many rows a full step holds: a step waits (`batch_window_ms`) for that many."""
+        return self.table.counts()[0]
+
+    def on_expire(self, session_id: str) -> None:
+        if self.admission is not None:
+            self.admission.release(session_id)
+        if self.channel is not None:  # sends keep their order with the operations on the torch thread
+            TORCH_THREAD.submit(self.channel.send, Release(session_id=session_id))
+
+    def open_session(self, op: Message, extra_bytes_per_token: float = 0.0) -> Any:
+        """Admit the session `op` opens (reserving KV memory for the most it can reach, plus what
+        it keeps per position beside the model's cache), then `run` `op`; a failed open frees
+        its reservation."""
+        max_len = self.max_len(op.prompt_ids, op.sampling)
+        if self.admission is not None:
+            self.admission.admit(op.session_id, max_len * (self.kv_bytes_per_token + extra_bytes_per_token))
+        try:
+            return self.call(op)
+        except BaseException:
+            if self.admission is not None:
+                self.admission.release(op.session_id)
+            raise
+
+    def max_len(self, prompt_ids: list[int], sampling: SamplingParams) -> int:
+        """The positions a session can fill (`session_positions`; a request of open length: the
+        context), in whole blocks of the KV pool: what its cache can take from it."""
+        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else self.max_positions
+        positions = min(session_positions(len(prompt_ids), max_tokens), self.max_positions)
+        return blocks_for(positions, BLOCK_SIZE) * BLOCK_SIZE
+
+    def call(self, op: Message) -> Any:
+        """`run` an operation on the torch thread and wait for its result (a handler's way)."""
+        return on_torch_thread(self.run, op)
+
+    def run(self, op: Message) -> Any:
+        if self.channel is not None:
+            self.channel.send(op)
+        return self.apply(op)
+
+    def apply(self, op: Message) -> Any:
+        """Carry out an operation on this rank's model (on the torch thread)."""
+        return self.operations[type(op)](op)
+
+    def release(self, op: Release) -> None:
+        self.table.release(op.session_id)
+        if self.admission is not None:
+            self.admission.release(op.session_id)
+
+    def session(self, session_id: str) -> Any:
+        session = self.table.get(session_id)
+        if session is None:
+            raise SessionMissing(f"no session {session_id!r} (released or expired)")
+        return session
+
+    def check_tokens(self, tokens: Sequence[int], param: str, min_count: int, max_count: int) -> list[int]:
+        if not min_count <= len(tokens) <= max_count:
+            raise SpecdecError(f"{param} must hold {min_count} to {max_count} tokens, got {len(tokens)}")
+        check_token_ids(tokens, self.vocab_size, param)
+        return list(tokens)
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        return self.check_tokens(prompt_ids, "prompt_ids", 1, self.max_positions - 1)
+
+    def stats(self) -> dict:
+        sessions, requests = self.table.counts()
+        reserved = self.admission.reserved_bytes if self.admission is not None else 0.0
+        return {
+            "sessions": sessions,
+            "requests": requests,
+            "kv_reserved_bytes": reserved,
+            "steps": self.batcher.steps,
+            "step_rows": self.batcher.rows,
+            "step_seconds": self.batcher.step_seconds,
+        }
+
+    def step_of(self, rows: list) -> Message:
+        """The operation of one step over `rows`."""
+        raise NotImplementedError
+
+    def check_row(self, row: PendingRow) -> None:
+        """What a row may do given its session's state (on the torch thread, before its step);
+        raises for a row that may not run, and may set the row's `reply`."""
+        raise NotImplementedError

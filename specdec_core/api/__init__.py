@@ -1,0 +1,1 @@
+"""What a caller sends and gets back: the request, sampling, errors, output, log-probs and metrics."""

@@ -1,0 +1,165 @@
+"""Sampling parameters and the logits -> distribution warps shared by drafters and policies."""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from typing import Literal, Optional, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+INT32_MAX = (1 << 31) - 1
+MAX_TOP_LOGPROBS = 20
+MAX_TOKENS = 32768  # the most tokens a request may ask for (a deployment may allow fewer)
+
+
+class SamplingParams(BaseModel):
+    """Per-request decoding settings, with OpenAI's semantics and vLLM's extensions (`top_k`,
+    `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
+    `skip_special_tokens`, `prompt_logprobs`); temperature 0 means greedy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(0.0, ge=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=INT32_MAX, description="0 disables top-k filtering")
+    max_tokens: Optional[int] = Field(
+        None,
+        ge=0,
+        le=MAX_TOKENS,
+        description="None: to a stop or the context's end (Frontend.prepare); 0: prefill only",
+    )
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="no stop token or stop string ends output before")
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, description="tokens that end the output, as EOS does")
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 63, description="None: fresh randomness each request")
+    ignore_eos: bool = False
+    logprobs: Optional[int] = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="return the target log-prob of each token and this many top ones"
+    )
+    prompt_logprobs: Optional[int] = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="likewise for each prompt token after the first (the prefill's)"
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: list[str]) -> list[str]:
+        if any(not string for string in stop):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @model_validator(mode="after")
+    def _min_within_max(self):
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise PydanticCustomError("min_tokens", "min_tokens must be <= max_tokens", {"param": "min_tokens"})
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def seeded(self) -> "SamplingParams":
+        """These settings with a seed: a fresh one where none was given (OpenAI's and vLLM's rule),
+        drawn once per request, so that every part of it (verifier, drafter, the target's features,
+        every tensor-parallel rank) draws from streams of the same seed."""
+        return self if self.seed is not None else self.model_copy(update={"seed": secrets.randbits(63)})
+
+    def generator(self, role: Literal["verify", "draft", "target"]) -> torch.Generator:
+        """The request's RNG for one role. Verifier, drafter and the target's policy features
+        draw from separate streams seeded from `seed`, so a request is reproducible wherever its
+        pieces run (`seeded` gives a request its seed; a lone object without one draws fresh
+        randomness). It lives on the host, on every device: draws are made there and moved."""
+        if self.seed is None:
+            generator = torch.Generator()
+            generator.seed()
+            return generator
+        return torch.Generator().manual_seed(self.seed + SEED_OFFSETS[role])
+
+
+SEED_OFFSETS = {"verify": 0, "draft": 1, "target": 2}
+
+
+def warp_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k and top-p applied to `logits [..., V]`; filtered entries become -inf."""
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """The distribution tokens are sampled from: warped softmax at T > 0, one-hot argmax at T = 0."""
+    if sampling.greedy:
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
+    return warp_logits(logits, sampling).softmax(-1)
+
+
+def sample(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token id per row of `weights [N, V]` (non-negative, not necessarily normalized), by
+    inverse CDF from one uniform draw per row (on CPU, torch.multinomial costs many times the
+    cumulative sum over a large vocabulary). Draws lie in (0, total], so the first index whose CDF
+    reaches the draw always has positive weight."""
+    cdf = weights.double().cumsum(-1)
+    uniform = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64).to(cdf.device)
+    return torch.searchsorted(cdf, (1.0 - uniform) * cdf[:, -1:]).squeeze(-1)
+
+
+def argmax(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """`logits.argmax(-1)` (first maximum) for `[..., V]`. torch's CPU argmax over a long last dim
+    is not vectorized while amax is (docs/architecture.md, "Why the CPU kernels"): take the max of each chunk
+    of `chunk` entries, then argmax only inside the first chunk holding the row maximum."""
+    vocab_size = logits.shape[-1]
+    num_chunks = vocab_size // chunk
+    if num_chunks < 2:
+        return logits.argmax(-1)
+    rows = logits.reshape(-1, vocab_size)
+    chunks = rows[:, : num_chunks * chunk].unflatten(-1, (num_chunks, chunk))
+    chunk_max = chunks.amax(-1)  # [R, num_chunks]
+    best_chunk = chunk_max.argmax(-1)
+    row_index = torch.arange(rows.shape[0], device=rows.device)
+    best = best_chunk * chunk + chunks[row_index, best_chunk].argmax(-1)
+    if num_chunks * chunk < vocab_size:  # the tail wins only when strictly larger (first maximum)
+        tail_max, tail_argmax = rows[:, num_chunks * chunk :].max(-1)
+        best = torch.where(tail_max > chunk_max[row_index, best_chunk], num_chunks * chunk + tail_argmax, best)
+    return best.reshape(logits.shape[:-1])
+
+
+def argmax_lists(logits: torch.Tensor, sizes: Sequence[int]) -> list[list[int]]:
+    """The argmax of each row of `logits` `[sum(sizes), V]` as host lists, one per part of
+    `sizes` rows: one operation and one read back for a whole step, whatever its rows."""
+    flat = argmax(logits).tolist()
+    ends = list(itertools.accumulate(sizes))
+    return [flat[end - size : end] for size, end in zip(sizes, ends)]
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats over the last dim (0 log 0 = 0)."""
+    return -torch.special.xlogy(probs, probs).sum(-1)
+
+
+def entropy_of_probs(probs: torch.Tensor, log_weights: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of `probs = softmax(log_weights)` with one dot product and no log pass:
+    H = logsumexp(w) - sum p w, and logsumexp(w) = max w - log max p. Filtered (-inf) entries
+    have zero probability and are zeroed first."""
+    finite_weights = log_weights.clamp_min(torch.finfo(log_weights.dtype).min)
+    log_normalizer = log_weights.amax(-1) - probs.amax(-1).log()
+    return log_normalizer - torch.linalg.vecdot(probs, finite_weights)
+
+
+def entropy_of_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits): one exp pass, several times faster than
+    entropy(softmax) over a 49k vocabulary."""
+    logits = logits.float()
+    return entropy_of_probs(logits.softmax(-1), logits)

@@ -1,0 +1,265 @@
+"""Target scorer: chain verification of `[last committed, d_1..d_K]` in one forward, with a KV
+cache that always holds exactly the committed tokens but the last one. Rollback of rejected
+positions crops the cache. `forward_rows` runs many sessions' verify blocks and prompt chunks in
+one forward (a ragged batch, batching.py); each row comes out as it would alone. A verify row may
+be a candidate tree (`score_tree`), whose accepted path `commit_path` moves into place. With
+multi-token heads (heads/: Medusa's, Hydra's, EAGLE-3's), the scorer feeds the final hidden states of the positions
+it commits to the request's heads session, whose `guess` gives the next tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from ..api.errors import SpecdecError
+from ..api.logprobs import score_prompt_tokens, token_log_probs
+from ..api.sampling import SamplingParams, argmax_lists
+from ..heads.contract import HeadGuesses, Heads, HeadsSession
+from ..loop.stage_types import Prefilled, PromptScores, TargetBlock
+from ..policies import AcceptancePolicy
+from ..runtime.batching import forward_ragged, pool_of
+from ..runtime.kv_pool import PagedKV
+from ..trees.tree import Topology
+from .aux_states import aux_states
+
+
+class TargetScorer:
+    """One request's target state (a `TargetSession`). `score` appends the scored tokens to the
+    cache; `commit(n)` keeps the first n of them. The request's policy computes its target-side
+    features (`policy.target_features`, e.g. DropMatch's dropout paths) here, next to the hidden
+    states and LM head, from `sampling.generator("target")`, so they come out the same wherever
+    the target runs."""
+
+    def __init__(self, model: torch.nn.Module, heads: Optional[Mapping[str, Heads]] = None):
+        self.model = model
+        self.heads = heads or {}  # by kind (heads.loading.load_heads)
+        self.cache = PagedKV()
+        self.committed_len = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # prompt tokens looked up and found
+        self.num_scored = 0  # tokens of the last `score`, of which `commit` keeps some
+        self.scored_tree: Optional[Topology] = None  # the tree the last score was, if one
+        self.scored_hidden: Optional[torch.Tensor] = None  # [T, H] of the last score, with heads
+        self.scored_tokens: Optional[torch.Tensor] = None  # [T] its tokens
+        self.scored_features: Optional[torch.Tensor] = None  # [T, A * H] its kept states (aux_states.py)
+        self.heads_session: Optional[HeadsSession] = None
+        self.reads_aux_states = False  # its heads session reads the target's kept states
+        self.prompt_parts: Optional[list[PromptScores]] = None  # per prefill chunk, when the request asks
+
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        policy: AcceptancePolicy,
+        sampling: SamplingParams,
+        heads_kind: Optional[str] = None,
+    ) -> list[int]:
+        """Begin a request (its cache: `PagedKV.for_request`); returns the tokens to prefill
+        (the prompt but its last token, which the first `score` feeds, past what the pool
+        has cached of it), as
+        `Row(prefill=True)`s of one or more forwards. `heads_kind`: the kind of the target's heads
+        the request's drafter reads (`guess`); only those run beside it, only then."""
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt must contain at least one token")
+        self.policy = policy
+        self.sampling = sampling
+        self.prompt_ids = list(prompt_ids)
+        self.prompt_parts = [] if sampling.prompt_logprobs is not None else None
+        self.features_rng = sampling.generator("target")
+        self.cache = PagedKV.for_request(len(prompt_ids), sampling.max_tokens)
+        # the prompt's blocks another session computed (prefix caching), unless the prompt's
+        # scores or the heads need its forward
+        reusable = self.prompt_parts is None and heads_kind is None
+        self.committed_len = self.cache.reuse(pool_of(self.model.model), prompt_ids[:-1]) if reusable else 0
+        self.prefix_cache_queries = len(prompt_ids) - 1 if reusable else 0
+        self.prefix_cache_hits = self.committed_len
+        self.num_scored = 0
+        self.scored_hidden = self.scored_tokens = self.scored_features = None
+        self.heads_session = None
+        # only an EAGLE-3 layer reads the kept states of the target's forward (aux_states.py)
+        self.reads_aux_states = heads_kind == "eagle3"
+        if heads_kind is not None:
+            if heads_kind not in self.heads:
+                raise ValueError(f"this target has no {heads_kind} heads (it has: {', '.join(self.heads) or 'none'})")
+            self.heads_session = self.heads[heads_kind].session(self.model)
+        return list(prompt_ids[self.committed_len : -1])
+
+    def reset(
+        self,
+        prompt_ids: Sequence[int],
+        policy: AcceptancePolicy,
+        sampling: SamplingParams,
+        heads_kind: Optional[str] = None,
+    ) -> Prefilled:
+        """Start a request and prefill its prompt, `PREFILL_CHUNK` tokens per forward."""
+        prefill = self.start(prompt_ids, policy, sampling, heads_kind)
+        for begin in range(0, len(prefill), PREFILL_CHUNK):
+            forward_rows([Row(self, prefill[begin : begin + PREFILL_CHUNK], prefill=True)])
+        return self.prefilled()
+
+    def prefilled(self) -> Prefilled:
+        """After the prefill: the prompt's scores (when the request asks) and its prefix cache use."""
+        scores = None
+        if self.prompt_parts is not None:
+            scores = PromptScores.concat(self.prompt_parts, self.sampling.prompt_logprobs)
+        return Prefilled(scores, self.prefix_cache_queries, self.prefix_cache_hits)
+
+    def within_min_tokens(self) -> bool:
+        """Whether the rows last scored decide any of the request's first `min_tokens` tokens,
+        where the loop masks the stop tokens (output.py) and so needs the rows whole."""
+        return self.committed_len - (len(self.prompt_ids) - 1) < self.sampling.min_tokens
+
+    def score_prefill(self, hidden: torch.Tensor) -> None:
+        """A prompt chunk's final hidden states `[1, T, H]` (the positions after the committed
+        ones): when the request asks, the log-probs of the prompt tokens they predict."""
+        if self.prompt_parts is not None:
+            start = self.committed_len + 1
+            next_tokens = torch.tensor(self.prompt_ids[start : start + hidden.shape[1]], device=hidden.device)
+            logits = self.model.lm_head(hidden)[0]  # [T, V]
+            self.prompt_parts.append(score_prompt_tokens(logits, next_tokens, self.sampling.prompt_logprobs))
+
+    def score(self, tokens: Sequence[int]) -> TargetBlock:
+        """Logits `[len(tokens), V]` (fp32) for the tokens appended after the committed prefix,
+        plus the policy's target-side features for the `len(tokens) - 1` draft positions."""
+        return forward_rows([Row(self, tokens)])[0]
+
+    def score_tree(self, tokens: Sequence[int], tree: Topology) -> TargetBlock:
+        """Logits `[N + 1, V]` (fp32) of a candidate tree in one forward: `tokens` are its root (the
+        last committed token) and then its N nodes in the tree's order."""
+        if len(tokens) != tree.num_nodes + 1:
+            raise ValueError(f"tree {tree.name!r} has {tree.num_nodes} nodes; got {len(tokens) - 1} node tokens")
+        return forward_rows([Row(self, tokens, tree=tree)])[0]
+
+    def finish(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        tree: Optional[Topology],
+        features: Optional[torch.Tensor] = None,
+    ) -> TargetBlock:
+        """This row's block from its tokens `[T]`, final hidden states `[T, H]`, logits `[T, V]`
+        (fp32; a tree's: logits only) and kept states `[T, A * H]` (if the target keeps any)."""
+        block = TargetBlock(logits=logits)
+        if self.heads_session is not None:
+            self.scored_hidden, self.scored_tokens, self.scored_features = hidden, tokens, features
+        if tree is not None:
+            return block
+        if self.policy.needs_hidden:
+            block.hidden, block.lm_head = hidden, self.model.lm_head
+        draft_tokens = tokens[1:]
+        if self.sampling.logprobs is not None:
+            block.token_log_probs = token_log_probs(block.logits[:-1], draft_tokens)
+        block.features = self.policy.target_features(block, draft_tokens, self.sampling, self.features_rng)
+        return block
+
+    def commit(self, num_keep: int) -> None:
+        """Keep the first `num_keep` scored tokens; the rest are rolled back on the next call."""
+        self.committed_len += num_keep
+        self.cache.crop(self.committed_len)
+        self.advance_heads(slice(0, num_keep))
+
+    def commit_path(self, nodes: Sequence[int]) -> None:
+        """After `score_tree`: keep the root and the accepted path, `nodes` (tree node indices,
+        root 0 first); their cache entries move into place and the other nodes' are dropped."""
+        self.cache.keep_at(self.committed_len, [self.committed_len + node for node in nodes])
+        self.committed_len += len(nodes)
+        self.advance_heads(list(nodes))
+
+    def check_commit(self, keep: int, path: Sequence[int]) -> None:
+        """A caller's commit of the last score (a worker checks every one it receives): at most the
+        tokens scored, or a root-first path of the tree scored."""
+        if not 0 <= keep <= self.num_scored:
+            raise SpecdecError(f"commit_keep must lie in [0, {self.num_scored}] (the tokens last scored)")
+        if not path:
+            return
+        parents = self.scored_tree.parents.tolist() if self.scored_tree is not None else []
+        on_tree = path[0] == 0 and all(
+            0 < node < len(parents) and parents[node] == parent for parent, node in zip(path, path[1:])
+        )
+        if keep or not parents or not on_tree:
+            raise SpecdecError("commit_path must be a root-first path of the tree last scored")
+
+    def commit_scored(self, keep: int, path: Sequence[int]) -> None:
+        """Commit the last score once: its first `keep` tokens, or its tree's `path`."""
+        if keep:
+            self.commit(keep)
+        if path:
+            self.commit_path(path)
+        self.num_scored, self.scored_tree = 0, None
+
+    def advance_heads(self, rows) -> None:
+        """With heads: the scored rows `rows` (a slice or node indices) are committed positions."""
+        if self.heads_session is not None and self.scored_hidden is not None:
+            features = self.scored_features[rows] if self.scored_features is not None else None
+            self.heads_session.advance(self.scored_hidden[rows], self.scored_tokens[rows], features)
+            self.scored_hidden = self.scored_tokens = self.scored_features = None  # each position enters once
+
+    def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
+        """The heads' node tokens of tree `tree` after `root_token` (the last committed token,
+        which the last committed position predicted); None before any position is committed."""
+        if self.heads_session is None:
+            raise ValueError("this session was not started with heads (heads_kind)")
+        return self.heads_session.guess(root_token, tree)
+
+
+PREFILL_CHUNK = 512  # prompt tokens per forward: a long prompt never holds a step for its whole length
+
+
+@dataclass
+class Row:
+    """One session's part of a forward: a verify block `[last committed, d_1..d_K]` to score, or
+    a chunk of its prompt to prefill (committed as it goes; no logits)."""
+
+    scorer: TargetScorer
+    tokens: Sequence[int]
+    prefill: bool = False
+    tree: Optional[Topology] = None  # the candidate tree its tokens form (root first)
+
+
+@torch.inference_mode()
+def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
+    """One forward over every row (sessions of one model); each verify row's block, None for
+    prefill rows."""
+    for row in rows:
+        row.scorer.cache.crop(row.scorer.committed_len)
+        if not row.prefill:
+            row.scorer.num_scored, row.scorer.scored_tree = len(row.tokens), row.tree
+    model = rows[0].scorer.model
+    hidden, _ = forward_ragged(
+        model, [row.scorer.cache for row in rows], [row.tokens for row in rows], [row.tree for row in rows]
+    )
+    # per-row work in a handful of ops for the whole step: split views, one LM head for every
+    # verify row, their tokens as one tensor
+    parts = hidden[0].split([len(row.tokens) for row in rows])  # [T_i, H] each
+    reading = any(row.scorer.reads_aux_states for row in rows)
+    features = aux_states(model, hidden.shape[1]) if reading else None  # [1, N, A * H]
+    feature_parts = features[0].split([len(row.tokens) for row in rows]) if features is not None else None
+    verifying = [index for index, row in enumerate(rows) if not row.prefill]
+    blocks: list[Optional[TargetBlock]] = [None] * len(rows)
+    if verifying:
+        sizes = [len(rows[index].tokens) for index in verifying]
+        scored = hidden[0] if len(verifying) == len(rows) else torch.cat([parts[index] for index in verifying])
+        # [1, M, H] into the LM head: a row-parallel LM head (DeepSpeed's) splits dim 2
+        all_logits = model.lm_head(scored[None])[0].float()  # [M, V]
+        logits = all_logits.split(sizes)  # [T_i, V] each
+        tokens = [token for index in verifying for token in rows[index].tokens]
+        tokens = torch.tensor(tokens, dtype=torch.long, device=hidden.device).split(sizes)  # [T_i] each
+        # every row's argmax in one op and one read back, for the greedy requests' verdicts
+        greedy = any(rows[index].scorer.sampling.greedy for index in verifying)
+        argmax_ids = argmax_lists(all_logits, sizes) if greedy else [None] * len(sizes)
+        for index, row_logits, row_tokens, row_argmax in zip(verifying, logits, tokens, argmax_ids):
+            row = rows[index]
+            row_features = feature_parts[index] if feature_parts is not None else None
+            blocks[index] = row.scorer.finish(row_tokens, parts[index], row_logits, row.tree, row_features)
+            blocks[index].batch_rows, blocks[index].argmax_ids = len(rows), row_argmax
+    for index, (row, part) in enumerate(zip(rows, parts)):
+        if row.prefill:
+            row.scorer.score_prefill(part[None])
+            row.scorer.committed_len += len(row.tokens)
+            row.scorer.cache.publish(row.scorer.prompt_ids[: row.scorer.committed_len])
+            if row.scorer.heads_session is not None:
+                chunk = torch.tensor(row.tokens, dtype=torch.long, device=part.device)
+                row_features = feature_parts[index] if feature_parts is not None else None
+                row.scorer.heads_session.advance(part, chunk, row_features)
+    return blocks

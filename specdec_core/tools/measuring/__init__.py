@@ -1,0 +1,1 @@
+"""What a step costs: `specdec gpu-report`, verify and draft costs, step operations, compile checks."""

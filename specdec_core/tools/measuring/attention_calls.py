@@ -1,0 +1,84 @@
+"""What one step's attention costs on a CUDA device, per layer: the step's one masked call over
+every row (its keys gathered and padded to the longest row's bucket), with the K/V heads expanded
+to the query heads (before) or the query heads folded into the query rows (ragged_attention.
+folded_heads_attention, now), against one flex_attention call over the rows packed. A row is
+`tokens` new queries over its own `history` keys (causal within the new ones), heads grouped as
+Llama-3.1-8B's (32 query heads, 8 K/V heads of 128)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention
+
+from ...runtime.batching import padded_size
+from ...runtime.ragged_attention import folded_heads_attention
+from .device_clock import seconds_per_call
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+GROUPS = HEADS // KV_HEADS
+
+
+def microseconds(call, repeats: int = 20) -> float:
+    return seconds_per_call(call, repeats) * 1e6
+
+
+def attention_calls(rows: int = 64, tokens: int = 5, history: int = 352, device: str = "cuda") -> list[dict]:
+    """Microseconds of one layer's attention over `rows` rows, per way of calling it (on CUDA, its
+    efficient kernel, which takes a mask; flex_attention there only)."""
+    bf16 = torch.bfloat16
+    width = padded_size(history + tokens)  # a graphed step's keys
+    query = torch.randn(rows, HEADS, tokens, HEAD_DIM, device=device, dtype=bf16)
+    keys = torch.randn(rows, KV_HEADS, width, HEAD_DIM, device=device, dtype=bf16)
+    positions = torch.arange(width, device=device)
+    mask = positions <= history + torch.arange(tokens, device=device)[:, None]  # [Q, L]
+    mask = mask.expand(rows, 1, tokens, width)  # [B, 1, Q, L]
+    ways = {
+        "K/V heads expanded": lambda: scaled_dot_product_attention(
+            query, keys.repeat_interleave(GROUPS, 1), keys.repeat_interleave(GROUPS, 1), attn_mask=mask
+        ),
+        "query heads folded": lambda: folded_heads_attention(query, keys, keys, mask, None),
+    }
+    on_cuda = device == "cuda"
+    results = []
+    for name, call in ways.items():
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]) if on_cuda else contextlib.nullcontext():
+            one = microseconds(call)
+        kernel = f"one masked call, {width} keys a row: {name}"
+        results.append({"kernel": kernel, "us per layer": round(one), "calls": 1})
+    return [*results, one_flex_call(rows, tokens, history)] if on_cuda else results
+
+
+def one_flex_call(rows: int, tokens: int, history: int) -> dict:
+    """`flex_attention` over all rows packed: row r's queries see row r's keys, causally."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    cuda, bf16 = "cuda", torch.bfloat16
+    query = torch.randn(1, HEADS, rows * tokens, HEAD_DIM, device=cuda, dtype=bf16)
+    keys = torch.randn(1, KV_HEADS, rows * history, HEAD_DIM, device=cuda, dtype=bf16)
+    query_row = torch.arange(rows * tokens, device=cuda) // tokens
+    query_position = history - tokens + torch.arange(rows * tokens, device=cuda) % tokens
+    key_row = torch.arange(rows * history, device=cuda) // history
+    key_position = torch.arange(rows * history, device=cuda) % history
+
+    def same_row_causal(batch, head, q, k):
+        return (query_row[q] == key_row[k]) & (key_position[k] <= query_position[q])
+
+    def block_mask():
+        return create_block_mask(same_row_causal, 1, 1, rows * tokens, rows * history, device=cuda)
+
+    compiled = torch.compile(flex_attention)
+    start = time.perf_counter()
+    mask = block_mask()
+    compiled(query, keys, keys, block_mask=mask, enable_gqa=True)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - start
+    mask_us = microseconds(block_mask, 5)
+    return {
+        "kernel": f"one flex_attention call (compiled in {first_s:.1f} s; its block mask built in {mask_us:.0f} us)",
+        "us per layer": round(microseconds(lambda: compiled(query, keys, keys, block_mask=mask, enable_gqa=True))),
+        "calls": 1,
+    }

@@ -1,0 +1,159 @@
+"""gpu-report's decode tables: the in-process engine (lockstep.py, every session's steps batched)
+at several concurrencies, eager and with CUDA graphs, each method's tokens/s and each step's time
+split (draft forwards, target forward, host) against the target forward's floor."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+from typing import Optional
+
+import torch
+import typer
+
+from ...api.request import GenerationRequest
+from ...drafters import make_drafter
+from ...loop.engine import SpeculativeEngine
+from ...loop.lockstep import StepTimes, complete_together
+from ...planning.memory import kv_bytes_per_token
+from .recorded_drafter import recorded_drafters
+
+DRAFTERS = {"target": "none", "greedy+model": "model", "greedy+pld": "pld"}
+# greedy+model@a: the draft model's forwards paid, the target's continuation as greedy+model's
+# run recorded it proposed (recorded_drafter.py): acceptance length a at K = 4, where random
+# weights accept nothing
+RECORDING = "greedy+model"
+METHODS = ["target", RECORDING, *(f"{RECORDING}@{length}" for length in (1, 2, 3, 4))]
+
+
+def method_parts(method: str) -> tuple[str, Optional[int]]:
+    """A method's drafter and its fixed acceptance length (None: the drafter's own tokens)."""
+    name, _, accept_length = method.partition("@")
+    if name not in DRAFTERS or (accept_length and (name != RECORDING or not accept_length.isdigit())):
+        known = ", ".join([*DRAFTERS, f"{RECORDING}@<acceptance length>"])
+        raise typer.BadParameter(f"method {method!r}: one of {known}")
+    return DRAFTERS[name], int(accept_length) if accept_length else None
+
+
+def requests(method: str, count: int, prompt_tokens: int, max_tokens: int, num_draft: int, vocab: int) -> list:
+    """`count` greedy requests of `max_tokens` each (EOS ignored), request i on seed i's prompt: a
+    random half repeated, so prompt lookup has something to find in the prompt at least."""
+    drafter = method_parts(method)[0]
+    batch = []
+    for seed in range(count):
+        half = torch.randint(0, vocab, (prompt_tokens // 2,), generator=torch.Generator().manual_seed(seed)).tolist()
+        batch.append(
+            GenerationRequest(
+                prompt_ids=half + half,
+                policy={"name": "greedy"},
+                drafter={"name": drafter, "params": {"adaptive": False} if drafter == "model" else {}},
+                num_draft_tokens=num_draft,
+                sampling={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+            )
+        )
+    return batch
+
+
+def measure(engine: SpeculativeEngine, method: str, sessions: int, args: dict, copy_bytes_s: float, recorded: dict):
+    """One method at one concurrency: its row (tokens/s over the decode, prefills excluded, and
+    per step) and each request's token ids, after an unmeasured short run of the same requests
+    (it records the CUDA graphs of their shapes). `recorded`: each prompt's output in the
+    RECORDING run, which a method of fixed acceptance proposes: its verify rows are K + 1 tokens,
+    as theirs are, so that bf16 rounding decides the target's argmax the same way in both."""
+    batch = requests(method, sessions, args["prompt_tokens"], args["max_tokens"], args["num_draft"], args["vocab"])
+    # the same prompts (seeded), a few steps each
+    warm_up = requests(
+        method, sessions, args["prompt_tokens"], 2 * args["num_draft"] + 2, args["num_draft"], args["vocab"]
+    )
+    times = StepTimes()
+    accept_length = method_parts(method)[1]
+    if accept_length is not None:
+        engine.make_drafter = recorded_drafters(engine.draft_model, recorded, accept_length)
+    try:
+        complete_together(engine, warm_up)
+        completions = complete_together(engine, batch, times)
+    finally:
+        engine.make_drafter = make_drafter
+    if method == RECORDING:
+        recorded.update((tuple(request.prompt_ids), done.token_ids) for request, done in zip(batch, completions))
+    steps = len(times.target_s)
+    decode_s = times.wall_s - sum(done.metrics["prefill_ms"] for done in completions) / 1e3
+    draft_s, target_s = sum(times.draft_s), sum(times.target_s)
+    model = engine.target_model
+    weight_bytes = sum(parameter.numel() * parameter.itemsize for parameter in model.parameters())
+    # the KV a forward reads: its sessions at the mean context of the decode
+    per_token = kv_bytes_per_token(model.config, 1, model.dtype.itemsize)
+    kv_bytes = sum(times.target_rows) / steps * (args["prompt_tokens"] + args["max_tokens"] / 2) * per_token
+    return {
+        "steps": "graphs" if any(map(graphed, (model, engine.draft_model))) else "eager",
+        "method": method,
+        "sessions": sessions,
+        "tok/s": round(sum(len(done.token_ids) for done in completions) / decode_s, 1),
+        "accept len": round(statistics.mean(done.metrics["mean_acceptance_length"] for done in completions), 2),
+        "step ms": round(decode_s / steps * 1e3, 2),
+        "draft ms": round(draft_s / steps * 1e3, 2),
+        "target ms": round(target_s / steps * 1e3, 2),
+        "host ms": round((decode_s - draft_s - target_s) / steps * 1e3, 2),
+        "floor ms": round((weight_bytes + kv_bytes) / copy_bytes_s * 1e3, 2) if copy_bytes_s else "-",
+    }, [done.token_ids for done in completions]
+
+
+def decode_section(engine, concurrency: list[int], methods: list[str], args: dict, copy_bytes_s: float) -> list[str]:
+    """Each method at each concurrency (`copy_bytes_s` 0: no floor), eager and with CUDA graphs
+    where the models have them, as a table; then what recording the graphs cost."""
+    models = (engine.target_model, engine.draft_model)
+    rows = []
+    for steps in ("eager", "graphs") if any(map(graphed, models)) else ("eager",):
+        with steps_as(models, steps):
+            complete_together(engine, requests(RECORDING, 2, 32, 4, 2, args["vocab"]))  # warm-up
+            for sessions in concurrency:
+                recorded, baseline = {}, None
+                for method in methods:
+                    row, token_ids = measure(engine, method, sessions, args, copy_bytes_s, recorded)
+                    baseline = baseline or (row["tok/s"], token_ids)
+                    row["speedup"] = round(row["tok/s"] / baseline[0], 2)
+                    row["same as " + methods[0]] = f"{sum(a == b for a, b in zip(token_ids, baseline[1]))}/{sessions}"
+                    rows.append(row)
+                    print(table([row], list(row)), file=sys.stderr, flush=True)
+    heading = (
+        f"Decode, {args['prompt_tokens']}-token prompts, {args['max_tokens']} tokens each, K = {args['num_draft']} "
+        "(host: policy, commits and transfers between forwards; greedy+model@a: the draft model's forwards run "
+        "and their tokens replaced by the target's recorded output, corrupted at the a-th, a measurement tool "
+        "(tools/recorded_drafter.py) for a fixed acceptance length a; same as: greedy outputs equal to the first "
+        "method's at that concurrency, where random bf16 weights' near-flat logits let rounding decide ties, "
+        "so the exactness check is tests/core/test_gpu.py's, in fp32):"
+    )
+    recording = [
+        f"{role} {graphs.recorded} graphs in {graphs.recording_seconds:.1f} s"
+        for role, model in (("target", models[0]), ("draft", models[1]))
+        if (graphs := graphed(model))
+    ]
+    lines = [heading, "", table(rows, list(rows[0])), ""]
+    return lines + ([f"CUDA graphs recorded at first use: {'; '.join(recording)}", ""] if recording else [])
+
+
+def graphed(model: Optional[torch.nn.Module]):
+    """`model`'s StepGraphs (step_graphs.py), None where it runs eagerly."""
+    return getattr(model.model, "step_graphs", None) if model is not None else None
+
+
+@contextlib.contextmanager
+def steps_as(models, steps: str):
+    """The models' steps eager (their graphs set aside) or graphed, as they were loaded."""
+    kept = [graphed(model) for model in models]
+    if steps == "eager":
+        for model, graphs in zip(models, kept):
+            if graphs is not None:
+                model.model.step_graphs = None
+    try:
+        yield
+    finally:
+        for model, graphs in zip(models, kept):
+            if graphs is not None:
+                model.model.step_graphs = graphs
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join([*lines, *("| " + " | ".join(str(row[column]) for column in columns) + " |" for row in rows)])
