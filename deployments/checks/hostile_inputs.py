@@ -51,9 +51,11 @@ def completion_cases() -> list[HttpCase]:
             ({"seed": 2**70}, 400, "seed"),
             ({"seed": -(2**70)}, 400, "seed"),
             ({"stream": "yes"}, 400, "stream"),
-            ({"n": 2}, 400, "n"),
-            ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
-            ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+            ({"n": 17}, 400, "n"),
+            ({"logit_bias": {str(BEYOND_ANY_VOCAB): 5}}, 400, "logit_bias"),
+            ({"logit_bias": {"1": 500}}, 400, "logit_bias"),
+            ({"presence_penalty": 3}, 400, "presence_penalty"),
+            ({"repetition_penalty": 0}, 400, "repetition_penalty"),
             ({"echo": "yes"}, 400, "echo"),
             ({"response_format": {"type": "json_object"}}, 400, "response_format"),
             ({"guided_json": {"type": "object"}}, 400, "guided_json"),
@@ -105,7 +107,7 @@ def chat_cases() -> list[HttpCase]:
             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
             ({"max_completion_tokens": 0}, 400, "max_completion_tokens"),
             ({"echo": True}, 400, "echo"),
-            ({"repetition_penalty": 1.2}, 400, "repetition_penalty"),
+            ({"repetition_penalty": -1.2}, 400, "repetition_penalty"),
         ]
     ]
 

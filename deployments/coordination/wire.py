@@ -37,11 +37,15 @@ def sampling_to_proto(sampling: SamplingParams) -> pb.Sampling:
 def sampling_from_proto(message: pb.Sampling) -> SamplingParams:
     """Validated like any request (pydantic's ValidationError on a bad field); unset optional
     fields take SamplingParams' defaults."""
-    optional = ("max_tokens", "seed", "logprobs", "skip_special_tokens", "prompt_logprobs")
+    optional = ("max_tokens", "seed", "logprobs", "skip_special_tokens", "prompt_logprobs", "repetition_penalty")
     return SamplingParams(
         temperature=message.temperature,
         top_p=message.top_p,
         top_k=message.top_k,
+        min_p=message.min_p,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        logit_bias=dict(message.logit_bias),
         min_tokens=message.min_tokens,
         stop=list(message.stop),
         stop_token_ids=list(message.stop_token_ids),

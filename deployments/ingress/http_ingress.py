@@ -28,8 +28,10 @@ from .error_replies import WorkerUnavailable, describe
 from .openai_api import ChatCompletionRequest, CompletionRequest
 from .openai_responses import ResponseBuilder, error_body
 from .remote_engine import MetricsSink
+from .tokenize_api import DetokenizeRequest, TokenizeRequest
 
 RETRY_AFTER_S = 5
+GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what the API key guards (not /health)
 
 
 def failure(error: Exception, request_id: str) -> tuple[int, dict, dict]:
@@ -60,13 +62,13 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
 
     @api.middleware("http")
     async def authenticate_and_tag(http_request: Request, call_next):
-        """Every /v1 call needs the API key when one is configured (/health stays open for
-        probes); every response carries its request id."""
+        """Every /v1 call (and tokenization) needs the API key when one is configured (/health
+        stays open for probes); every response carries its request id."""
         request_id = client_request_id(http_request.headers.get("x-request-id")) or uuid.uuid4().hex
         http_request.state.request_id = request_id
         if (
             config.api_key
-            and http_request.url.path.startswith("/v1")
+            and http_request.url.path.startswith(GUARDED_PATHS)
             and not bearer_matches(http_request.headers.get("authorization"), config.api_key)
         ):
             body = error_body("invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
@@ -74,7 +76,7 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
         else:
             response = await call_next(http_request)
         response.headers["x-request-id"] = request_id
-        if response.status_code >= 400 and http_request.url.path.startswith("/v1"):
+        if response.status_code >= 400 and http_request.url.path.startswith(GUARDED_PATHS):
             engine.metrics.failed("http", str(response.status_code))
         return response
 
@@ -111,6 +113,7 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
             requests = parsed.to_generation_requests()
             ids = [request_id] if len(requests) == 1 else [f"{request_id}-{index}" for index in range(len(requests))]
             streams = [await engine.open(request, session_id) for request, session_id in zip(requests, ids)]
+            streams = prefilled_once(streams, parsed.n)
             builder = ResponseBuilder(
                 parsed, parsed.echoes(engine.frontend.decode), chat, config.model_name, request_id
             )
@@ -142,6 +145,24 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
             starting = WorkerUnavailable("no target worker is ready yet")
             return error_response(starting, http_request.state.request_id)
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "owned_by": "specdec"}]}
+
+    async def answer(http_request: Request, model_cls: type[BaseModel]):
+        """A request the front end answers alone (no worker): /tokenize, /detokenize."""
+        parsed = await parse(http_request, model_cls, http_request.state.request_id)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        try:
+            return parsed.reply(engine.frontend)
+        except Exception as error:  # noqa: BLE001 - mapped to 400 / 500 (logged) by `failure`
+            return error_response(error, http_request.state.request_id)
+
+    @api.post("/tokenize")
+    async def tokenize(http_request: Request):
+        return await answer(http_request, TokenizeRequest)
+
+    @api.post("/detokenize")
+    async def detokenize(http_request: Request):
+        return await answer(http_request, DetokenizeRequest)
 
     @api.post("/v1/completions")
     async def completions(http_request: Request):
@@ -187,6 +208,38 @@ async def merged(streams: list[AsyncIterator[StreamChunk]], limit: int) -> Async
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def prefilled_once(streams: list[AsyncIterator[StreamChunk]], n: int) -> list[AsyncIterator[StreamChunk]]:
+    """Each prompt's `n` choices (consecutive in `streams`): the first runs at once, the others
+    once it has sent a chunk, when its prompt is in the target's prefix cache, so theirs is a
+    cache hit rather than n prefills. (`merged` starts streams in order, so a first choice never
+    waits behind its own siblings.)"""
+    if n == 1:
+        return streams
+    gated = []
+    for first in range(0, len(streams), n):
+        prefilled = asyncio.Event()
+        gated.append(signalling(streams[first], prefilled))
+        gated.extend(waiting(stream, prefilled) for stream in streams[first + 1 : first + n])
+    return gated
+
+
+async def signalling(stream: AsyncIterator[StreamChunk], prefilled: asyncio.Event) -> AsyncIterator[StreamChunk]:
+    try:
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                prefilled.set()
+                yield chunk
+    finally:  # failed or closed before a chunk: its siblings go on without the cache
+        prefilled.set()
+
+
+async def waiting(stream: AsyncIterator[StreamChunk], prefilled: asyncio.Event) -> AsyncIterator[StreamChunk]:
+    async with contextlib.aclosing(stream):
+        await prefilled.wait()
+        async for chunk in stream:
+            yield chunk
 
 
 async def collect_completions(chunks: AsyncIterator[tuple[int, StreamChunk]], count: int) -> list[Completion]:

@@ -1,8 +1,9 @@
 """OpenAI-compatible request bodies, mapped onto specdec's GenerationRequest: OpenAI's fields and
 semantics, and vLLM's where the two differ, with the sampling extensions clients of vLLM send
-(`top_k`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
-`skip_special_tokens`). Extra body fields select the speculative setup per request: `policy`
-and `drafter` (a registry name, or `{name, params}`), `num_draft_tokens` and `run_ahead`.
+(`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
+`include_stop_str_in_output`, `skip_special_tokens`). Extra body fields select the speculative
+setup per request: `policy` and `drafter` (a registry name, or `{name, params}`),
+`num_draft_tokens` and `run_ahead`.
 
 A field is either implemented, or metadata that cannot change the output (accepted, ignored),
 or unsupported: accepted only at the value that means "not used", else a 400 naming it. Any
@@ -19,7 +20,8 @@ from pydantic_core import PydanticCustomError
 from specdec_core.api.request import ComponentSpec, GenerationRequest, Role
 from specdec_core.api.sampling import MAX_TOP_LOGPROBS
 
-MAX_PROMPTS = 128  # prompts in one completions request (each is a session on the workers)
+MAX_PROMPTS = 128  # choices (prompts x n) in one request: each is a session on the workers
+MAX_N = 16
 
 METADATA = frozenset(
     {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
@@ -27,11 +29,6 @@ METADATA = frozenset(
 
 # each with the values that mean "not used"
 UNSUPPORTED: dict[str, tuple] = {
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "min_p": (None, 0),
     "length_penalty": (None, 1),
     "use_beam_search": (None, False),
     "best_of": (None, 1),
@@ -58,6 +55,10 @@ UNSUPPORTED: dict[str, tuple] = {
 SAMPLING_FIELDS = {
     "temperature",
     "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
     "min_tokens",
     "ignore_eos",
     "include_stop_str_in_output",
@@ -85,6 +86,10 @@ class ChatMessage(BaseModel):
             return self.content
         return "\n".join(part["text"] for part in self.content)
 
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template reads it."""
+        return {"role": self.role, "content": self.text()}
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -102,6 +107,11 @@ class OpenAIRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="vLLM's: 0 or -1 is off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, description="vLLM's: 1 is off")
+    logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as text) -> offset in [-100, 100]")
     min_tokens: int = Field(0, ge=0)
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
@@ -111,7 +121,7 @@ class OpenAIRequest(BaseModel):
     seed: Optional[int] = Field(None, description="None: fresh randomness; the same seed repeats a sample")
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    n: StrictInt = Field(1, ge=1, le=1, description="one choice per prompt")
+    n: StrictInt = Field(1, ge=1, le=MAX_N, description="choices per prompt, each its own session and seed stream")
     policy: Optional[Union[str, ComponentSpec]] = None
     drafter: Optional[Union[str, ComponentSpec]] = None
     num_draft_tokens: Optional[int] = Field(None, ge=1)
@@ -138,6 +148,13 @@ class OpenAIRequest(BaseModel):
                 raise PydanticCustomError("unsupported", f"{name} is not supported by specdec", {"param": name})
         return payload
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, logit_bias: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        if logit_bias and not all(token.strip().isdigit() for token in logit_bias):
+            raise ValueError("logit_bias keys must be token ids")
+        return logit_bias
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
@@ -152,9 +169,22 @@ class OpenAIRequest(BaseModel):
     def continuous_usage(self) -> bool:
         return self.include_usage and self.stream_options.continuous_usage_stats
 
-    def echoes(self, decode: Callable[[list[int]], str]) -> list[Optional[str]]:
-        """What each choice's text starts with (None: nothing)."""
+    def prompt_echoes(self, decode: Callable[[list[int]], str]) -> list[Optional[str]]:
+        """What each prompt's choices start with (None: nothing)."""
         return [None]
+
+    def echoes(self, decode: Callable[[list[int]], str]) -> list[Optional[str]]:
+        """What each choice's text starts with: its prompt's, `n` choices a prompt."""
+        return [echo for echo in self.prompt_echoes(decode) for _ in range(self.n)]
+
+    def choices(self, request: GenerationRequest) -> list[GenerationRequest]:
+        """A prompt's `n` choices, each its own session. Seeded, choice i draws from seed + i
+        (vLLM's rule), so the request repeats all of them; unseeded, each draws fresh."""
+        seed = request.sampling.seed
+        if self.n == 1 or seed is None:
+            return [request] * self.n
+        seeds = [(seed + index + (1 << 63)) % (1 << 64) - (1 << 63) for index in range(self.n)]  # within int64
+        return [request.model_copy(update={"sampling": request.sampling.model_copy(update={"seed": s})}) for s in seeds]
 
     def generation_request(
         self, max_tokens: Optional[int], logprobs: Optional[int], prompt_logprobs: Optional[int] = None, **prompt: Any
@@ -166,6 +196,7 @@ class OpenAIRequest(BaseModel):
             "max_tokens": max_tokens,
             "stop": [self.stop] if isinstance(self.stop, str) else (self.stop or []),
             "stop_token_ids": self.stop_token_ids or [],
+            "logit_bias": {int(token): bias for token, bias in (self.logit_bias or {}).items()},
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
         }
@@ -205,6 +236,8 @@ class CompletionRequest(OpenAIRequest):
     def _zero_tokens_need_echo(self):
         if self.max_tokens == 0 and not self.echo:
             raise PydanticCustomError("max_tokens", "max_tokens 0 needs echo: true", {"param": "max_tokens"})
+        if len(self.prompts()) * self.n > MAX_PROMPTS:
+            raise PydanticCustomError("n", f"at most {MAX_PROMPTS} choices (prompts x n) per request", {"param": "n"})
         return self
 
     def prompts(self) -> list[dict[str, Any]]:
@@ -217,14 +250,15 @@ class CompletionRequest(OpenAIRequest):
 
     def to_generation_requests(self) -> list[GenerationRequest]:
         prompt_logprobs = self.logprobs if self.echo else None  # an echoed prompt's, from its prefill
-        return [
+        requests = [
             self.generation_request(self.max_tokens, self.logprobs, prompt_logprobs, **prompt)
             for prompt in self.prompts()
         ]
+        return [choice for request in requests for choice in self.choices(request)]
 
-    def echoes(self, decode: Callable[[list[int]], str]) -> list[Optional[str]]:
-        """What each choice's text starts with: its prompt when echoing (a text as it came, token
-        ids decoded, as vLLM echoes them)."""
+    def prompt_echoes(self, decode: Callable[[list[int]], str]) -> list[Optional[str]]:
+        """What each prompt's choices start with: the prompt when echoing (a text as it came,
+        token ids decoded, as vLLM echoes them)."""
         if not self.echo:
             return [None] * len(self.prompts())
         return [prompt["prompt"] if "prompt" in prompt else decode(prompt["prompt_ids"]) for prompt in self.prompts()]
@@ -246,5 +280,5 @@ class ChatCompletionRequest(OpenAIRequest):
     def to_generation_requests(self) -> list[GenerationRequest]:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        messages = [{"role": message.role, "content": message.text()} for message in self.messages]
-        return [self.generation_request(max_tokens, logprobs, messages=messages)]
+        messages = [message.for_template() for message in self.messages]
+        return self.choices(self.generation_request(max_tokens, logprobs, messages=messages))

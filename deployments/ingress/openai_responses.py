@@ -1,6 +1,7 @@
-"""OpenAI-compatible response bodies and stream chunks, built from specdec's StreamChunks: one
-choice per prompt (`index`), `usage` summed over them, the legacy completions log-prob columns
-(an echoed prompt's first, as vLLM: the first prompt token has none) or chat's `content` list.
+"""OpenAI-compatible response bodies and stream chunks, built from specdec's StreamChunks: `n`
+choices per prompt (`index`), `usage` summed over them (a prompt's tokens counted once), the
+legacy completions log-prob columns (an echoed prompt's first, as vLLM: the first prompt token
+has none) or chat's `content` list.
 Beside OpenAI's fields each choice carries its `token_ids` and vLLM's `stop_reason`; the
 `speculative` metrics ride on the response (one prompt), on each choice (several), or on a
 choice's last chunk (streamed)."""
@@ -130,7 +131,7 @@ class ResponseBuilder:
             if len(completions) > 1:
                 choices[-1]["speculative"] = completion.metrics
         body = self._envelope(choices, streamed=False)
-        prompt_tokens = sum(completion.prompt_tokens for completion in completions)
+        prompt_tokens = sum(completion.prompt_tokens for completion in completions[:: self.request.n])  # once a prompt
         body["usage"] = usage(prompt_tokens, sum(len(completion.token_ids) for completion in completions))
         if len(completions) == 1:
             body["speculative"] = completions[0].metrics
@@ -154,5 +155,6 @@ class ResponseBuilder:
             return None
         body = self._envelope([], streamed=True)
         completion_tokens = sum(state.completion_tokens for state in self.choices.values())
-        body["usage"] = usage(sum(self.prompt_tokens.values()), completion_tokens)
+        prompt_tokens = sum(tokens for index, tokens in self.prompt_tokens.items() if index % self.request.n == 0)
+        body["usage"] = usage(prompt_tokens, completion_tokens)
         return body

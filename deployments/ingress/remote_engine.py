@@ -172,7 +172,8 @@ class RemoteEngine:
             if request.run_ahead:  # the draft worker drafts while the target verifies
                 drafter = RunAhead(remote_drafter, asyncio.ensure_future)
                 # and sends its blocks on to the target, where the target can decide verdicts itself
-                if request.policy.decided_by_target_rows(request.sampling):
+                # (not on rows the server processes: the target worker holds them raw)
+                if request.policy.decided_by_target_rows(request.sampling) and not request.sampling.processes_logits:
                     target.takes_forwarded = True
                     remote_drafter.forward_to = self.addresses[target_stub]
         timings, last_chunk_at = RequestTimings(), arrival

@@ -184,11 +184,12 @@ class TargetService(WorkerService):
         row.reply = functools.partial(self.scored_rows, scorer, step_row)
 
     def scored_rows(self, scorer: TargetScorer, row: TargetRow, block: TargetBlock) -> ScoredRows:
-        # a top-k row with its stop tokens masked would be flat where they led: ship it whole
-        early = scorer.within_min_tokens()
-        top_k = None if early else wire_top_k(scorer.policy, scorer.sampling)
+        # the server changes these rows before its policy reads them (stop tokens masked within
+        # min_tokens, penalties, logit_bias): a top-k row could miss what they promote, so ship it whole
+        whole = scorer.within_min_tokens() or scorer.sampling.processes_logits
+        top_k = None if whole else wire_top_k(scorer.policy, scorer.sampling)
         scored = ScoredRows(block) if top_k is None else ScoredRows(block, *compact_rows(block.logits, top_k))
-        if not early and self.forwarded.takes(row.session_id):
+        if not whole and self.forwarded.takes(row.session_id):
             try:
                 self.decide(scorer, row, scored)
             except Exception:  # noqa: BLE001 - logged; the block's answer stands, only its head start is lost

@@ -17,14 +17,23 @@ MAX_TOKENS = 32768  # the most tokens a request may ask for (a deployment may al
 
 class SamplingParams(BaseModel):
     """Per-request decoding settings, with OpenAI's semantics and vLLM's extensions (`top_k`,
-    `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
-    `skip_special_tokens`, `prompt_logprobs`); temperature 0 means greedy."""
+    `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
+    `include_stop_str_in_output`, `skip_special_tokens`, `prompt_logprobs`); temperature 0 means
+    greedy. The penalties and `logit_bias` change the target's distribution itself
+    (target/logits_processors.py): greedy decoding takes its argmax too."""
 
     model_config = ConfigDict(extra="forbid")
 
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=INT32_MAX, description="0 disables top-k filtering")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top token's probability")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once from each generated token")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted per occurrence in the output")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=100.0, description="divides positive logits (multiplies others) of prompt and output tokens"
+    )
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> logit offset (-100..100)")
     max_tokens: Optional[int] = Field(
         None,
         ge=0,
@@ -52,6 +61,13 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stop
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, logit_bias: dict[int, float]) -> dict[int, float]:
+        if any(not -100.0 <= bias <= 100.0 for bias in logit_bias.values()):
+            raise ValueError("logit_bias values must lie in [-100, 100]")
+        return logit_bias
+
     @model_validator(mode="after")
     def _min_within_max(self):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -61,6 +77,13 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the target's distribution is changed before any policy reads it."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
 
     def seeded(self) -> "SamplingParams":
         """These settings with a seed: a fresh one where none was given (OpenAI's and vLLM's rule),
@@ -84,8 +107,12 @@ SEED_OFFSETS = {"verify": 0, "draft": 1, "target": 2}
 
 
 def warp_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k and top-p applied to `logits [..., V]`; filtered entries become -inf."""
+    """Temperature, min-p, top-k and top-p applied to `logits [..., V]`, in vLLM's order;
+    filtered entries become -inf."""
     logits = logits.float() / sampling.temperature
+    if sampling.min_p > 0.0:
+        probs = logits.softmax(-1)  # [..., V]
+        logits = logits.masked_fill(probs < sampling.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

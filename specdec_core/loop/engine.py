@@ -21,6 +21,7 @@ from ..drafters import DraftSource, make_drafter
 from ..heads.contract import Heads
 from ..heads.loading import AUTO, load_heads
 from ..models.loader import ModelSpec, load_model, load_tokenizer, refuse_draft_only_target
+from ..target.logits_processors import processed_block
 from ..target.scorer import TargetScorer
 from .frontend import Frontend, PreparedRequest
 from .run_ahead import RunAhead, run_now
@@ -61,9 +62,9 @@ async def speculative_loop(
         batch_rows = block.batch_rows if follows_load else 1
         clock = time.perf_counter()
         verify = policy.verify if draft.tree is None else policy.verify_tree
-        verdict = verify(
-            draft.to(block.logits.device), output.suppress_early_stops(block, draft.tree), sampling, verify_rng
-        )
+        on_device = draft.to(block.logits.device)
+        processed = processed_block(block, on_device, sampling, request.prompt_ids, output.token_ids)
+        verdict = verify(on_device, output.suppress_early_stops(processed, draft.tree), sampling, verify_rng)
         metrics.verify_ms.append((time.perf_counter() - clock) * 1e3)
         new_tokens = [*verdict.kept_tokens(draft), verdict.next_token]
         if verdict.path is None:

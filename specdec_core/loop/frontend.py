@@ -77,12 +77,25 @@ class Frontend:
         if request.prompt_ids is not None:
             check_token_ids(request.prompt_ids, self.vocab_size, "prompt")
             return list(request.prompt_ids)
+        return self.tokenize(request.prompt, request.messages)
+
+    def tokenize(
+        self,
+        prompt: Optional[str] = None,
+        messages: Optional[list[dict]] = None,
+        add_special_tokens: Optional[bool] = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """A text or a chat as token ids. By default special tokens are added to a text and not
+        to a chat, whose template holds them (vLLM's defaults)."""
         if self.tokenizer is None:
             raise SpecdecError("this engine has no tokenizer: send prompt_ids", "prompt")
-        if request.messages is not None:
-            text = self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
-            return self.tokenizer(text, add_special_tokens=False).input_ids
-        return self.tokenizer(request.prompt).input_ids
+        if messages is not None:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            return self.tokenizer(text, add_special_tokens=bool(add_special_tokens)).input_ids
+        return self.tokenizer(prompt, add_special_tokens=add_special_tokens is not False).input_ids
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids as text, special tokens kept (an echoed prompt's); "" without a tokenizer."""
@@ -96,10 +109,13 @@ class Frontend:
         if sampling.top_k > self.vocab_size:
             raise SpecdecError(f"top_k must be <= the vocabulary size ({self.vocab_size})", "top_k")
         check_token_ids(sampling.stop_token_ids, self.vocab_size, "stop_token_ids")
+        check_token_ids(list(sampling.logit_bias), self.vocab_size, "logit_bias")
         policy_spec = request.policy or self.defaults.policy_for(sampling)
         policy = make_policy(policy_spec.name, policy_spec.params)
         if policy.needs_profile:
             policy = policy.for_target(self.profile())
+        if policy.needs_hidden and sampling.processes_logits:  # its LM-head paths would skip them
+            raise SpecdecError(f"policy {policy.name!r} takes no penalties or logit_bias", "policy")
         if not sampling.greedy and not policy.supports_sampling:
             raise SpecdecError(f"policy {policy.name!r} needs temperature 0; use 'rejection' to sample", "policy")
         drafter = self.priced(request.drafter or self.defaults.drafter)

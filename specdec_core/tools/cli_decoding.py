@@ -36,6 +36,7 @@ from .cli_common import (
     print_table,
     request_from_options,
 )
+from .params import parse_params
 
 
 def generate(
@@ -121,6 +122,9 @@ def bench(
     pld_tokens: int = typer.Option(default_of(PromptLookupParams, "num_pred_tokens"), "--pld-tokens"),
     policy_param: list[str] = typer.Option([], "--policy-param", help="policy.k=v, repeatable (e.g. ears.beta=0.2)"),
     drafter_param: list[str] = typer.Option([], "--drafter-param", help="drafter.k=v, repeatable"),
+    sampling_param: list[str] = typer.Option(
+        [], "--sampling", help="a sampling setting of every method, k=v, repeatable (e.g. presence_penalty=0.5)"
+    ),
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="base URL of a running specdec service"),
     concurrency: str = typer.Option(
         "", "--concurrency", help="with --endpoint: a load sweep, e.g. 1,4,16 concurrent streaming clients"
@@ -156,6 +160,7 @@ def bench(
         pld_tokens=pld_tokens,
         policy_params=parse_scoped_params(policy_param, "--policy-param"),
         drafter_params=parse_scoped_params(drafter_param, "--drafter-param"),
+        sampling_params=parse_params(sampling_param),
         endpoint=endpoint,
         skip=skip,
     )

@@ -266,6 +266,112 @@ def test_a_field_that_would_change_the_answer_is_a_400_naming_it(client):
             model="tiny",
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=3,
-            extra_body={"repetition_penalty": 1.3},
+            extra_body={"bad_words": ["sea"]},
         )
-    assert raised.value.body["param"] == "repetition_penalty"
+    assert raised.value.body["param"] == "bad_words"
+
+
+PROCESSORS = {"presence_penalty": 0.8, "frequency_penalty": 0.4, "repetition_penalty": 1.3, "min_p": 0.1}
+BIAS = {17: 5.0, 900: -100.0}
+
+
+@pytest.mark.parametrize(
+    "drafter, run_ahead, temperature",
+    [("none", False, 0), ("model", False, 0), ("model", True, 0), ("mla", False, 0.8)],
+)
+def test_penalties_logit_bias_and_min_p_through_the_sdk_equal_the_in_process_engine(
+    client, engine, drafter, run_ahead, temperature
+):
+    """Served rows go whole over the wire and the server processes them (no forwarded verdicts):
+    the same tokens as in process, greedy and sampled under a seed."""
+    prompt = repeating_prompt(3, vocab_size=49152)
+    reply = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=16,
+        temperature=temperature,
+        seed=5,
+        presence_penalty=PROCESSORS["presence_penalty"],
+        frequency_penalty=PROCESSORS["frequency_penalty"],
+        logit_bias={str(token): bias for token, bias in BIAS.items()},
+        extra_body={
+            "repetition_penalty": PROCESSORS["repetition_penalty"],
+            "min_p": PROCESSORS["min_p"],
+            "drafter": drafter,
+            "run_ahead": run_ahead,
+        },
+    )
+    sampling = {"max_tokens": 16, "temperature": temperature, "seed": 5, "logit_bias": BIAS, **PROCESSORS}
+    local = engine.complete(
+        GenerationRequest(prompt_ids=prompt, drafter={"name": drafter}, run_ahead=run_ahead, sampling=sampling)
+    )
+    assert reply.choices[0].model_extra["token_ids"] == local.token_ids
+    plain = engine.complete(
+        GenerationRequest(prompt_ids=prompt, drafter={"name": drafter}, sampling={"max_tokens": 16})
+    )
+    assert local.token_ids != plain.token_ids or temperature  # greedy: the processors reach the output
+
+
+def test_tokenize_and_detokenize_as_the_engine_encodes(workers, engine):
+    http = http_client(workers)
+    tokenizer = engine.frontend.tokenizer
+    text = http.post("/tokenize", json={"model": "tiny", "prompt": "The sea is wide."}).json()
+    assert text["tokens"] == tokenizer("The sea is wide.").input_ids and text["count"] == len(text["tokens"])
+    assert text["max_model_len"] == engine.frontend.max_positions and text["token_strs"] is None
+    messages = [{"role": "user", "content": "hi"}]
+    chat = http.post("/tokenize", json={"messages": messages, "return_token_strs": True}).json()
+    assert chat["tokens"] == engine.frontend.encode(GenerationRequest(messages=messages))  # what a chat request sends
+    assert chat["token_strs"] == tokenizer.convert_ids_to_tokens(chat["tokens"])
+    back = http.post("/detokenize", json={"tokens": text["tokens"]}).json()
+    assert back == {"prompt": tokenizer.decode(text["tokens"])}
+    for path, body, param in (
+        ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/detokenize", {"tokens": [10**7]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ):
+        refused = http.post(path, json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    assert http.post("/tokenize", json={"model": "other", "prompt": "a"}).status_code == 404
+    guarded = http_client(workers, api_key="sk-test")
+    assert guarded.post("/tokenize", json={"prompt": "a"}).status_code == 401
+    assert (
+        guarded.post("/detokenize", json={"tokens": [1]}, headers={"Authorization": "Bearer sk-test"}).status_code
+        == 200
+    )
+
+
+def test_n_choices_each_draw_from_their_own_seed_and_share_the_prompts_prefill(client, workers):
+    """Seeded, choice i is the request with seed + i (vLLM's rule), so a request repeats all its
+    choices; every choice after a prompt's first finds the prompt in the prefix cache."""
+    prompt = repeating_prompt(5, length=64, vocab_size=49152)
+
+    def ask(**fields):
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, **fields)
+
+    reply = ask(n=3, seed=11)
+    texts = [choice.text for choice in reply.choices]
+    assert [choice.index for choice in reply.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert [choice.text for choice in ask(n=3, seed=11).choices] == texts
+    assert [ask(seed=11 + index).choices[0].text for index in range(3)] == texts
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == 24  # the prompt once
+    hits = [choice.model_extra["speculative"]["prefix_cache_hits"] for choice in reply.choices]
+    assert all(hit >= 48 for hit in hits[1:]), hits
+    batch = client.completions.create(model="tiny", prompt=[prompt, prompt[:40]], max_tokens=4, temperature=0, n=2)
+    assert [choice.index for choice in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text and batch.usage.prompt_tokens == len(prompt) + 40
+    stream = ask(n=2, seed=3, stream=True, stream_options={"include_usage": True})
+    streamed, usage = ["", ""], None
+    for chunk in stream:
+        if chunk.choices:
+            streamed[chunk.choices[0].index] += chunk.choices[0].text
+        usage = chunk.usage or usage
+    assert streamed == [choice.text for choice in ask(n=2, seed=3).choices]
+    assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == 16
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2)
+    assert [choice.index for choice in chat.choices] == [0, 1]
+    for fields in ({"n": 17}, {"n": 2, "prompt": [prompt] * 65}):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(**{"model": "tiny", "prompt": prompt, "max_tokens": 2, **fields})
+        assert raised.value.body["param"] in ("n", "prompt")
+    assert workers.engine.session_counts() == {"draft": 0, "target": 0}

@@ -98,7 +98,7 @@ class Runner:
         self.engine = engine
         self.config = config
         self.sampling = SamplingParams(
-            temperature=config.temperature, max_tokens=config.max_new_tokens, seed=config.seed
+            temperature=config.temperature, max_tokens=config.max_new_tokens, seed=config.seed, **config.sampling_params
         )
         self.pld_params = pld_params(vars(config))
         self.endpoint_client = endpoint_client
@@ -155,6 +155,8 @@ class Runner:
             kwargs = {"assistant_model": self.engine.draft_model}
         else:
             raise ValueError(f"unknown method {method!r}")
+        if self.config.sampling_params:
+            raise ValueError(f"{method} takes no --sampling settings: transformers would apply them otherwise")
         if not self.sampling.greedy:
             kwargs.update(do_sample=True, temperature=self.sampling.temperature)
             torch.manual_seed(self.sampling.seed)  # transformers samples from torch's global RNG

@@ -30,6 +30,7 @@ class BenchConfig:
     num_draft_tokens: int
     policy_params: dict[str, dict[str, Any]]
     drafter_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sampling_params: dict[str, Any] = field(default_factory=dict)  # every method's (penalties, logit_bias, ...)
     endpoint: Optional[str] = None
     skip: int = 0  # questions passed over at the start of each category (e.g. to tune on others)
     pld_max_ngram: int = PromptLookupParams().max_ngram
