@@ -38,7 +38,7 @@ bench: install
 
 # what `specdec gpu-report` needs on a GPU machine with torch and transformers but no package
 # index (Python 3.12): these wheels, downloaded into .whl to install there (docs/performance.md)
-GPU_WHEELS := pydantic pydantic[-_]core annotated[-_]types typing[-_]inspection gguf
+GPU_WHEELS := pydantic pydantic[-_]core annotated[-_]types typing[-_]inspection gguf llguidance
 gpu-wheels: install
 	rm -rf .whl && $(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \

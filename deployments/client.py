@@ -14,8 +14,19 @@ import httpx
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec_core.api.request import GenerationRequest
+from specdec_core.structured.constraint_spec import StructuredOutput
 
 from .coordination.wire import component_to_proto, sampling_to_proto
+
+
+def vllm_structured_outputs(spec: Optional[StructuredOutput]) -> Optional[dict]:
+    """A StructuredOutput as vLLM's `structured_outputs` field (its `json` is our `json_schema`)."""
+    if spec is None:
+        return None
+    fields = spec.model_dump(exclude_defaults=True)
+    if "json_schema" in fields:
+        fields["json"] = fields.pop("json_schema")
+    return fields
 
 
 class SpecdecHttpClient:
@@ -27,7 +38,8 @@ class SpecdecHttpClient:
     def route(request: GenerationRequest) -> tuple[str, dict]:
         """(path, body): chat requests go to /v1/chat/completions, the rest to /v1/completions."""
         body = {
-            **request.sampling.model_dump(exclude={"logprobs", "prompt_logprobs"}),
+            **request.sampling.model_dump(exclude={"logprobs", "prompt_logprobs", "structured_output"}),
+            "structured_outputs": vllm_structured_outputs(request.sampling.structured_output),
             "policy": request.policy.model_dump() if request.policy else None,
             "drafter": request.drafter.model_dump() if request.drafter else None,
             "num_draft_tokens": request.num_draft_tokens,

@@ -31,7 +31,10 @@ def tensor_from_proto(message: pb.Tensor) -> torch.Tensor:
 
 
 def sampling_to_proto(sampling: SamplingParams) -> pb.Sampling:
-    return pb.Sampling(**sampling.model_dump(exclude_none=True))
+    fields = sampling.model_dump(exclude_none=True, exclude={"structured_output"})
+    if sampling.structured_output is not None:
+        fields["structured_output_json"] = sampling.structured_output.model_dump_json()
+    return pb.Sampling(**fields)
 
 
 def sampling_from_proto(message: pb.Sampling) -> SamplingParams:
@@ -46,6 +49,7 @@ def sampling_from_proto(message: pb.Sampling) -> SamplingParams:
         presence_penalty=message.presence_penalty,
         frequency_penalty=message.frequency_penalty,
         logit_bias=dict(message.logit_bias),
+        structured_output=json.loads(message.structured_output_json) if message.structured_output_json else None,
         min_tokens=message.min_tokens,
         stop=list(message.stop),
         stop_token_ids=list(message.stop_token_ids),

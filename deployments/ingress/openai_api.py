@@ -20,6 +20,8 @@ from pydantic_core import PydanticCustomError
 from specdec_core.api.request import ComponentSpec, GenerationRequest, Role
 from specdec_core.api.sampling import MAX_TOP_LOGPROBS
 
+from .structured_fields import StructuredFields
+
 MAX_PROMPTS = 128  # choices (prompts x n) in one request: each is a session on the workers
 MAX_N = 16
 
@@ -36,7 +38,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "suffix": (None, ""),
     "echo": (None, False),  # chat's (vLLM's repeats the last message); completions implements it
     "modalities": (None, ["text"]),
@@ -98,7 +99,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False  # with include_usage: every chunk carries its choice's (vLLM)
 
 
-class OpenAIRequest(BaseModel):
+class OpenAIRequest(StructuredFields):
     """The fields both endpoints share."""
 
     model_config = ConfigDict(extra="ignore")  # left after `_known_fields`: metadata and unused fields
@@ -197,6 +198,7 @@ class OpenAIRequest(BaseModel):
             "stop": [self.stop] if isinstance(self.stop, str) else (self.stop or []),
             "stop_token_ids": self.stop_token_ids or [],
             "logit_bias": {int(token): bias for token, bias in (self.logit_bias or {}).items()},
+            "structured_output": self.structured_output(),
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
         }

@@ -10,6 +10,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..structured.constraint_spec import StructuredOutput
+
 INT32_MAX = (1 << 31) - 1
 MAX_TOP_LOGPROBS = 20
 MAX_TOKENS = 32768  # the most tokens a request may ask for (a deployment may allow fewer)
@@ -20,7 +22,8 @@ class SamplingParams(BaseModel):
     `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
     `include_stop_str_in_output`, `skip_special_tokens`, `prompt_logprobs`); temperature 0 means
     greedy. The penalties and `logit_bias` change the target's distribution itself
-    (target/logits_processors.py): greedy decoding takes its argmax too."""
+    (target/logits_processors.py), and `structured_output` masks it (structured/): greedy
+    decoding takes its argmax too."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -34,6 +37,7 @@ class SamplingParams(BaseModel):
         1.0, gt=0.0, le=100.0, description="divides positive logits (multiplies others) of prompt and output tokens"
     )
     logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> logit offset (-100..100)")
+    structured_output: Optional[StructuredOutput] = Field(None, description="what the output must match")
     max_tokens: Optional[int] = Field(
         None,
         ge=0,
@@ -82,7 +86,11 @@ class SamplingParams(BaseModel):
     def processes_logits(self) -> bool:
         """Whether the target's distribution is changed before any policy reads it."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.structured_output
         )
 
     def seeded(self) -> "SamplingParams":

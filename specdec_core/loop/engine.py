@@ -54,6 +54,8 @@ async def speculative_loop(
     while output.finish_reason is None:
         clock = time.perf_counter()
         draft = await drafter.propose(min(request.num_draft_tokens, output.remaining - 1), batch_rows)
+        if request.grammar is not None:  # no policy, however loose, can accept what the grammar forbids
+            draft = request.grammar.within(draft)
         metrics.draft_ms.append((time.perf_counter() - clock) * 1e3)
         clock = time.perf_counter()
         scored = [last_token, *draft.token_ids]
@@ -64,6 +66,8 @@ async def speculative_loop(
         verify = policy.verify if draft.tree is None else policy.verify_tree
         on_device = draft.to(block.logits.device)
         processed = processed_block(block, on_device, sampling, request.prompt_ids, output.token_ids)
+        if request.grammar is not None:
+            processed = request.grammar.masked(processed, draft)
         verdict = verify(on_device, output.suppress_early_stops(processed, draft.tree), sampling, verify_rng)
         metrics.verify_ms.append((time.perf_counter() - clock) * 1e3)
         new_tokens = [*verdict.kept_tokens(draft), verdict.next_token]
@@ -73,6 +77,8 @@ async def speculative_loop(
             target.commit_path(verdict.path)
             block = block.along(verdict.path)
         drafter.commit(new_tokens)
+        if request.grammar is not None:
+            request.grammar.commit(new_tokens)
         metrics.record(draft, verdict)
         last_token = new_tokens[-1]
         log_probs = None

@@ -19,6 +19,8 @@ from ..drafters.block_length import device_verify_cost
 from ..heads.contract import heads_kind_for
 from ..models.loader import load_configs, load_tokenizer
 from ..policies import POLICIES, AcceptancePolicy, make_policy
+from ..structured.grammar_compiler import GrammarCompiler
+from ..structured.grammar_state import GrammarState
 
 
 @dataclass
@@ -32,6 +34,7 @@ class PreparedRequest:
     num_draft_tokens: int
     run_ahead: bool = False  # a draft model's chains are drafted ahead (run_ahead.py)
     heads_kind: Optional[str] = None  # the kind of the target's heads the drafter reads (heads.heads_kind_for)
+    grammar: Optional[GrammarState] = None  # what the output must match (sampling.structured_output)
 
 
 class Frontend:
@@ -54,6 +57,7 @@ class Frontend:
         target runs on, whose verify-cost curve prices blocks and trees by default; `draft_costs`:
         the draft model's measured costs beside the target (draft_costs.py), None where unmeasured."""
         self.tokenizer = tokenizer
+        self.grammars: Optional[GrammarCompiler] = None  # built at the first structured request
         self.profile = profile
         self.heads, self.target_device, self.draft_costs = heads, target_device, draft_costs
         self.vocab_size = model_config.vocab_size
@@ -149,7 +153,20 @@ class Frontend:
             num_draft_tokens,
             run_ahead and DRAFTERS[drafter.name].drafts_ahead,
             heads_kind,
+            self.grammar_state(sampling, drafter),
         )
+
+    def grammar_state(self, sampling: SamplingParams, drafter: ComponentSpec) -> Optional[GrammarState]:
+        """The request's grammar at the output's start (compiled once per constraint)."""
+        if sampling.structured_output is None:
+            return None
+        if self.tokenizer is None:
+            raise SpecdecError("structured_output needs the target's tokenizer", "structured_output")
+        if DRAFTERS[drafter.name].proposes_trees:
+            raise SpecdecError(f"structured_output takes chain drafters, not {drafter.name!r}", "drafter")
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return GrammarState(self.grammars.matcher(sampling.structured_output), self.vocab_size)
 
     def priced(self, drafter: ComponentSpec) -> ComponentSpec:
         """`drafter` with the prices it leaves out (block_length.py): the verify-cost curve of

@@ -277,20 +277,18 @@ def test_disconnected_stream_leaves_no_session(service):
     assert session_counts() == {"draft": 0, "target": 0}
 
 
-def timed_completion(body: dict) -> tuple[float, dict]:
-    start = time.perf_counter()
+def completed(body: dict) -> dict:
     response = completion(body)
     assert response.status_code == 200, response.text
-    return time.perf_counter() - start, response.json()
+    return response.json()
 
 
-def test_draft_worker_killed_mid_stream_falls_back_without_stalls_then_speculation_resumes(service, local_engine):
-    """The stream in flight finishes target-only (same greedy tokens, counted as a fallback).
-    Until Serve has restarted the worker's replica, no request takes longer than the same request
-    target-only plus a second (a lookup of a replica that is not there waits
-    worker_lookup_timeout_s at most)."""
+def test_draft_worker_killed_mid_stream_falls_back_then_speculation_resumes(service, local_engine):
+    """The stream in flight finishes target-only (same greedy tokens, counted as a fallback); every
+    request while Serve restarts the worker's replica is answered target-only, then speculation
+    resumes. How long such a request takes against target-only is `specdec probe`'s measurement
+    (tests assert no wall-clock bounds)."""
     probe = dict(body_for("greedy", 0.0), max_tokens=24)
-    target_only_s = max(timed_completion(dict(probe, drafter="none"))[0] for _ in range(3))
     body = dict(body_for("greedy", 0.0), max_tokens=60, stream=True)
     events = []
     with httpx.stream("POST", URL + "/v1/completions", json={"model": MODEL, **body}, timeout=120) as response:
@@ -304,16 +302,14 @@ def test_draft_worker_killed_mid_stream_falls_back_without_stalls_then_speculati
     tokens = [token for event in events for token in event["choices"][0]["token_ids"]]
     assert events[-1]["speculative"]["draft_fallback"] is True
     assert tokens == local_tokens(local_engine, body)
-    latencies, deadline = [], time.time() + 90
+    deadline = time.time() + 90
     while time.time() < deadline:
-        latency_s, payload = timed_completion(probe)
-        latencies.append(latency_s)
+        payload = completed(probe)
         if not payload["speculative"]["draft_fallback"]:
             break
         time.sleep(0.5)
     assert payload["speculative"]["draft_fallback"] is False
     assert payload["speculative"]["spec_decode_num_drafts"] > 0
-    assert max(latencies) <= target_only_s + 1.0, (target_only_s, latencies)
 
 
 def test_target_worker_killed_mid_stream_ends_it_with_an_error_then_the_service_recovers(service):

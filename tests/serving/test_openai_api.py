@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import pytest
@@ -375,3 +376,52 @@ def test_n_choices_each_draw_from_their_own_seed_and_share_the_prompts_prefill(c
             client.completions.create(**{"model": "tiny", "prompt": prompt, "max_tokens": 2, **fields})
         assert raised.value.body["param"] in ("n", "prompt")
     assert workers.engine.session_counts() == {"draft": 0, "target": 0}
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_and_vllms_structured_outputs_constrain_the_served_output(client, engine):
+    """Through the SDK: OpenAI's json_schema response format and vLLM's structured_outputs give
+    valid output, token for token the in-process engine's (the server masks whole rows)."""
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Answer as JSON."}]
+    for drafter in ("none", "model"):
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=40,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}},
+            extra_body={"drafter": drafter},
+        )
+        assert reply.choices[0].message.content.lstrip().startswith("{")  # a random model pads with spaces
+        sampling = {"max_tokens": 40, "structured_output": {"json_schema": SCHEMA}}
+        local = engine.complete(GenerationRequest(messages=messages, drafter={"name": drafter}, sampling=sampling))
+        assert reply.choices[0].model_extra["token_ids"] == local.token_ids
+        compact = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=40,
+            temperature=0,
+            extra_body={"drafter": drafter, "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+        )
+        jsonschema.validate(json.loads(compact.choices[0].message.content), SCHEMA)
+    choice = client.completions.create(
+        model="tiny",
+        prompt="Pick:",
+        max_tokens=8,
+        temperature=0.9,
+        extra_body={"structured_outputs": {"choice": ["red", "blue"]}},
+    )
+    assert choice.choices[0].text in ("red", "blue")
+    legacy = client.completions.create(
+        model="tiny", prompt="Code:", max_tokens=8, temperature=0, extra_body={"guided_regex": "[A-Z]{3}"}
+    )
+    assert re.fullmatch("[A-Z]{3}", legacy.choices[0].text)
