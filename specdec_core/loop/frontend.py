@@ -164,6 +164,8 @@ class Frontend:
             raise SpecdecError("structured_output needs the target's tokenizer", "structured_output")
         if DRAFTERS[drafter.name].proposes_trees:
             raise SpecdecError(f"structured_output takes chain drafters, not {drafter.name!r}", "drafter")
+        if sampling.min_tokens:  # a grammar that has ended allows only the stop it would forbid
+            raise SpecdecError("structured_output takes no min_tokens", "min_tokens")
         if self.grammars is None:
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         return GrammarState(self.grammars.matcher(sampling.structured_output), self.vocab_size)

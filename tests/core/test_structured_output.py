@@ -133,5 +133,7 @@ def test_grammars_compile_once_and_bad_ones_are_a_clear_error(engine):
             complete(engine, constraint, max_tokens=4)
     with pytest.raises(SpecdecError, match="chain drafters"):
         complete(engine, JSON, "model_tree", max_tokens=4)
+    with pytest.raises(SpecdecError, match="min_tokens"):
+        engine.complete(GenerationRequest(prompt="a", sampling={"min_tokens": 2, "structured_output": JSON}))
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutput(regex="a", choice=["a"])
