@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -11,6 +12,24 @@ from helpers.published_hydra import hydra_from_medusa
 from helpers.tiny_models import HEADS_PROMPTS, perturbed_copy, repeating_prompt, tiny_llama, tiny_profile
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[EXIT_STATUS] = int(exitstatus)
+
+
+def pytest_unconfigure(config):
+    """Leave with pytest's own status once it has reported, without the interpreter's
+    finalization: there native threads of the serving stack (gRPC, Ray) have crashed the process
+    after a passing session (a segfault, exit 139 in place of 0). A failing or empty session
+    still exits 1 or 5."""
+    if EXIT_STATUS in config.stash:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(config.stash[EXIT_STATUS])
+
+
+EXIT_STATUS = pytest.StashKey[int]()
 
 
 @pytest.fixture(scope="session")
