@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -57,7 +56,7 @@ class OutputTracker:
         logits = block.logits.clone()  # [rows, V]
         stops = torch.tensor(sorted(self.stop_ids), device=logits.device)
         logits[early.nonzero()[:, :1], stops] = float("-inf")
-        return dataclasses.replace(block, logits=logits, argmax_ids=None)
+        return block.with_logits(logits)
 
     def append(self, new_tokens: Sequence[int], log_probs: Optional[list] = None) -> StreamChunk:
         """`log_probs`: logprobs.emitted_log_probs of `new_tokens`, when the request asks."""

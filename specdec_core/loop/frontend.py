@@ -119,7 +119,7 @@ class Frontend:
         if policy.needs_profile:
             policy = policy.for_target(self.profile())
         if policy.needs_hidden and sampling.processes_logits:  # its LM-head paths would skip them
-            raise SpecdecError(f"policy {policy.name!r} takes no penalties or logit_bias", "policy")
+            raise SpecdecError(f"policy {policy.name!r} takes no penalties, logit_bias or structured_output", "policy")
         if not sampling.greedy and not policy.supports_sampling:
             raise SpecdecError(f"policy {policy.name!r} needs temperature 0; use 'rejection' to sample", "policy")
         drafter = self.priced(request.drafter or self.defaults.drafter)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -91,6 +92,10 @@ class TargetBlock:
     @property
     def vocab_size(self) -> int:
         return int(self.logits.shape[-1])
+
+    def with_logits(self, logits: torch.Tensor) -> "TargetBlock":
+        """This block with its rows changed (masked, penalized): the host argmax no longer holds."""
+        return dataclasses.replace(self, logits=logits, argmax_ids=None)
 
     def along(self, nodes: list[int]) -> "TargetBlock":
         """A tree's rows at `nodes` (root first): the block of the chain they form."""

@@ -1,8 +1,7 @@
 """Grammars compiled by llguidance for one tokenizer, cached across requests: each constraint is
 compiled (and checked) once into a matcher, which every request copies. llguidance rather than
-xgrammar: both roll back committed tokens, but xgrammar needs triton (a 1 GB install) and
-precomputes a mask cache per grammar, where llguidance computes each mask on demand in a few
-tens of microseconds on the CPU, with no dependency."""
+xgrammar: both roll back committed tokens, but xgrammar needs triton, where llguidance has no
+dependency and computes each mask on demand."""
 
 from __future__ import annotations
 

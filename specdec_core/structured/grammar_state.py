@@ -7,8 +7,6 @@ rejected draft is never in its state, as it is never in the KV cache."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import llguidance
 import numpy as np
 import torch
@@ -41,7 +39,7 @@ class GrammarState:
         self.matcher.rollback(consumed)
         rows += [rows[-1]] * (draft.num_tokens + 1 - len(rows))
         allowed = torch.stack(rows).to(block.logits.device)  # [1 + K, V]
-        return dataclasses.replace(block, logits=block.logits.masked_fill(~allowed, float("-inf")), argmax_ids=None)
+        return block.with_logits(block.logits.masked_fill(~allowed, float("-inf")))
 
     def advance(self, token: int) -> bool:
         """Consume `token`; False where the grammar has ended (what follows is its EOS)."""

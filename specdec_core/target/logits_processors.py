@@ -10,7 +10,6 @@ request's generated tokens; the repetition penalty also its prompt's (vLLM's rul
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import torch
@@ -55,6 +54,8 @@ def processed_block(
     if sampling.logit_bias:
         ids = torch.tensor(list(sampling.logit_bias), dtype=torch.long, device=device)
         logits[:, ids] += torch.tensor(list(sampling.logit_bias.values()), device=device)
+    if not (sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1.0):
+        return block.with_logits(logits)
     counts = generated_counts(output_ids, draft, vocab_size, device)  # [1 + K, V]
     if sampling.repetition_penalty != 1.0:
         prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
@@ -63,4 +64,4 @@ def processed_block(
         penalized = torch.where(logits > 0, logits / sampling.repetition_penalty, logits * sampling.repetition_penalty)
         logits = torch.where(seen, penalized, logits)
     logits -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).float()
-    return dataclasses.replace(block, logits=logits, argmax_ids=None)
+    return block.with_logits(logits)

@@ -97,9 +97,8 @@ class Runner:
     ):
         self.engine = engine
         self.config = config
-        self.sampling = SamplingParams(
-            temperature=config.temperature, max_tokens=config.max_new_tokens, seed=config.seed, **config.sampling_params
-        )
+        options = {"temperature": config.temperature, "max_tokens": config.max_new_tokens, "seed": config.seed}
+        self.sampling = SamplingParams(**{**options, **config.sampling_params})  # --sampling wins
         self.pld_params = pld_params(vars(config))
         self.endpoint_client = endpoint_client
 
