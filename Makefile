@@ -41,7 +41,8 @@ bench: install
 GPU_WHEELS := pydantic pydantic[-_]core annotated[-_]types typing[-_]inspection gguf llguidance
 gpu-wheels: install
 	rm -rf .whl && $(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
-		--implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		--implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl \
 		$$($(PY) -m pip freeze | grep -iE '^($(shell echo $(GPU_WHEELS) | tr ' ' '|'))==')
 
 clean:
