@@ -104,11 +104,16 @@ def draft_costs_path(target: ModelSpec, draft: ModelSpec, threads: Optional[tupl
             machine(),
             threads,
             *(source_identity(spec.source)[1] for spec in (target, draft)),
-            # cuda_graphs: no bearing on a CPU pair, and the key stays what it was before the field
-            *(spec.model_dump(exclude={"source", "cuda_graphs"}) for spec in (target, draft)),
+            *(spec.model_dump(exclude=fields_outside_key(spec)) for spec in (target, draft)),
         ]
     )
     return cache_dir() / "draft_costs" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+
+def fields_outside_key(spec: ModelSpec) -> set[str]:
+    """cuda_graphs has no bearing on a CPU pair; compile_layers counts where set (a pair that sets
+    neither keeps the key it had before these fields)."""
+    return {"source", "cuda_graphs", *(() if spec.compile_layers else ("compile_layers",))}
 
 
 def cpu_pair(target: ModelSpec, draft: Optional[ModelSpec]) -> bool:

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from ..calibration.cache_files import write_atomically
 from ..planning.memory import load_model_config
 from ..runtime.batching import set_kv_cache_dtype
+from ..runtime.compiled_layers import compile_layers
 from ..runtime.compiled_step import compile_step
 from ..runtime.step_graphs import use_step_graphs
 from .fp8_checkpoint import checkpoint_fp8_scheme
@@ -61,6 +62,11 @@ class ModelSpec(BaseModel):
     compile: bool = Field(
         False, description="torch.compile the step (compiled_step.compile_step): compiles a few graphs at first use"
     )
+    compile_layers: bool = Field(
+        False,
+        description="torch.compile each decoder layer around its attention (compiled_layers.py): one compile "
+        "shared by every layer, its kernels cached on disk; under the step's CUDA graphs on CUDA",
+    )
     cuda_graphs: bool = Field(
         True,
         description="on CUDA, each decoding step replays a CUDA graph recorded at its first use (step_graphs.py); "
@@ -81,9 +87,11 @@ class ModelSpec(BaseModel):
         return device
 
     @model_validator(mode="after")
-    def _int4_runs_eager(self):
-        if self.dtype == "int4" and self.compile:
+    def _one_compilation(self):
+        if self.dtype == "int4" and (self.compile or self.compile_layers):
             raise ValueError("int4 runs eager: its chunk kernels (oneDNN, torch's int4 op) are not compiled")
+        if self.compile and self.compile_layers:
+            raise ValueError("compile (the whole step) or compile_layers (each layer), not both")
         return self
 
     @property
@@ -248,7 +256,10 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     set_kv_cache_dtype(model, spec.kv_cache_dtype)
     if spec.compile:
         compile_step(model)
-    elif spec.cuda_graphs and device.type == "cuda":
+        return model
+    if spec.compile_layers:
+        compile_layers(model, cache_dir())
+    if spec.cuda_graphs and device.type == "cuda":
         use_step_graphs(model)
     return model
 

@@ -106,6 +106,8 @@ def load_sharded_model(spec: ModelSpec, backend: TpBackend, pp_size: int = 1) ->
 
     if spec.dtype == "int4":
         raise ValueError("int4 is a CPU kernel for single-process models; a sharded model takes bf16, fp16 or fp32")
+    if spec.compile_layers:  # a layer's collectives inside dynamo's graphs: not yet tested
+        raise ValueError("compile_layers is for single-process models; a sharded model takes compile or neither")
     source = resolve_source(spec.source)
     tp = dist.get_world_size() // pp_size
     config = AutoConfig.from_pretrained(source)

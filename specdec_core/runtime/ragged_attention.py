@@ -19,6 +19,9 @@ from ..models.kernels.attention import grouped_low_precision_attention, grouped_
 from .kv_pool import KVPool, gather, write
 
 RAGGED_ATTENTION = "specdec_ragged"
+# the same attention, never traced by torch.compile: the layers compiled around it
+# (compiled_layers.py) break their graphs there and run it eagerly
+UNTRACED_RAGGED_ATTENTION = "specdec_ragged_untraced"
 
 
 @dataclass
@@ -107,12 +110,15 @@ def register_ragged_attention() -> None:
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
-    AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
+    AttentionInterface.register(UNTRACED_RAGGED_ATTENTION, torch.compiler.disable(ragged_attention))
+    for name in (RAGGED_ATTENTION, UNTRACED_RAGGED_ATTENTION):
+        AttentionMaskInterface.register(name, sdpa_mask)
 
 
-def use_ragged_attention(model: torch.nn.Module) -> None:
-    """Give `model` the ragged attention (once; it keeps plain forwards working)."""
-    if model.config._attn_implementation == RAGGED_ATTENTION:  # every forward asks: answer first
+def use_ragged_attention(model: torch.nn.Module, traced: bool = True) -> None:
+    """Give `model` the ragged attention (once; it keeps plain forwards working). `traced` False:
+    torch.compile runs it eagerly between the compiled parts of a layer (compiled_layers.py)."""
+    if model.config._attn_implementation in (RAGGED_ATTENTION, UNTRACED_RAGGED_ATTENTION):  # every forward asks
         return
     register_ragged_attention()
-    model.set_attn_implementation(RAGGED_ATTENTION)
+    model.set_attn_implementation(RAGGED_ATTENTION if traced else UNTRACED_RAGGED_ATTENTION)

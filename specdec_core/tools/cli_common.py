@@ -70,6 +70,22 @@ def comma_list(text: str) -> list[str]:
     return params.split_top_level(text)
 
 
+COMPILE_MODES = {"step": "compile", "layers": "compile_layers"}  # --compile's values: the ModelSpec field each sets
+
+
+def model_specs(
+    target: str, target_dtype: str, draft: str, draft_dtype: str, draft_layers: Optional[int], compiled: str = ""
+) -> tuple[ModelSpec, Optional[ModelSpec]]:
+    """The target's and the draft's specs (no draft: "none"); `compiled` one of COMPILE_MODES or ""."""
+    if compiled and compiled not in COMPILE_MODES:
+        fail(f"--compile takes {' or '.join(COMPILE_MODES)}, not {compiled!r}")
+    compilation = {COMPILE_MODES[compiled]: True} if compiled else {}
+    target_spec = ModelSpec(source=target, dtype=target_dtype, **compilation)
+    if draft == "none":
+        return target_spec, None
+    return target_spec, ModelSpec(source=draft, dtype=draft_dtype, num_layers=draft_layers, **compilation)
+
+
 def build_engine(
     target: str,
     target_dtype: str,
@@ -78,9 +94,9 @@ def build_engine(
     draft_layers: Optional[int],
     heads: Optional[str] = "auto",
     trees: Iterable[Path] = (),
-    compiled: bool = False,
+    compiled: str = "",
 ):
-    """`compiled`: both models' steps under torch.compile (ModelSpec.compile)."""
+    """An in-process engine of `model_specs`' models."""
     from ..loop.engine import SpeculativeEngine
     from ..models.kernels.cpu import configure_cpu
     from ..trees.topologies import load_tree_bank
@@ -88,10 +104,7 @@ def build_engine(
     configure_cpu(os.cpu_count() or 1)
     for bank in trees:
         load_tree_bank(bank)
-    target_spec = ModelSpec(source=target, dtype=target_dtype, compile=compiled)
-    draft_spec = None
-    if draft != "none":
-        draft_spec = ModelSpec(source=draft, dtype=draft_dtype, num_layers=draft_layers, compile=compiled)
+    target_spec, draft_spec = model_specs(target, target_dtype, draft, draft_dtype, draft_layers, compiled)
     return SpeculativeEngine.from_specs(target_spec, draft_spec, None if heads == "none" else heads)
 
 

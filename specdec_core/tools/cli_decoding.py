@@ -32,6 +32,7 @@ from .cli_common import (
     console,
     default_of,
     fail,
+    model_specs,
     parse_scoped_params,
     print_table,
     request_from_options,
@@ -136,7 +137,9 @@ def bench(
     draft_layers: Optional[int] = DraftLayersOpt,
     heads: str = HeadsOpt,
     trees: list[Path] = TreesOpt,
-    compiled: bool = typer.Option(False, "--compile", help="torch.compile both models' steps (a model's `compile`)"),
+    compiled: str = typer.Option(
+        "", "--compile", help="torch.compile both models: step (a model's `compile`) or layers (`compile_layers`)"
+    ),
 ):
     """Benchmark decoding methods on Spec-Bench; writes OUT/bench.json, OUT/bench.png and
     OUT/outputs.jsonl (every method's output per question)."""
@@ -179,12 +182,10 @@ def bench(
         rows, outputs = run_bench(engine, config, lambda items: tqdm(items, desc="questions"), endpoint_client)
     except (SpecdecError, ValueError, FileNotFoundError) as error:
         fail(str(error))
-    extra = {"target": ModelSpec(source=target, dtype=target_dtype, compile=compiled).model_dump()}
-    extra["threads"] = os.cpu_count()
-    if draft != "none":
-        extra["draft"] = ModelSpec(
-            source=draft, dtype=draft_dtype, num_layers=draft_layers, compile=compiled
-        ).model_dump()
+    target_spec, draft_spec = model_specs(target, target_dtype, draft, draft_dtype, draft_layers, compiled)
+    extra = {"target": target_spec.model_dump(), "threads": os.cpu_count()}
+    if draft_spec is not None:
+        extra["draft"] = draft_spec.model_dump()
     path = write_report(rows, outputs, config, out, extra)
     print_table(rows, TABLE_COLUMNS)
     console.print(f"wrote {path} and {out / 'bench.png'}")

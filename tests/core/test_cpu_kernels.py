@@ -220,3 +220,5 @@ def test_the_draft_costs_key_ignores_what_cannot_change_a_cpu_pairs_costs():
     default = draft_costs_path(ModelSpec(), ModelSpec(dtype="int4"), None)
     assert draft_costs_path(ModelSpec(cuda_graphs=False), ModelSpec(dtype="int4", cuda_graphs=False), None) == default
     assert draft_costs_path(ModelSpec(num_layers=2), ModelSpec(dtype="int4"), None) != default
+    # compiled layers run other kernels: their own costs
+    assert draft_costs_path(ModelSpec(compile_layers=True), ModelSpec(dtype="int4"), None) != default

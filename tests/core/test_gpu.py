@@ -106,10 +106,10 @@ def test_an_fp8_checkpoint_multiplies_in_fp8_within_its_rounding(tmp_path):
     assert (got - want).norm() < 0.05 * want.norm()
 
 
-@pytest.fixture(scope="module")
-def graphed_engine():
+def graphed_pair(compiled_layers_in=None) -> SpeculativeEngine:
     """cuda_engine's target with its steps replayed as CUDA graphs (step_graphs.py), beside a draft
-    graphed too."""
+    graphed too; with a cache folder, both compiled by layer first (compiled_layers.py)."""
+    from specdec_core.runtime.compiled_layers import compile_layers
     from specdec_core.runtime.step_graphs import use_step_graphs
 
     target = tiny_llama(seed=0, prepared=False).to("cuda")
@@ -119,8 +119,26 @@ def graphed_engine():
             parameter.add_(0.002 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)))
     draft = draft.to("cuda")
     for model in (target, draft):
+        if compiled_layers_in is not None:
+            compile_layers(model, compiled_layers_in)
         use_step_graphs(model)
     return SpeculativeEngine(target, None, draft, profile=lambda *_: tiny_profile())
+
+
+@pytest.fixture(scope="module")
+def graphed_engine():
+    return graphed_pair()
+
+
+@pytest.mark.parametrize("drafter", ["pld", "model", "mla"])
+def test_greedy_speculation_with_compiled_layers_and_graphs_equals_its_target_only(tmp_path_factory, drafter):
+    """Inductor's fused kernels round fp32 differently from eager ones: the invariant is within
+    one model, compiled and graphed, against its own target-only output."""
+    engine = graphed_pair(tmp_path_factory.mktemp("compiled"))
+    target_only = engine.complete(request("greedy", "none")).token_ids
+    for _ in range(2):  # the first request compiles and records, the second replays
+        assert engine.complete(request("greedy", drafter)).token_ids == target_only
+    assert engine.target_model.model.step_graphs.recorded > 0
 
 
 @pytest.mark.parametrize("drafter", ["none", "pld", "model", "mla"])

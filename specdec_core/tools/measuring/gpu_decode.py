@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -17,6 +18,7 @@ from ...drafters import make_drafter
 from ...loop.engine import SpeculativeEngine
 from ...loop.lockstep import StepTimes, complete_together
 from ...planning.memory import kv_bytes_per_token
+from ...runtime.compiled_layers import layers_compiled
 from .recorded_drafter import recorded_drafters
 
 DRAFTERS = {"target": "none", "greedy+model": "model", "greedy+pld": "pld"}
@@ -86,7 +88,7 @@ def measure(engine: SpeculativeEngine, method: str, sessions: int, args: dict, c
     per_token = kv_bytes_per_token(model.config, 1, model.dtype.itemsize)
     kv_bytes = sum(times.target_rows) / steps * (args["prompt_tokens"] + args["max_tokens"] / 2) * per_token
     return {
-        "steps": "graphs" if any(map(graphed, (model, engine.draft_model))) else "eager",
+        "steps": steps_name(engine),
         "method": method,
         "sessions": sessions,
         "tok/s": round(sum(len(done.token_ids) for done in completions) / decode_s, 1),
@@ -103,10 +105,12 @@ def decode_section(engine, concurrency: list[int], methods: list[str], args: dic
     """Each method at each concurrency (`copy_bytes_s` 0: no floor), eager and with CUDA graphs
     where the models have them, as a table; then what recording the graphs cost."""
     models = (engine.target_model, engine.draft_model)
-    rows = []
+    rows, warm_up = [], []
     for steps in ("eager", "graphs") if any(map(graphed, models)) else ("eager",):
         with steps_as(models, steps):
-            complete_together(engine, requests(RECORDING, 2, 32, 4, 2, args["vocab"]))  # warm-up
+            clock = time.perf_counter()
+            complete_together(engine, requests(RECORDING, 2, 32, 4, 2, args["vocab"]))  # compiles what is compiled
+            warm_up.append(f"{steps_name(engine)} {time.perf_counter() - clock:.1f} s")
             for sessions in concurrency:
                 recorded, baseline = {}, None
                 for method in methods:
@@ -129,8 +133,16 @@ def decode_section(engine, concurrency: list[int], methods: list[str], args: dic
         for role, model in (("target", models[0]), ("draft", models[1]))
         if (graphs := graphed(model))
     ]
-    lines = [heading, "", table(rows, list(rows[0])), ""]
+    lines = [heading, "", table(rows, list(rows[0])), "", f"First 2 requests (a warm-up): {', '.join(warm_up)}", ""]
     return lines + ([f"CUDA graphs recorded at first use: {'; '.join(recording)}", ""] if recording else [])
+
+
+def steps_name(engine) -> str:
+    """How the models' steps run now: eager or graphed, their layers compiled or not."""
+    models = (engine.target_model, engine.draft_model)
+    graphs = "graphs" if any(map(graphed, models)) else "eager"
+    compiled = any(model is not None and layers_compiled(model) for model in models)
+    return f"compiled layers, {graphs}" if compiled else graphs
 
 
 def graphed(model: Optional[torch.nn.Module]):

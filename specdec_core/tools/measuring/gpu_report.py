@@ -109,7 +109,7 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
     clock = time.perf_counter()
     engine = SpeculativeEngine(load_model(target), None, load_model(draft), profile=lambda *_: None)
     loaded_s = time.perf_counter() - clock
-    compiled = ", steps compiled" if target.compile else ""
+    compiled = ", steps compiled" if target.compile else ", layers compiled" if target.compile_layers else ""
     models = f"models: target {target.source}, draft {draft.source}, {target.dtype}{compiled}"
     out += [f"{models}, loaded in {loaded_s:.1f} s", ""]
     args = {**args, "vocab": engine.target_model.config.vocab_size}
@@ -163,10 +163,11 @@ def gpu_report(
     num_draft_tokens: int = typer.Option(4, min=1, help="K, fixed (no adaptive length)"),
     tests: bool = typer.Option(True, help="run tests/core/test_gpu.py first"),
     compiled: bool = typer.Option(False, "--compile", help="both models' steps compiled (CUDA graphs on CUDA)"),
+    compile_layers: bool = typer.Option(False, help="both models' layers compiled (compiled_layers.py)"),
     out: Optional[Path] = typer.Option(None, help="also write the markdown here"),
 ):
     """Device facts, GPU tests and the engine at real shapes on random weights, as markdown."""
-    target_spec = ModelSpec(source=target, dtype=dtype, device=device, compile=compiled)
+    target_spec = ModelSpec(source=target, dtype=dtype, device=device, compile=compiled, compile_layers=compile_layers)
     if target_spec.torch_device.type != "cuda" and device == "auto":
         facts = device_facts(target_spec.torch_device)
         print(table([facts], list(facts)))
@@ -185,7 +186,7 @@ def gpu_report(
         raise typer.BadParameter(
             f"a method of fixed acceptance (@a) needs {RECORDING} before it: it records what they propose"
         )
-    draft_spec = ModelSpec(source=draft, dtype=dtype, device=device, compile=compiled)
+    draft_spec = ModelSpec(source=draft, dtype=dtype, device=device, compile=compiled, compile_layers=compile_layers)
     text = report(target_spec, draft_spec, levels, method_list, args)
     print(text)
     if out is not None:
