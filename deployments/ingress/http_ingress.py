@@ -29,6 +29,7 @@ from .openai_api import ChatCompletionRequest, CompletionRequest
 from .openai_responses import ResponseBuilder, error_body
 from .remote_engine import MetricsSink
 from .tokenize_api import DetokenizeRequest, TokenizeRequest
+from .tool_calls import auto_tool_parser
 
 RETRY_AFTER_S = 5
 GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what the API key guards (not /health)
@@ -110,12 +111,13 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
             return parsed
         try:  # every prompt is validated in `open` before any decodes; a streamed request's first
             # chunk carries a prefill: a failure there keeps its status
+            tool_parser = auto_tool_parser(parsed, engine.frontend) if chat else None
             requests = parsed.to_generation_requests()
             ids = [request_id] if len(requests) == 1 else [f"{request_id}-{index}" for index in range(len(requests))]
             streams = [await engine.open(request, session_id) for request, session_id in zip(requests, ids)]
             streams = prefilled_once(streams, parsed.n)
             builder = ResponseBuilder(
-                parsed, parsed.echoes(engine.frontend.decode), chat, config.model_name, request_id
+                parsed, parsed.echoes(engine.frontend.decode), chat, config.model_name, request_id, tool_parser
             )
             chunks = merged(streams, config.max_ongoing_requests)
             if not parsed.stream:

@@ -17,17 +17,18 @@ from typing import Any, Callable, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from specdec_core.api.request import ComponentSpec, GenerationRequest, Role
+from specdec_core.api.request import ComponentSpec, GenerationRequest
 from specdec_core.api.sampling import MAX_TOP_LOGPROBS
+from specdec_core.structured.constraint_spec import StructuredOutput
 
+from .chat_messages import ChatMessage
 from .structured_fields import StructuredFields
+from .tool_calls import ToolFields
 
 MAX_PROMPTS = 128  # choices (prompts x n) in one request: each is a session on the workers
 MAX_N = 16
 
-METADATA = frozenset(
-    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
-)
+METADATA = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 
 # each with the values that mean "not used"
 UNSUPPORTED: dict[str, tuple] = {
@@ -66,30 +67,6 @@ SAMPLING_FIELDS = {
     "skip_special_tokens",
     "seed",
 }
-
-
-class ChatMessage(BaseModel):
-    role: Role
-    content: Union[str, list[dict[str, Any]]] = Field(description="text, or a list of text parts")
-
-    @field_validator("content")
-    @classmethod
-    def _text_parts(cls, content):
-        if isinstance(content, list):
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
-        return content
-
-    def text(self) -> str:
-        """Text parts are joined by newlines, as vLLM does."""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part["text"] for part in self.content)
-
-    def for_template(self) -> dict[str, str]:
-        """The message as the chat template reads it."""
-        return {"role": self.role, "content": self.text()}
 
 
 class StreamOptions(BaseModel):
@@ -187,6 +164,10 @@ class OpenAIRequest(StructuredFields):
         seeds = [(seed + index + (1 << 63)) % (1 << 64) - (1 << 63) for index in range(self.n)]  # within int64
         return [request.model_copy(update={"sampling": request.sampling.model_copy(update={"seed": s})}) for s in seeds]
 
+    def output_constraint(self) -> Optional[StructuredOutput]:
+        """What the grammar makes the output match."""
+        return self.structured_output()
+
     def generation_request(
         self, max_tokens: Optional[int], logprobs: Optional[int], prompt_logprobs: Optional[int] = None, **prompt: Any
     ) -> GenerationRequest:
@@ -198,7 +179,7 @@ class OpenAIRequest(StructuredFields):
             "stop": [self.stop] if isinstance(self.stop, str) else (self.stop or []),
             "stop_token_ids": self.stop_token_ids or [],
             "logit_bias": {int(token): bias for token, bias in (self.logit_bias or {}).items()},
-            "structured_output": self.structured_output(),
+            "structured_output": self.output_constraint(),
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
         }
@@ -266,7 +247,7 @@ class CompletionRequest(OpenAIRequest):
         return [prompt["prompt"] if "prompt" in prompt else decode(prompt["prompt_ids"]) for prompt in self.prompts()]
 
 
-class ChatCompletionRequest(OpenAIRequest):
+class ChatCompletionRequest(ToolFields, OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1, description="None: to the end of the turn or the context")
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="wins over max_tokens, as in vLLM")
@@ -277,10 +258,17 @@ class ChatCompletionRequest(OpenAIRequest):
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("logprobs", "top_logprobs needs logprobs: true", {"param": "top_logprobs"})
+        if self.tool_grammar() is not None and self.structured_output() is not None:
+            message = f"tool_choice {self.tool_mode} writes the calls: no structured output beside it"
+            raise PydanticCustomError("tools", message, {"param": "tool_choice"})
         return self
+
+    def output_constraint(self) -> Optional[StructuredOutput]:
+        return self.tool_grammar() or self.structured_output()
 
     def to_generation_requests(self) -> list[GenerationRequest]:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         messages = [message.for_template() for message in self.messages]
-        return self.choices(self.generation_request(max_tokens, logprobs, messages=messages))
+        request = self.generation_request(max_tokens, logprobs, messages=messages, tools=self.tool_definitions())
+        return self.choices(request)

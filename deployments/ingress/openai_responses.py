@@ -15,6 +15,7 @@ from typing import Any, Optional
 from specdec_core.api.request import Completion, LogProb, StreamChunk, TokenLogProbs
 
 from .openai_api import OpenAIRequest
+from .tool_calls import ToolCallStream, tool_call_message
 
 MIN_LOG_PROB = -9999.0  # JSON has no -inf; vLLM clamps to this too
 
@@ -54,9 +55,20 @@ class ChoiceState:
 class ResponseBuilder:
     """Builds completion / chat.completion objects and their streaming chunks for one request."""
 
-    def __init__(self, request: OpenAIRequest, echoes: list[Optional[str]], chat: bool, model: str, request_id: str):
-        """`echoes`: what each choice's text starts with (OpenAIRequest.echoes)."""
+    def __init__(
+        self,
+        request: OpenAIRequest,
+        echoes: list[Optional[str]],
+        chat: bool,
+        model: str,
+        request_id: str,
+        tool_parser: Optional[str] = None,
+    ):
+        """`echoes`: what each choice's text starts with (OpenAIRequest.echoes); `tool_parser`: the
+        model's (tool_parsers.py), for a chat whose tool choice is auto."""
         self.request = request
+        self.tool_parser = tool_parser
+        self.tool_streams: dict[int, ToolCallStream] = {}
         self.echoes = echoes
         self.chat = chat
         self.model = model
@@ -102,7 +114,17 @@ class ResponseBuilder:
         if chunk.prompt_log_probs is not None:  # only an echoing request asks for them
             log_probs = chunk.prompt_log_probs + (log_probs or [])
         choice: dict[str, Any] = {"index": index}
-        if self.chat and streamed:
+        finish_reason = chunk.finish_reason
+        tools = self.chat and getattr(self.request, "tool_mode", "none") != "none"
+        if tools and streamed:
+            stream = self.tool_streams.setdefault(index, ToolCallStream(self.request, self.tool_parser))
+            delta, finish_reason = stream.delta(text, chunk.finish_reason)
+            choice["delta"] = delta if state.started else {"role": "assistant", **delta}
+        elif tools:
+            parsed = self.request.parsed_tool_calls(text, self.tool_parser)
+            choice["message"] = tool_call_message(parsed)
+            finish_reason = self.request.finish_reason(parsed, chunk.finish_reason)
+        elif self.chat and streamed:
             choice["delta"] = {"content": text} if state.started else {"role": "assistant", "content": text}
         elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -110,7 +132,7 @@ class ResponseBuilder:
             choice["text"] = text
         state.started = True
         choice["logprobs"] = self._log_probs(log_probs, state)
-        choice["finish_reason"] = chunk.finish_reason
+        choice["finish_reason"] = finish_reason
         choice["stop_reason"] = chunk.stop_reason
         choice["token_ids"] = chunk.token_ids
         return choice

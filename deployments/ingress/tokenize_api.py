@@ -12,7 +12,8 @@ from pydantic_core import PydanticCustomError
 from specdec_core.api.errors import SpecdecError, check_token_ids
 from specdec_core.loop.frontend import Frontend
 
-from .openai_api import ChatMessage
+from .chat_messages import ChatMessage
+from .tool_calls import Tool
 
 
 class TokenizeRequest(BaseModel):
@@ -21,6 +22,7 @@ class TokenizeRequest(BaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    tools: Optional[list[Tool]] = Field(None, description="with messages: the functions the template shows")
     add_special_tokens: Optional[StrictBool] = Field(None, description="default: true for a prompt, false for a chat")
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
@@ -29,11 +31,14 @@ class TokenizeRequest(BaseModel):
     def _prompt_or_messages(self):
         if (self.prompt is None) == (self.messages is None):
             raise PydanticCustomError("prompt", "send a prompt or messages", {"param": "prompt"})
+        if self.tools is not None and self.messages is None:
+            raise PydanticCustomError("tools", "tools go with messages", {"param": "tools"})
         return self
 
     def reply(self, frontend: Frontend) -> dict[str, Any]:
         messages = None if self.messages is None else [message.for_template() for message in self.messages]
-        tokens = frontend.tokenize(self.prompt, messages, self.add_special_tokens, self.add_generation_prompt)
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+        tokens = frontend.tokenize(self.prompt, messages, self.add_special_tokens, self.add_generation_prompt, tools)
         strings = frontend.tokenizer.convert_ids_to_tokens(tokens) if self.return_token_strs else None
         return {"count": len(tokens), "max_model_len": frontend.max_positions, "tokens": tokens, "token_strs": strings}
 

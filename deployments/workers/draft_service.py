@@ -13,6 +13,7 @@ from specdec_core.api.sampling import SamplingParams
 from specdec_core.drafters import make_drafter, validate_drafter
 from specdec_core.drafters.model import ModelDrafter, propose_step
 from specdec_core.loop.stage_types import DraftBlock
+from specdec_core.structured.grammar_compiler import GrammarCompiler
 
 from .admission import Admission
 from .steps import PendingRow
@@ -30,9 +31,14 @@ class DraftService(WorkerService):
         channel: Optional[ControlChannel] = None,
         admission: Optional[Admission] = None,
         batch_window_s: float = 0.005,
+        tokenizer: Any = None,
     ):
+        """`tokenizer`: the target's, with which a draft model masks its proposals by a request's
+        grammar (None: they are cut by the verifier's grammar instead)."""
         super().__init__(target_config, idle_timeout_s, channel, admission, draft_model, batch_window_s)
         self.draft_model = draft_model
+        self.tokenizer = tokenizer
+        self.grammars: Optional[GrammarCompiler] = None  # built at the first structured session
         self.operations.update({OpenDraft: self.open, DraftStep: self.step})
 
     def reset(
@@ -58,6 +64,11 @@ class DraftService(WorkerService):
     def open(self, op: OpenDraft) -> None:
         drafter_session = make_drafter(op.drafter.name, op.drafter.params, self.draft_model)
         drafter_session.reset(op.prompt_ids, op.sampling)
+        constraint = op.sampling.structured_output
+        if constraint is not None and drafter_session.follows_grammar and self.tokenizer is not None:
+            if self.grammars is None:
+                self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+            drafter_session.follow_grammar(self.grammars.state(constraint))
         self.table.put(op.session_id, (drafter_session, op.with_logits))
 
     def propose(

@@ -96,7 +96,7 @@ class WorkerRank:
         from specdec_core.heads.loading import load_heads
         from specdec_core.models.kernels.chunked import kernel_summary
         from specdec_core.models.kernels.cpu import configure_cpu
-        from specdec_core.models.loader import load_configs, load_model
+        from specdec_core.models.loader import load_configs, load_model, load_tokenizer
         from specdec_core.models.parallel import join_group, load_sharded_model
         from specdec_core.planning.kv_budget import kv_budget
         from specdec_core.runtime.batching import pool_of
@@ -142,7 +142,13 @@ class WorkerRank:
                 self.note(f"draft kernels on this CPU: {kernels}")
             target_config = load_configs(config.target)[0]
             service = DraftService(
-                model, target_config, idle_timeout_s, sending, admission, batch_window_s=worker.batch_window_ms / 1000
+                model,
+                target_config,
+                idle_timeout_s,
+                sending,
+                admission,
+                batch_window_s=worker.batch_window_ms / 1000,
+                tokenizer=load_tokenizer(config.target) if model is not None else None,
             )
             servicer, add = DraftServicer(service, config.worker_secret), pb_grpc.add_DrafterServicer_to_server
         else:

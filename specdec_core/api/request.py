@@ -57,7 +57,8 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: Optional[str] = None
-    messages: Optional[list[dict[str, str]]] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = Field(None, description="functions the chat template shows (with messages)")
     prompt_ids: Optional[list[int]] = None
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     policy: Optional[ComponentSpec] = None
@@ -80,6 +81,8 @@ class GenerationRequest(BaseModel):
             raise ValueError(f"give exactly one of prompt, messages, prompt_ids (got {given or 'none'})")
         if not (self.prompt or self.messages or self.prompt_ids):
             raise ValueError(f"{given[0]} must not be empty")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools go with messages (the chat template shows them)")
         return self
 
 

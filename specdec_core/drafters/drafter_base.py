@@ -71,6 +71,9 @@ class Drafter(ABC):
     # True: proposes after tokens not yet committed (`after`, run_ahead.py): a draft model's
     # drafters; lookups are cheap enough to draft inline
     drafts_ahead: ClassVar[bool] = False
+    # True: masks its proposals with the request's grammar (`follow_grammar`), so they stay
+    # inside it; the loop cuts the others' at their first forbidden token
+    follows_grammar: ClassVar[bool] = False
 
     def __init__(self, params: DrafterParams | None = None):
         self.params = params if params is not None else self.Params()

@@ -24,16 +24,14 @@ round (`propose_together`); a session's proposal comes out as it would alone."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Generator, NamedTuple, Optional, Sequence
+from typing import ClassVar, Generator, Optional, Sequence
 
 import torch
 
-from ..api.sampling import MAX_TOKENS, argmax, argmax_lists, sample, sampling_probs
+from ..api.sampling import MAX_TOKENS, argmax, sample, sampling_probs
 from ..loop.stage_types import DraftBlock
-from ..models.kernels.chunked import kernels_by_chunk
-from ..runtime.batching import forward_ragged
 from ..runtime.kv_pool import PagedKV
+from ..structured.grammar_state import GrammarState
 from .block_length import (
     AcceptanceEstimate,
     BlockChoice,
@@ -42,6 +40,7 @@ from .block_length import (
     draft_pays,
     learning_block,
 )
+from .draft_rounds import DraftForward, ScoredForward, propose_together
 from .drafter_base import Drafter, DraftSource, ahead_outcome, common_prefix_length, sync_cache
 from .model_params import ModelDrafterParams, MultiLevelParams
 from .pld import AdaptiveLookupParams, PromptLookupDrafter, lookup_continuation
@@ -53,12 +52,19 @@ class ModelDrafter(Drafter):
     drafts_from = DraftSource.DRAFT_MODEL
     deterministic: ClassVar[bool] = False  # True: proposals never sampled (one-hot p_d)
     drafts_ahead = True
+    follows_grammar = True
 
     def __init__(self, model: torch.nn.Module, params: Optional[ModelDrafterParams] = None):
         super().__init__(params)
         self.model = model
         self.cache = PagedKV()
         self.cached_tokens: list[int] = []
+        self.grammar: Optional[GrammarState] = None
+
+    def follow_grammar(self, grammar: GrammarState) -> None:
+        """Draw each drafted token from the draft's distribution masked by `grammar` (at the
+        output's start; this drafter's own, advanced by its commits), as the target's rows are."""
+        self.grammar = grammar
 
     def lookup(self, context: Sequence[int], max_tokens: int) -> list[int]:
         return []
@@ -76,6 +82,7 @@ class ModelDrafter(Drafter):
         self.drafted = 0
         self.last_proposal: list[int] = []
         self.ahead: tuple[Optional[list[int]], list[int]] = (None, [])  # (the tokens it assumed, its proposal)
+        self.grammar_start = len(prompt_ids)  # the grammar starts with the output
 
     def block_limit(self, max_tokens: int, batch_rows: int) -> BlockChoice:
         """How many tokens to draft this step: alone at least 1, so the estimate keeps learning;
@@ -150,15 +157,22 @@ class ModelDrafter(Drafter):
             logits = scored.logits  # [len(guess) + 1, V]
             self.forwards += 1
             self.cached_tokens.extend(pending + guess)
+            usable = len(logits)
+            if self.grammar is not None:  # after the uncommitted context (run-ahead's) and this block
+                logits, usable = self.grammar.masked_chain(logits, sequence[self.grammar_start :], guess)
+                if not usable:  # the grammar has ended: its stop is the verifier's to give
+                    break
             if sampled:
                 probs = sampling_probs(logits, self.sampling)
                 # the guess of the target's next token is never verified as a draft: the likeliest
                 predicted_ids = argmax(logits) if guess and not tokens else sample(probs, self.generator)
                 predicted = predicted_ids.tolist()
+            elif self.grammar is not None:
+                predicted = argmax(logits).tolist()
             else:  # read back with every session's in the round: nothing per session on the device
                 predicted = scored.argmax_ids
             matched = common_prefix_length(guess, predicted, len(guess))
-            kept, gated = matched + 1, False
+            kept, gated = min(matched + 1, usable), False
             if self.params.path_threshold > 0:  # keep up to the first token whose path value is <= tau
                 values = path_value * logits[:kept].softmax(-1).amax(-1).double().cumprod(0)
                 below = (values <= self.params.path_threshold).nonzero()
@@ -192,6 +206,9 @@ class ModelDrafter(Drafter):
         used = after is not None and list(new_tokens) == ahead_outcome(after, proposal)
         self.last_proposal = proposal[1:] if used else []
         super().commit(new_tokens)
+        if self.grammar is not None:
+            self.grammar.commit(new_tokens)
+            self.grammar_start = len(self.context)  # the context the grammar has consumed
 
 
 class MultiLevelDrafter(ModelDrafter):
@@ -225,58 +242,6 @@ class MultiLevelDrafter(ModelDrafter):
 
 
 LOOKUP_FIELDS = set(AdaptiveLookupParams.model_fields)
-
-
-class ScoredForward(NamedTuple):
-    """What a `DraftForward` gets back: the logits of its last `keep` tokens `[keep, V]`, and
-    their argmax, read back once for the whole round."""
-
-    logits: torch.Tensor
-    argmax_ids: Optional[list[int]]  # None where no proposal of the round takes the argmax
-
-
-@dataclass
-class DraftForward:
-    """One forward a proposal needs: `tokens` after the cached ones; the logits of the last `keep`."""
-
-    cache: PagedKV
-    tokens: list[int]
-    keep: int
-    by_argmax: bool = True  # its tokens are the argmax of the logits (not sampled)
-
-
-@torch.inference_mode()
-def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> list[DraftBlock]:
-    """Run proposals (`drafting` generators of sessions of `model`) in lockstep: each round is
-    one ragged forward over the next forward of every proposal still drafting, and one LM head
-    call over the rows they keep. Returns each proposal's block."""
-    blocks: list[Optional[DraftBlock]] = [None] * len(proposals)
-    waiting: dict[int, DraftForward] = {}
-
-    def advance(index: int, scored: Optional[ScoredForward]) -> None:
-        try:
-            waiting[index] = proposals[index].send(scored)
-        except StopIteration as done:
-            blocks[index] = done.value
-            waiting.pop(index, None)
-
-    for index in range(len(proposals)):
-        advance(index, None)
-    while waiting:
-        order = list(waiting)
-        forwards = [waiting[index] for index in order]
-        hidden, offsets = forward_ragged(
-            model, [forward.cache for forward in forwards], [forward.tokens for forward in forwards]
-        )
-        kept = torch.cat([torch.arange(end - forward.keep, end) for forward, end in zip(forwards, offsets[1:])])
-        keeps = [forward.keep for forward in forwards]
-        with kernels_by_chunk(keeps):
-            logits = model.lm_head(hidden[0, kept.to(hidden.device)]).float()  # [sum(keep), V]
-        # one read back for the round, where a proposal takes its tokens by argmax
-        top = argmax_lists(logits, keeps) if any(forward.by_argmax for forward in forwards) else [None] * len(keeps)
-        for index, forward_logits, forward_top in zip(order, logits.split(keeps), top):
-            advance(index, ScoredForward(forward_logits, forward_top))
-    return blocks
 
 
 def propose_step(

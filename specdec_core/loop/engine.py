@@ -171,6 +171,8 @@ class SpeculativeEngine:
         target = target_session(TargetScorer(self.target_model, self.heads))
         spec = prepared.drafter
         drafter = self.make_drafter(spec.name, spec.params, self.draft_model, target)
+        if prepared.grammar is not None and drafter.follows_grammar:  # its own copy, following its commits
+            drafter.follow_grammar(prepared.grammar.fork())
         # a drafter of the target's heads asks the target session itself: it is a session already
         if drafter.drafts_from is DraftSource.TARGET_HEADS:
             return drafter, target

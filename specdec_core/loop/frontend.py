@@ -61,6 +61,7 @@ class Frontend:
         self.profile = profile
         self.heads, self.target_device, self.draft_costs = heads, target_device, draft_costs
         self.vocab_size = model_config.vocab_size
+        self.model_family = getattr(model_config, "model_type", None) or "unknown"
         self.max_positions = getattr(model_config, "max_position_embeddings", 1 << 20)
         self.defaults = defaults or RequestDefaults()
         self.max_tokens_limit = max_tokens_limit  # a deployment's cap, below SamplingParams' own
@@ -81,7 +82,7 @@ class Frontend:
         if request.prompt_ids is not None:
             check_token_ids(request.prompt_ids, self.vocab_size, "prompt")
             return list(request.prompt_ids)
-        return self.tokenize(request.prompt, request.messages)
+        return self.tokenize(request.prompt, request.messages, tools=request.tools)
 
     def tokenize(
         self,
@@ -89,14 +90,15 @@ class Frontend:
         messages: Optional[list[dict]] = None,
         add_special_tokens: Optional[bool] = None,
         add_generation_prompt: bool = True,
+        tools: Optional[list[dict]] = None,
     ) -> list[int]:
-        """A text or a chat as token ids. By default special tokens are added to a text and not
-        to a chat, whose template holds them (vLLM's defaults)."""
+        """A text or a chat (and the `tools` its template shows) as token ids. By default special
+        tokens are added to a text and not to a chat, whose template holds them (vLLM's defaults)."""
         if self.tokenizer is None:
             raise SpecdecError("this engine has no tokenizer: send prompt_ids", "prompt")
         if messages is not None:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
             return self.tokenizer(text, add_special_tokens=bool(add_special_tokens)).input_ids
         return self.tokenizer(prompt, add_special_tokens=add_special_tokens is not False).input_ids
@@ -168,7 +170,7 @@ class Frontend:
             raise SpecdecError("structured_output takes no min_tokens", "min_tokens")
         if self.grammars is None:
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
-        return GrammarState(self.grammars.matcher(sampling.structured_output), self.vocab_size)
+        return self.grammars.state(sampling.structured_output)
 
     def priced(self, drafter: ComponentSpec) -> ComponentSpec:
         """`drafter` with the prices it leaves out (block_length.py): the verify-cost curve of

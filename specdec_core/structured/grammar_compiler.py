@@ -15,6 +15,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from ..api.errors import SpecdecError
 from .constraint_spec import StructuredOutput
+from .grammar_state import GrammarState
 
 CACHED_GRAMMARS = 256
 
@@ -38,6 +39,10 @@ class GrammarCompiler:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
         self.vocab_size = vocab_size
         self.compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+
+    def state(self, spec: StructuredOutput) -> GrammarState:
+        """`spec`'s grammar at the output's start, on this vocabulary."""
+        return GrammarState(self.matcher(spec), self.vocab_size)
 
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher of `spec` at the output's start; SpecdecError (a 400) if it does not compile."""

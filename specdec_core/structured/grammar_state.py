@@ -7,6 +7,8 @@ rejected draft is never in its state, as it is never in the KV cache."""
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import llguidance
 import numpy as np
 import torch
@@ -18,10 +20,49 @@ class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
         self.matcher, self.vocab_size = matcher, vocab_size
 
-    def allowed(self) -> torch.Tensor:
-        """`[V]` bool: the tokens the grammar allows next."""
+    def fork(self) -> "GrammarState":
+        """An independent copy at the same point (a draft model's, following its own commits)."""
+        return GrammarState(self.matcher.deep_copy(), self.vocab_size)
+
+    def allowed(self, width: Optional[int] = None) -> torch.Tensor:
+        """`[width]` bool (default: the vocabulary): the tokens the grammar allows next; a row
+        wider than the tokenizer's vocabulary (padding) allows none of the extra ones."""
+        width = width or self.vocab_size
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        return torch.from_numpy(bits[: self.vocab_size].astype(bool))
+        allowed = torch.zeros(width, dtype=torch.bool)
+        known = min(width, self.vocab_size, len(bits))
+        allowed[:known] = torch.from_numpy(bits[:known].astype(bool))
+        return allowed
+
+    def masked_chain(
+        self, logits: torch.Tensor, prefix: Sequence[int], guess: Sequence[int]
+    ) -> tuple[torch.Tensor, int]:
+        """A draft model's `logits` `[R, V]` for the positions after `prefix` (drafted, not yet
+        committed) and then after each of `guess[:j]` (row j), each row's forbidden tokens at
+        -inf, and how many rows come before the grammar's end (after it, only its stop is left,
+        which the verifier gives itself: nothing to draft). The matcher is left where it was.
+        Rows after a forbidden guess token repeat the last: the draft stops matching there."""
+        consumed, rows = 0, []
+        try:
+            for token in prefix:
+                if not self.advance(token):
+                    return logits, 0
+                consumed += 1
+            for index in range(logits.shape[0]):
+                if self.matcher.is_stopped():
+                    break
+                rows.append(self.allowed(logits.shape[-1]))
+                if index >= len(guess) or not rows[-1][guess[index]]:
+                    break
+                self.advance(guess[index])
+                consumed += 1
+        finally:
+            self.matcher.rollback(consumed)
+        if not rows:
+            return logits, 0
+        usable = len(rows)
+        rows += [rows[-1]] * (logits.shape[0] - len(rows))
+        return logits.masked_fill(~torch.stack(rows).to(logits.device), float("-inf")), usable
 
     def within(self, draft: DraftBlock) -> DraftBlock:
         """`draft` up to its first forbidden token (a chain)."""

@@ -124,7 +124,7 @@ def test_proposals_in_lockstep_equal_each_proposal_alone():
     run together (one ragged forward per round, rows of one int4 draft on different kernels by
     their own chunk's length) come out bitwise as each alone, over two steps with commits."""
     from specdec_core.drafters import make_drafter
-    from specdec_core.drafters.model import propose_together
+    from specdec_core.drafters.draft_rounds import propose_together
     from specdec_core.models.kernels.chunked import CHUNK_LENGTHS, ChunkedLinear, kernel_for
     from specdec_core.models.kernels.int4 import quantize_int4
 

@@ -18,6 +18,7 @@ from specdec_core.api.sampling import SamplingParams
 from specdec_core.loop.stage_types import DraftBlock, TargetBlock
 from specdec_core.models.loader import load_tokenizer
 from specdec_core.structured.constraint_spec import StructuredOutput
+from specdec_core.structured.grammar_state import GrammarState
 
 from helpers.tiny_models import perturbed_copy, tiny_llama, tiny_profile
 
@@ -75,10 +76,25 @@ def test_every_drafter_gives_the_same_valid_json_under_greedy(engine):
         jsonschema.validate(json.loads(completion.text), PERSON)
         outputs[drafter] = completion.token_ids
     assert len({tuple(tokens) for tokens in outputs.values()}) == 1
-    # the draft model knows nothing of the grammar yet: where the grammar lets the target's own
-    # argmax through, its drafts are kept; under the schema they are cut (acceptance 1)
-    permissive = complete(engine, {"regex": "[^<]{0,60}"}, "model", max_tokens=40)
-    assert permissive.metrics["mean_acceptance_length"] > 2.0
+
+
+@pytest.mark.parametrize("drafter, temperature", [("model", 0.0), ("model", 0.8), ("mla", 0.8)])
+def test_the_draft_model_drafts_inside_the_grammar(engine, monkeypatch, drafter, temperature):
+    """Its proposals are drawn from its masked distribution, so the verifier never cuts them
+    (a draft model blind to the grammar would be cut at its first forbidden token, acceptance 1)."""
+    cuts = []
+    within = GrammarState.within
+
+    def counting_cuts(state, draft):
+        kept = within(state, draft)
+        cuts.append(draft.num_tokens - kept.num_tokens)
+        return kept
+
+    monkeypatch.setattr(GrammarState, "within", counting_cuts)
+    completion = complete(engine, JSON, drafter, "rejection" if temperature else "greedy", {}, temperature)
+    jsonschema.validate(json.loads(completion.text), PERSON)
+    assert cuts and sum(cuts) == 0
+    assert completion.metrics["mean_acceptance_length"] > 2.0
 
 
 @pytest.mark.parametrize("policy, params, temperature", LOSSY)

@@ -27,7 +27,9 @@ class Workers:
     the services (or servicers) to serve instead of new ones."""
 
     def __init__(self, engine, draft=None, target=None, deadline_s: float = 30.0, idle_timeout_s: float = 60.0):
-        draft = draft or DraftService(engine.draft_model, engine.target_model.config, idle_timeout_s)
+        draft = draft or DraftService(
+            engine.draft_model, engine.target_model.config, idle_timeout_s, tokenizer=engine.frontend.tokenizer
+        )
         target = target or TargetService(engine.target_model, idle_timeout_s, engine.frontend.profile())
         servicers = {
             "draft": draft if isinstance(draft, SessionServicer) else DraftServicer(draft),

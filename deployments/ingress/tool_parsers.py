@@ -1,0 +1,123 @@
+"""Tool calls in a model's free text (`tool_choice: "auto"`), one parser per model family's format,
+as vLLM's `--tool-call-parser`: Llama 3.x's JSON (`llama3_json`) and Hermes' tags (`hermes`,
+also Qwen 2.5/3's). A model's chat template shows which format it was trained on; a model
+whose template shows neither has no parser, and `auto` is refused for it (a 400 naming its
+family), while a named or `required` tool choice works for every model: the grammar writes
+the calls."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # a JSON object's text
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: Optional[str]  # the text beside the calls (None: nothing)
+    calls: list[ParsedCall]
+
+
+class ToolCallParser(Protocol):
+    def parse(self, text: str) -> ParsedOutput: ...
+
+
+def json_call(text: str, argument_keys: tuple[str, ...]) -> Optional[ParsedCall]:
+    """A call written as one JSON object `{"name": ..., <argument key>: {...}}`; None otherwise."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = next((call[key] for key in argument_keys if key in call), {})
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class Llama3JsonParser:
+    """Llama 3.1-3.3's JSON tool calls: the answer is `{"name": ..., "parameters": {...}}` (or
+    `arguments`), optionally after `<|python_tag|>`, several separated by `;`. Text that is not
+    wholly such calls is content."""
+
+    def parse(self, text: str) -> ParsedOutput:
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return ParsedOutput(text, [])
+        calls = [json_call(part, ("parameters", "arguments")) for part in split_calls(body)]
+        if not calls or None in calls:
+            return ParsedOutput(text, [])
+        return ParsedOutput(None, calls)
+
+
+def split_calls(body: str) -> list[str]:
+    """`{...}; {...}` as its JSON objects' texts (a `;` inside a string is not a separator)."""
+    decoder, parts, index = json.JSONDecoder(), [], 0
+    while index < len(body):
+        try:
+            _, end = decoder.raw_decode(body, index)
+        except ValueError:
+            return [body]  # not JSON objects: json_call refuses it whole
+        parts.append(body[index:end])
+        index = end
+        while index < len(body) and body[index] in " \n\t;":
+            index += 1
+    return parts
+
+
+class HermesParser:
+    """Hermes' tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the
+    text before the first block is content. A block cut off at the end (max_tokens) counts if its
+    JSON is whole."""
+
+    CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
+
+    def parse(self, text: str) -> ParsedOutput:
+        start = text.find("<tool_call>")
+        if start < 0:
+            return ParsedOutput(text, [])
+        calls = [json_call(block, ("arguments", "parameters")) for block in self.CALL.findall(text[start:])]
+        if None in calls:
+            return ParsedOutput(text, [])
+        content = text[:start].strip()
+        return ParsedOutput(content or None, calls)
+
+
+PARSERS: dict[str, ToolCallParser] = {"llama3_json": Llama3JsonParser(), "hermes": HermesParser()}
+
+# what a chat template holds when its model was trained on a format
+TEMPLATE_MARKS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>", "ipython")}
+
+
+def parser_for(chat_template: Optional[str]) -> Optional[str]:
+    """The parser whose format `chat_template` shows, None where it shows none."""
+    for name, marks in TEMPLATE_MARKS.items():
+        if chat_template and any(mark in chat_template for mark in marks):
+            return name
+    return None
+
+
+def settled_content(parser: Optional[str], text: str) -> int:
+    """How much of a streamed answer's `text` is content for sure (the rest may still become a
+    call): all of it without a parser; before Hermes' first tag, holding back a partial tag;
+    nothing of a Llama 3 answer that starts as a call does."""
+    if parser == "hermes":
+        tag = "<tool_call>"
+        start = text.find(tag)
+        if start >= 0:
+            return start
+        partial = next((size for size in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:size])), 0)
+        return len(text) - partial
+    if parser == "llama3_json":
+        body = text.lstrip()
+        call_start = body.startswith(("{", "<|python_tag|>")) or "<|python_tag|>".startswith(body)
+        return 0 if call_start else len(text)
+    return len(text)
