@@ -64,7 +64,8 @@ class ModelDrafter(Drafter):
     def follow_grammar(self, grammar: GrammarState) -> None:
         """Draw each drafted token from the draft's distribution masked by `grammar` (at the
         output's start; this drafter's own, advanced by its commits), as the target's rows are."""
-        self.grammar = grammar
+        if self.params.masked_by_grammar:
+            self.grammar = grammar
 
     def lookup(self, context: Sequence[int], max_tokens: int) -> list[int]:
         return []

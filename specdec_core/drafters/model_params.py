@@ -28,6 +28,13 @@ class ModelDrafterParams(DraftCostParams):
         "so far, EntMTP's score over a chain) is at or below this; 0: off",
     )
 
+    masked_by_grammar: bool = Field(
+        True,
+        description="under a request's structured output, draw drafts from the draft's masked distribution; "
+        "false: blind drafts the verifier cuts at their first forbidden token (what masking buys: "
+        "`specdec structured-bench`)",
+    )
+
 
 class MultiLevelParams(ModelDrafterParams, PromptLookupParams):
     pass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import typer
 
+from .benchmarks.structured_bench import structured_bench
 from .cli_common import console, fail, request_from_options
 from .cli_decoding import bench, generate, quality
 from .cli_measuring import calibrate_easd, lookup_ceiling, verify_cost
@@ -24,7 +25,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Speculative 
 # command groups (panels of `specdec --help`), in the order it lists them; the console script
 # adds the "Serve" group
 GROUPS = {
-    "Decode": {"generate": generate, "bench": bench, "quality": quality},
+    "Decode": {"generate": generate, "bench": bench, "structured-bench": structured_bench, "quality": quality},
     "Prepare a model": {
         "convert": convert,
         "plan": plan,

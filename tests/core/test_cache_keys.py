@@ -82,6 +82,9 @@ def test_the_embedded_targets_shipped_profile_is_used_without_measuring(tmp_path
     assert profile == TargetProfile.model_validate_json(shipped.read_text())
     assert profile.settings == CalibrationSettings() and profile.easd_tau_h > 0
     assert not (empty_cache / "profiles").exists()  # read from the package, not copied
+    # how the steps run (compiled, graphed) changes no distribution: the same profile
+    for how in ({"compile": True}, {"compile_layers": True}, {"cuda_graphs": False}):
+        assert profile_path(ModelSpec(source=EMBEDDED, device="cpu", **how), CalibrationSettings()).name == shipped.name
     # the same GGUF named by a path elsewhere is the same target
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / embedded_gguf_path().name).symlink_to(embedded_gguf_path())

@@ -153,3 +153,18 @@ def test_grammars_compile_once_and_bad_ones_are_a_clear_error(engine):
         engine.complete(GenerationRequest(prompt="a", sampling={"min_tokens": 2, "structured_output": JSON}))
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutput(regex="a", choice=["a"])
+
+
+def test_the_structured_benchs_schemas_are_varied_valid_and_kept(engine):
+    from specdec_core.tools.benchmarks.structured_bench import run_one, schema_for, summary
+
+    cases = [schema_for(index) for index in range(50)]
+    assert len({json.dumps(schema, sort_keys=True) for _, schema in cases}) == 50
+    for _, schema in cases:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    prompt, schema = cases[31]  # an array of objects beside a nested one
+    runs = {drafter: run_one(engine, prompt, schema, {"name": drafter}, 0.0, 0, 160) for drafter in ("none", "model")}
+    assert all(run["valid"] for run in runs.values())
+    baseline = {"row": summary("none", 0.0, [runs["none"]], None), "runs": [runs["none"]]}
+    row = summary("model", 0.0, [runs["model"]], baseline)
+    assert row["valid"] == "1/1" and row["same as none"] == "1/1" and row["accept len"] > 1.0
