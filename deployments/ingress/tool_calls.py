@@ -90,8 +90,8 @@ class ToolFields(BaseModel):
     def tool_grammar(self) -> Optional[StructuredOutput]:
         """What the grammar writes for a named or required tool choice (None: the model is free)."""
         parameters = {tool.function.name: tool.function.parameters or NO_ARGUMENTS for tool in self.tools or ()}
-        # the JSON's separators fixed (`, ` and `: `, json.dumps' own, as models write arguments):
-        # a grammar free in whitespace lets a model pad its call until max_tokens
+        # compact JSON (no whitespace between tokens, vLLM's disable_any_whitespace): a grammar
+        # free in whitespace lets a model pad its call until max_tokens
         if self.tool_mode == "named":
             return StructuredOutput(json_schema=parameters[self.tool_choice.function.name], disable_any_whitespace=True)
         if self.tool_mode != "required":
