@@ -46,7 +46,7 @@ class SpecdecHttpClient:
             "run_ahead": request.run_ahead,
         }
         if request.messages is not None:
-            return "/v1/chat/completions", {**body, "messages": request.messages}
+            return "/v1/chat/completions", {**body, "messages": request.messages, "tools": request.tools}
         return "/v1/completions", {
             **body,
             "prompt": request.prompt_ids if request.prompt_ids is not None else request.prompt,
@@ -86,6 +86,8 @@ class SpecdecGrpcClient:
 
     @staticmethod
     def message(request: GenerationRequest) -> pb.GenerateRequest:
+        if request.tools is not None or any(set(message) - {"role", "content"} for message in request.messages or ()):
+            raise ValueError("the gRPC API takes text messages (role, content): tools and tool calls go over HTTP")
         return pb.GenerateRequest(
             prompt=request.prompt or "",
             messages=[pb.ChatMessage(**message) for message in (request.messages or [])],

@@ -12,12 +12,36 @@ from pydantic_core import PydanticCustomError
 from specdec_core.api.request import Role
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: Union[str, dict[str, Any]] = Field("{}", description="JSON text (OpenAI's), or an object")
+
+    @field_validator("arguments")
+    @classmethod
+    def _an_object(cls, arguments):
+        """Arguments as the object templates write with `tojson` (vLLM parses the text too)."""
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except (ValueError, RecursionError) as error:
+                raise ValueError(f"tool call arguments are not JSON: {error}") from error
+        if not isinstance(arguments, dict):
+            raise ValueError("tool call arguments are a JSON object")
+        return arguments
+
+
+class EarlierCall(BaseModel):
+    id: Optional[str] = None
+    type: str = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     role: Role
     content: Optional[Union[str, list[dict[str, Any]]]] = Field(
         None, description="text, or a list of text parts (none: an assistant's message of tool calls)"
     )
-    tool_calls: Optional[list[dict[str, Any]]] = Field(None, description="an assistant's earlier calls")
+    tool_calls: Optional[list[EarlierCall]] = Field(None, description="an assistant's earlier calls")
     tool_call_id: Optional[str] = Field(None, description="a tool message's: the call it answers")
     name: Optional[str] = None
 
@@ -47,19 +71,8 @@ class ChatMessage(BaseModel):
         write them with `tojson`), a tool result with its call's id."""
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
-            message["tool_calls"] = [template_call(call) for call in self.tool_calls]
+            message["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
         for field in ("tool_call_id", "name"):
             if getattr(self, field) is not None:
                 message[field] = getattr(self, field)
         return message
-
-
-def template_call(call: dict[str, Any]) -> dict[str, Any]:
-    """An assistant's earlier call with its `function.arguments` parsed from their JSON text."""
-    function = dict(call.get("function") or {})
-    if isinstance(function.get("arguments"), str):
-        try:
-            function["arguments"] = json.loads(function["arguments"])
-        except ValueError as error:
-            raise PydanticCustomError("tool_calls", f"tool call arguments are not JSON: {error}", {}) from error
-    return {**call, "function": function}

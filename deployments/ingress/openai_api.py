@@ -28,7 +28,10 @@ from .tool_calls import ToolFields
 MAX_PROMPTS = 128  # choices (prompts x n) in one request: each is a session on the workers
 MAX_N = 16
 
-METADATA = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# parallel_tool_calls: a chat's field (tool_calls.py), metadata on completions
+METADATA = frozenset(
+    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
+)
 
 # each with the values that mean "not used"
 UNSUPPORTED: dict[str, tuple] = {

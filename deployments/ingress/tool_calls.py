@@ -81,7 +81,9 @@ class ToolFields(BaseModel):
         """none, auto, required or named (OpenAI's default: auto with tools, none without)."""
         if isinstance(self.tool_choice, NamedToolChoice):
             return "named"
-        return self.tool_choice or ("auto" if self.tools else "none")
+        if not self.tools and self.tool_choice in (None, "auto"):
+            return "none"  # nothing to call: plain text, as OpenAI answers
+        return self.tool_choice or "auto"
 
     def tool_definitions(self) -> Optional[list[dict[str, Any]]]:
         """The tools as the chat template reads them (transformers' `tools`)."""
@@ -119,9 +121,10 @@ class ToolFields(BaseModel):
         if mode == "required":
             try:
                 calls = json.loads(text)
-            except ValueError:  # cut off by max_tokens: no whole call to give
+            except (ValueError, RecursionError):  # cut off by max_tokens: no whole call to give
                 return ParsedOutput(text, [])
-            return ParsedOutput(None, [ParsedCall(call["name"], json.dumps(call["parameters"])) for call in calls])
+            calls = [ParsedCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in calls]
+            return ParsedOutput(None, calls)
         if mode == "auto" and parser is not None:
             parsed = PARSERS[parser].parse(text)
             return parsed if self.parallel_tool_calls else ParsedOutput(parsed.content, parsed.calls[:1])
@@ -134,10 +137,13 @@ class ToolFields(BaseModel):
 
 def auto_tool_parser(request: ToolFields, frontend: Any) -> Optional[str]:
     """The parser of a chat whose tool choice is auto: its model's (tool_parsers.py), or a 400
-    naming the model's family where its chat template shows no format specdec parses."""
+    naming the model's family where its chat template shows no format specdec parses. A parser
+    whose tags may be special tokens has the request keep them in its text (vLLM's)."""
     if request.tool_mode != "auto":
         return None
-    parser = parser_for(getattr(frontend.tokenizer, "chat_template", None))
+    if frontend.tokenizer is None:
+        raise SpecdecError('tool_choice "auto" reads the model\'s text: this engine has no tokenizer', "tool_choice")
+    parser = parser_for(frontend.tokenizer.chat_template)
     if parser is None:
         message = (
             f'tool_choice "auto" needs a tool-call parser: the chat template of this {frontend.model_family} model '
@@ -145,6 +151,8 @@ def auto_tool_parser(request: ToolFields, frontend: Any) -> Optional[str]:
             'or use "required"'
         )
         raise SpecdecError(message, "tool_choice")
+    if PARSERS[parser].keeps_special_tokens:  # the parser's tags are in the text it reads
+        request.skip_special_tokens = False
     return parser
 
 
@@ -185,11 +193,13 @@ class ToolCallStream:
         parsed = self.fields.parsed_tool_calls(self.text, self.parser)
         if not parsed.calls:
             return self.content_to(len(self.text)), engine_reason
+        # the content before the calls that this last piece brought (Hermes' text before its tag)
+        content = self.content_to(max(self.sent, settled_content(self.parser, self.text))) if parsed.content else {}
         calls = [
             {"index": index, "id": call_id(), "type": "function", "function": vars(call)}
             for index, call in enumerate(parsed.calls)
         ]
-        return {"tool_calls": calls}, self.fields.finish_reason(parsed, engine_reason)
+        return {**content, "tool_calls": calls}, self.fields.finish_reason(parsed, engine_reason)
 
     def content_to(self, end: int) -> dict[str, Any]:
         content, self.sent = self.text[self.sent : end], end

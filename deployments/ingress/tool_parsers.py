@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Union
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,9 @@ class ParsedOutput:
 
 
 class ToolCallParser(Protocol):
+    # its tags may be special tokens, which the output's text must then keep (vLLM's hermes parser)
+    keeps_special_tokens: bool
+
     def parse(self, text: str) -> ParsedOutput: ...
 
 
@@ -33,7 +36,7 @@ def json_call(text: str, argument_keys: tuple[str, ...]) -> Optional[ParsedCall]
     """A call written as one JSON object `{"name": ..., <argument key>: {...}}`; None otherwise."""
     try:
         call = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
@@ -47,6 +50,8 @@ class Llama3JsonParser:
     """Llama 3.1-3.3's JSON tool calls: the answer is `{"name": ..., "parameters": {...}}` (or
     `arguments`), optionally after `<|python_tag|>`, several separated by `;`. Text that is not
     wholly such calls is content."""
+
+    keeps_special_tokens = False  # its calls parse without <|python_tag|>, and <|eom_id|> stays out
 
     def parse(self, text: str) -> ParsedOutput:
         body = text.strip().removeprefix("<|python_tag|>").strip()
@@ -64,7 +69,7 @@ def split_calls(body: str) -> list[str]:
     while index < len(body):
         try:
             _, end = decoder.raw_decode(body, index)
-        except ValueError:
+        except (ValueError, RecursionError):
             return [body]  # not JSON objects: json_call refuses it whole
         parts.append(body[index:end])
         index = end
@@ -78,6 +83,7 @@ class HermesParser:
     text before the first block is content. A block cut off at the end (max_tokens) counts if its
     JSON is whole."""
 
+    keeps_special_tokens = True  # <tool_call> is one in Hermes 2 Pro's vocabulary
     CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 
     def parse(self, text: str) -> ParsedOutput:
@@ -97,10 +103,12 @@ PARSERS: dict[str, ToolCallParser] = {"llama3_json": Llama3JsonParser(), "hermes
 TEMPLATE_MARKS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>", "ipython")}
 
 
-def parser_for(chat_template: Optional[str]) -> Optional[str]:
-    """The parser whose format `chat_template` shows, None where it shows none."""
+def parser_for(chat_template: Union[str, dict[str, str], None]) -> Optional[str]:
+    """The parser whose format `chat_template` shows (named templates: any of them), None where
+    it shows none."""
+    text = "\n".join(chat_template.values()) if isinstance(chat_template, dict) else chat_template or ""
     for name, marks in TEMPLATE_MARKS.items():
-        if chat_template and any(mark in chat_template for mark in marks):
+        if any(mark in text for mark in marks):
             return name
     return None
 

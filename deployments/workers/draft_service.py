@@ -37,8 +37,8 @@ class DraftService(WorkerService):
         grammar (None: they are cut by the verifier's grammar instead)."""
         super().__init__(target_config, idle_timeout_s, channel, admission, draft_model, batch_window_s)
         self.draft_model = draft_model
-        self.tokenizer = tokenizer
-        self.grammars: Optional[GrammarCompiler] = None  # built at the first structured session
+        # built here, not at a session's opening: building llguidance's vocabulary takes a while
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size) if tokenizer is not None else None
         self.operations.update({OpenDraft: self.open, DraftStep: self.step})
 
     def reset(
@@ -65,9 +65,7 @@ class DraftService(WorkerService):
         drafter_session = make_drafter(op.drafter.name, op.drafter.params, self.draft_model)
         drafter_session.reset(op.prompt_ids, op.sampling)
         constraint = op.sampling.structured_output
-        if constraint is not None and drafter_session.follows_grammar and self.tokenizer is not None:
-            if self.grammars is None:
-                self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        if constraint is not None and drafter_session.follows_grammar and self.grammars is not None:
             drafter_session.follow_grammar(self.grammars.state(constraint))
         self.table.put(op.session_id, (drafter_session, op.with_logits))
 

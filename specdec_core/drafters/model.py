@@ -52,7 +52,6 @@ class ModelDrafter(Drafter):
     drafts_from = DraftSource.DRAFT_MODEL
     deterministic: ClassVar[bool] = False  # True: proposals never sampled (one-hot p_d)
     drafts_ahead = True
-    follows_grammar = True
 
     def __init__(self, model: torch.nn.Module, params: Optional[ModelDrafterParams] = None):
         super().__init__(params)
@@ -61,11 +60,14 @@ class ModelDrafter(Drafter):
         self.cached_tokens: list[int] = []
         self.grammar: Optional[GrammarState] = None
 
+    @property
+    def follows_grammar(self) -> bool:
+        return self.params.masked_by_grammar
+
     def follow_grammar(self, grammar: GrammarState) -> None:
         """Draw each drafted token from the draft's distribution masked by `grammar` (at the
         output's start; this drafter's own, advanced by its commits), as the target's rows are."""
-        if self.params.masked_by_grammar:
-            self.grammar = grammar
+        self.grammar = grammar
 
     def lookup(self, context: Sequence[int], max_tokens: int) -> list[int]:
         return []
@@ -126,7 +128,7 @@ class ModelDrafter(Drafter):
         # its block is priced as if `after` were kept whole, the outcome it assumes
         self.estimate.update(proposal, [*after, -1])
         try:  # the plain draft model's chain, even where mla under load would answer by lookup alone
-            block = yield from ModelDrafter.drafting(self, max_tokens, batch_rows, guess=1)
+            block = yield from ModelDrafter.drafting(self, max_tokens, batch_rows, ahead=1)
         finally:
             del self.context[committed:]
             self.estimate.accepted, self.estimate.rejected = estimate
@@ -135,10 +137,10 @@ class ModelDrafter(Drafter):
         return block
 
     def drafting(
-        self, max_tokens: int, batch_rows: int = 1, guess: int = 0
+        self, max_tokens: int, batch_rows: int = 1, ahead: int = 0
     ) -> Generator["DraftForward", "ScoredForward", DraftBlock]:
         """The proposal: yields each forward it needs and receives that forward's logits;
-        `guess` more tokens than its block, the first (run-ahead's guess of the target's next
+        `ahead` more tokens than its block, the first (run-ahead's guess of the target's next
         token) the draft's likeliest."""
         if not self.drafts_with_model(max_tokens):
             self.last_proposal = []
@@ -147,14 +149,16 @@ class ModelDrafter(Drafter):
         rows: list[torch.Tensor] = []
         token_probs: list[torch.Tensor] = []  # p_d of sampled tokens, for verification
         sampled = not self.sampling.greedy and not self.deterministic
-        max_tokens = self.block_limit(max_tokens, batch_rows).length + guess
+        max_tokens = self.block_limit(max_tokens, batch_rows).length + ahead
         path_value = 1.0
         while len(tokens) < max_tokens:
             sequence = self.context + tokens
             sync_cache(self.cache, self.cached_tokens, sequence)
             pending = sequence[len(self.cached_tokens) :]
             guess = self.lookup(sequence, max_tokens - len(tokens) - 1)
-            scored = yield DraftForward(self.cache, pending + guess, len(guess) + 1, not sampled)
+            scored = yield DraftForward(
+                self.cache, pending + guess, len(guess) + 1, not sampled and self.grammar is None
+            )
             logits = scored.logits  # [len(guess) + 1, V]
             self.forwards += 1
             self.cached_tokens.extend(pending + guess)
@@ -166,7 +170,7 @@ class ModelDrafter(Drafter):
             if sampled:
                 probs = sampling_probs(logits, self.sampling)
                 # the guess of the target's next token is never verified as a draft: the likeliest
-                predicted_ids = argmax(logits) if guess and not tokens else sample(probs, self.generator)
+                predicted_ids = argmax(logits) if ahead and not tokens else sample(probs, self.generator)
                 predicted = predicted_ids.tolist()
             elif self.grammar is not None:
                 predicted = argmax(logits).tolist()
@@ -182,6 +186,8 @@ class ModelDrafter(Drafter):
                 path_value = float(values[kept - 1])
             tokens.extend(predicted[:kept])
             rows.append(logits[:kept])
+            if self.grammar is not None and self.grammar.ends_within(self.context[self.grammar_start :] + tokens):
+                gated = True  # the grammar has ended: nothing more to draft
             if sampled:
                 token_probs.append(probs[:kept].gather(-1, predicted_ids[:kept, None]).squeeze(-1))
             threshold = self.params.confidence_threshold

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from jinja2 import TemplateError
+
 from ..api.errors import SpecdecError, check_token_ids
 from ..api.output import OutputTracker
 from ..api.request import ComponentSpec, GenerationRequest, RequestDefaults, session_positions
@@ -97,9 +99,12 @@ class Frontend:
         if self.tokenizer is None:
             raise SpecdecError("this engine has no tokenizer: send prompt_ids", "prompt")
         if messages is not None:
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+                )
+            except TemplateError as error:  # the template refuses the chat (its raise_exception)
+                raise SpecdecError(f"the chat template refuses these messages: {error}", "messages") from error
             return self.tokenizer(text, add_special_tokens=bool(add_special_tokens)).input_ids
         return self.tokenizer(prompt, add_special_tokens=add_special_tokens is not False).input_ids
 

@@ -42,11 +42,13 @@ class GrammarState:
         -inf, and how many rows come before the grammar's end (after it, only its stop is left,
         which the verifier gives itself: nothing to draft). The matcher is left where it was.
         Rows after a forbidden guess token repeat the last: the draft stops matching there."""
+        prefix = list(prefix)
+        if self.matcher.validate_tokens(prefix) < len(prefix):
+            return logits, 0  # a prefix the grammar forbids: an unmasked lookup, assumed ahead
         consumed, rows = 0, []
         try:
             for token in prefix:
-                if not self.advance(token):
-                    return logits, 0
+                self.advance(token)
                 consumed += 1
             for index in range(logits.shape[0]):
                 if self.matcher.is_stopped():
@@ -63,6 +65,18 @@ class GrammarState:
         usable = len(rows)
         rows += [rows[-1]] * (logits.shape[0] - len(rows))
         return logits.masked_fill(~torch.stack(rows).to(logits.device), float("-inf")), usable
+
+    def ends_within(self, tokens: Sequence[int]) -> bool:
+        """Whether the grammar has ended after `tokens` (allowed ones, not committed)."""
+        consumed = 0
+        try:
+            for token in tokens:
+                if not self.advance(token):
+                    return True
+                consumed += 1
+            return self.matcher.is_stopped()
+        finally:
+            self.matcher.rollback(consumed)
 
     def within(self, draft: DraftBlock) -> DraftBlock:
         """`draft` up to its first forbidden token (a chain)."""

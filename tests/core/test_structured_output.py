@@ -168,3 +168,15 @@ def test_the_structured_benchs_schemas_are_varied_valid_and_kept(engine):
     baseline = {"row": summary("none", 0.0, [runs["none"]], None), "runs": [runs["none"]]}
     row = summary("model", 0.0, [runs["model"]], baseline)
     assert row["valid"] == "1/1" and row["same as none"] == "1/1" and row["accept len"] > 1.0
+
+
+def test_a_draft_after_a_forbidden_token_is_empty_and_leaves_the_grammar_as_it_was(engine):
+    """Run-ahead can assume an unmasked lookup the grammar forbids: the draft model then drafts
+    nothing after it, rather than failing its whole round."""
+    state = engine.frontend.grammar_state(SamplingParams(structured_output=JSON), engine.frontend.defaults.drafter)
+    before = state.allowed()
+    forbidden = engine.frontend.tokenizer("x", add_special_tokens=False).input_ids
+    logits, usable = state.masked_chain(torch.zeros(2, state.vocab_size), forbidden, [])
+    assert usable == 0 and torch.equal(state.allowed(), before)
+    logits, usable = state.masked_chain(torch.zeros(2, state.vocab_size), [], [])
+    assert usable == 1 and logits[0].isfinite().tolist() == before.tolist()

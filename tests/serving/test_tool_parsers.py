@@ -110,3 +110,39 @@ def test_tool_choice_is_checked_against_the_tools():
         chat(tool_choice="required", response_format={"type": "json_object"})
     schema = chat(tool_choice="required").tool_grammar().json_schema
     assert schema["minItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+
+
+def test_a_last_piece_with_text_and_a_call_sends_both():
+    deltas, finish_reason = streamed(chat(), "hermes", ['Sure. <tool_call>{"name": "get_time", "arguments": {}}'])
+    assert deltas[-1]["content"] == "Sure. " and deltas[-1]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert finish_reason == "tool_calls"
+
+
+def test_auto_without_tools_is_plain_text_and_named_templates_are_read():
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice="auto")
+    assert request.tool_mode == "none" and request.tool_grammar() is None
+    assert parser_for({"default": "{{ messages }}", "tool_use": "<tool_call>"}) == "hermes"
+
+
+def test_a_malformed_earlier_call_or_a_refusing_template_is_a_clear_400():
+    from types import SimpleNamespace
+
+    from jinja2 import TemplateError
+    from pydantic import ValidationError
+
+    from specdec_core.loop.frontend import Frontend
+
+    bad = {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{oops"}}]}
+    with pytest.raises(ValidationError, match="not JSON"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}, bad])
+
+    class RefusingTokenizer:
+        eos_token_id = None
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise TemplateError("Conversation roles must alternate")
+
+    frontend = Frontend(RefusingTokenizer(), SimpleNamespace(vocab_size=8))
+    with pytest.raises(SpecdecError, match="refuses these messages: Conversation roles") as raised:
+        frontend.tokenize(messages=[{"role": "user", "content": "hi"}])
+    assert raised.value.param == "messages"
