@@ -106,7 +106,10 @@ def chat_cases() -> list[HttpCase]:
             ({"top_logprobs": 5}, 400, "top_logprobs"),
             ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
             ({"logprobs": "yes"}, 400, "logprobs"),
-            ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+            # tools with tool_choice auto, on a model whose chat template shows no tool-call format
+            ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+            ({"tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+            ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, 400, "tools.0.function.name"),
             ({"max_completion_tokens": 0}, 400, "max_completion_tokens"),
             ({"echo": True}, 400, "echo"),
             ({"repetition_penalty": -1.2}, 400, "repetition_penalty"),
