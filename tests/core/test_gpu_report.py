@@ -59,3 +59,10 @@ def test_a_fixed_acceptance_method_needs_the_recording_run_first(tiny_source):
     assert result.exit_code == 2 and "greedy+model@<acceptance length>" in result.output
     result = CliRunner().invoke(app, ["gpu-report", *options, "greedy+model,greedy+model@0"], env=wide)
     assert result.exit_code == 2 and "is 1 to K + 1 = 5" in result.output
+
+
+def test_settings_a_model_refuses_are_a_usage_error_not_a_traceback(tiny_source):
+    wide = {"COLUMNS": "300", "TERMINAL_WIDTH": "300"}
+    options = ["--target", tiny_source, "--draft", tiny_source, "--device", "cpu", "--compile", "--compile-layers"]
+    result = CliRunner().invoke(app, ["gpu-report", *options], env=wide)
+    assert result.exit_code == 2 and "not both" in result.output

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 import typer
+from pydantic import ValidationError
 
 from ...api.sampling import SamplingParams
 from ...loop.engine import SpeculativeEngine
@@ -167,7 +168,13 @@ def gpu_report(
     out: Optional[Path] = typer.Option(None, help="also write the markdown here"),
 ):
     """Device facts, GPU tests and the engine at real shapes on random weights, as markdown."""
-    target_spec = ModelSpec(source=target, dtype=dtype, device=device, compile=compiled, compile_layers=compile_layers)
+    try:
+        target_spec, draft_spec = (
+            ModelSpec(source=source, dtype=dtype, device=device, compile=compiled, compile_layers=compile_layers)
+            for source in (target, draft)
+        )
+    except ValidationError as error:  # --compile with --compile-layers, an unknown device, ...
+        raise typer.BadParameter(str(error)) from None
     if target_spec.torch_device.type != "cuda" and device == "auto":
         facts = device_facts(target_spec.torch_device)
         print(table([facts], list(facts)))
@@ -186,7 +193,6 @@ def gpu_report(
         raise typer.BadParameter(
             f"a method of fixed acceptance (@a) needs {RECORDING} before it: it records what they propose"
         )
-    draft_spec = ModelSpec(source=draft, dtype=dtype, device=device, compile=compiled, compile_layers=compile_layers)
     text = report(target_spec, draft_spec, levels, method_list, args)
     print(text)
     if out is not None:
