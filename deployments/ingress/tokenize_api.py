@@ -13,7 +13,7 @@ from specdec_core.api.errors import SpecdecError, check_token_ids
 from specdec_core.loop.frontend import Frontend
 
 from .chat_messages import ChatMessage
-from .tool_calls import Tool
+from .tool_calls import Tool, template_tools
 
 
 class TokenizeRequest(BaseModel):
@@ -37,7 +37,7 @@ class TokenizeRequest(BaseModel):
 
     def reply(self, frontend: Frontend) -> dict[str, Any]:
         messages = None if self.messages is None else [message.for_template() for message in self.messages]
-        tools = [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+        tools = template_tools(self.tools)
         tokens = frontend.tokenize(self.prompt, messages, self.add_special_tokens, self.add_generation_prompt, tools)
         strings = frontend.tokenizer.convert_ids_to_tokens(tokens) if self.return_token_strs else None
         return {"count": len(tokens), "max_model_len": frontend.max_positions, "tokens": tokens, "token_strs": strings}

@@ -51,6 +51,11 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+def template_tools(tools: Optional[list[Tool]]) -> Optional[list[dict[str, Any]]]:
+    """The tools as the chat template reads them (transformers' `tools`)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 
@@ -86,8 +91,7 @@ class ToolFields(BaseModel):
         return self.tool_choice or "auto"
 
     def tool_definitions(self) -> Optional[list[dict[str, Any]]]:
-        """The tools as the chat template reads them (transformers' `tools`)."""
-        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+        return template_tools(self.tools)
 
     def tool_grammar(self) -> Optional[StructuredOutput]:
         """What the grammar writes for a named or required tool choice (None: the model is free)."""
@@ -160,9 +164,14 @@ def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
+def openai_call(call: ParsedCall) -> dict[str, Any]:
+    """OpenAI's tool call object, a fresh id."""
+    return {"id": call_id(), "type": "function", "function": vars(call)}
+
+
 def tool_call_message(parsed: ParsedOutput) -> dict[str, Any]:
     """OpenAI's assistant message of a parsed answer (content null beside calls, as OpenAI's)."""
-    calls = [{"id": call_id(), "type": "function", "function": vars(call)} for call in parsed.calls]
+    calls = [openai_call(call) for call in parsed.calls]
     return {"role": "assistant", "content": parsed.content, **({"tool_calls": calls} if calls else {})}
 
 
@@ -195,10 +204,7 @@ class ToolCallStream:
             return self.content_to(len(self.text)), engine_reason
         # the content before the calls that this last piece brought (Hermes' text before its tag)
         content = self.content_to(max(self.sent, settled_content(self.parser, self.text))) if parsed.content else {}
-        calls = [
-            {"index": index, "id": call_id(), "type": "function", "function": vars(call)}
-            for index, call in enumerate(parsed.calls)
-        ]
+        calls = [{"index": index, **openai_call(call)} for index, call in enumerate(parsed.calls)]
         return {**content, "tool_calls": calls}, self.fields.finish_reason(parsed, engine_reason)
 
     def content_to(self, end: int) -> dict[str, Any]:

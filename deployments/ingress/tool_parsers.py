@@ -28,8 +28,14 @@ class ParsedOutput:
 class ToolCallParser(Protocol):
     # its tags may be special tokens, which the output's text must then keep (vLLM's hermes parser)
     keeps_special_tokens: bool
+    template_marks: tuple[str, ...]  # what a chat template holds when its model writes this format
 
     def parse(self, text: str) -> ParsedOutput: ...
+
+    def settled(self, text: str) -> int:
+        """How much of a streamed answer's `text` is content for sure (the rest may still become
+        a call)."""
+        ...
 
 
 def json_call(text: str, argument_keys: tuple[str, ...]) -> Optional[ParsedCall]:
@@ -51,16 +57,23 @@ class Llama3JsonParser:
     `arguments`), optionally after `<|python_tag|>`, several separated by `;`. Text that is not
     wholly such calls is content."""
 
-    keeps_special_tokens = False  # its calls parse without <|python_tag|>, and <|eom_id|> stays out
+    TAG = "<|python_tag|>"
+    keeps_special_tokens = False  # its calls parse without the tag, and <|eom_id|> stays out
+    template_marks = (TAG, "ipython")
 
     def parse(self, text: str) -> ParsedOutput:
-        body = text.strip().removeprefix("<|python_tag|>").strip()
+        body = text.strip().removeprefix(self.TAG).strip()
         if not body.startswith("{"):
             return ParsedOutput(text, [])
         calls = [json_call(part, ("parameters", "arguments")) for part in split_calls(body)]
         if not calls or None in calls:
             return ParsedOutput(text, [])
         return ParsedOutput(None, calls)
+
+    def settled(self, text: str) -> int:
+        """Nothing of an answer that starts as a call; all of any other."""
+        body = text.lstrip()
+        return 0 if body.startswith(("{", self.TAG)) or self.TAG.startswith(body) else len(text)
 
 
 def split_calls(body: str) -> list[str]:
@@ -83,11 +96,13 @@ class HermesParser:
     text before the first block is content. A block cut off at the end (max_tokens) counts if its
     JSON is whole."""
 
-    keeps_special_tokens = True  # <tool_call> is one in Hermes 2 Pro's vocabulary
+    TAG = "<tool_call>"
+    keeps_special_tokens = True  # the tag is one in Hermes 2 Pro's vocabulary
+    template_marks = (TAG,)
     CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 
     def parse(self, text: str) -> ParsedOutput:
-        start = text.find("<tool_call>")
+        start = text.find(self.TAG)
         if start < 0:
             return ParsedOutput(text, [])
         calls = [json_call(block, ("arguments", "parameters")) for block in self.CALL.findall(text[start:])]
@@ -96,36 +111,26 @@ class HermesParser:
         content = text[:start].strip()
         return ParsedOutput(content or None, calls)
 
+    def settled(self, text: str) -> int:
+        """The text before the first tag, a partial tag at its end held back."""
+        start = text.find(self.TAG)
+        if start >= 0:
+            return start
+        size = min(len(self.TAG) - 1, len(text))
+        return len(text) - next((part for part in range(size, 0, -1) if text.endswith(self.TAG[:part])), 0)
 
-PARSERS: dict[str, ToolCallParser] = {"llama3_json": Llama3JsonParser(), "hermes": HermesParser()}
 
-# what a chat template holds when its model was trained on a format
-TEMPLATE_MARKS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>", "ipython")}
+# a chat template is matched against them in this order
+PARSERS: dict[str, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}
 
 
 def parser_for(chat_template: Union[str, dict[str, str], None]) -> Optional[str]:
     """The parser whose format `chat_template` shows (named templates: any of them), None where
     it shows none."""
     text = "\n".join(chat_template.values()) if isinstance(chat_template, dict) else chat_template or ""
-    for name, marks in TEMPLATE_MARKS.items():
-        if any(mark in text for mark in marks):
-            return name
-    return None
+    return next((name for name, parser in PARSERS.items() if any(mark in text for mark in parser.template_marks)), None)
 
 
 def settled_content(parser: Optional[str], text: str) -> int:
-    """How much of a streamed answer's `text` is content for sure (the rest may still become a
-    call): all of it without a parser; before Hermes' first tag, holding back a partial tag;
-    nothing of a Llama 3 answer that starts as a call does."""
-    if parser == "hermes":
-        tag = "<tool_call>"
-        start = text.find(tag)
-        if start >= 0:
-            return start
-        partial = next((size for size in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:size])), 0)
-        return len(text) - partial
-    if parser == "llama3_json":
-        body = text.lstrip()
-        call_start = body.startswith(("{", "<|python_tag|>")) or "<|python_tag|>".startswith(body)
-        return 0 if call_start else len(text)
-    return len(text)
+    """How much of a streamed answer's `text` is content for sure: all of it without a parser."""
+    return len(text) if parser is None else PARSERS[parser].settled(text)

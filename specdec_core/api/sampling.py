@@ -83,15 +83,14 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
     @property
+    def penalizes(self) -> bool:
+        """Whether a penalty reads the tokens generated so far."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def processes_logits(self) -> bool:
         """Whether the target's distribution is changed before any policy reads it."""
-        return bool(
-            self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.logit_bias
-            or self.structured_output
-        )
+        return bool(self.penalizes or self.logit_bias or self.structured_output)
 
     def seeded(self) -> "SamplingParams":
         """These settings with a seed: a fresh one where none was given (OpenAI's and vLLM's rule),

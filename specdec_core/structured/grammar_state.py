@@ -40,31 +40,37 @@ class GrammarState:
         """A draft model's `logits` `[R, V]` for the positions after `prefix` (drafted, not yet
         committed) and then after each of `guess[:j]` (row j), each row's forbidden tokens at
         -inf, and how many rows come before the grammar's end (after it, only its stop is left,
-        which the verifier gives itself: nothing to draft). The matcher is left where it was.
-        Rows after a forbidden guess token repeat the last: the draft stops matching there."""
+        which the verifier gives itself: nothing to draft). The matcher is left where it was."""
         prefix = list(prefix)
         if self.matcher.validate_tokens(prefix) < len(prefix):
             return logits, 0  # a prefix the grammar forbids: an unmasked lookup, assumed ahead
-        consumed, rows = 0, []
+        consumed = 0
         try:
             for token in prefix:
                 self.advance(token)
                 consumed += 1
-            for index in range(logits.shape[0]):
-                if self.matcher.is_stopped():
+            allowed, open_rows = self.allowed_rows(guess, logits.shape[0], logits.shape[-1])
+        finally:
+            self.matcher.rollback(consumed)
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf")), open_rows
+
+    def allowed_rows(self, tokens: Sequence[int], count: int, width: int) -> tuple[torch.Tensor, int]:
+        """`[count, width]` bool: the tokens allowed after each of `tokens[:j]` (row j), and how
+        many of the rows walked come before the grammar's end. The walk stops at the end, past
+        `tokens` or at a forbidden token; the rows after it repeat its last (nothing reads them
+        but the target's row after the end, which allows only the stop). The matcher is left
+        where it was."""
+        consumed, rows, ended = 0, [], False
+        try:
+            for index in range(count):
+                ended = self.matcher.is_stopped()  # then this row is the walk's last
+                rows.append(self.allowed(width))
+                if index >= len(tokens) or not rows[-1][tokens[index]] or not self.advance(tokens[index]):
                     break
-                rows.append(self.allowed(logits.shape[-1]))
-                if index >= len(guess) or not rows[-1][guess[index]]:
-                    break
-                self.advance(guess[index])
                 consumed += 1
         finally:
             self.matcher.rollback(consumed)
-        if not rows:
-            return logits, 0
-        usable = len(rows)
-        rows += [rows[-1]] * (logits.shape[0] - len(rows))
-        return logits.masked_fill(~torch.stack(rows).to(logits.device), float("-inf")), usable
+        return torch.stack(rows + [rows[-1]] * (count - len(rows))), len(rows) - ended
 
     def ends_within(self, tokens: Sequence[int]) -> bool:
         """Whether the grammar has ended after `tokens` (allowed ones, not committed)."""
@@ -85,16 +91,8 @@ class GrammarState:
 
     def masked(self, block: TargetBlock, draft: DraftBlock) -> TargetBlock:
         """`block` with each row's forbidden tokens at -inf; `draft` lies within the grammar."""
-        rows, consumed = [self.allowed()], 0  # each row [V]
-        for token in draft.token_ids:
-            if not self.advance(token):
-                break  # the grammar ended at this token (EOS): no row after it is read
-            consumed += 1
-            rows.append(self.allowed())
-        self.matcher.rollback(consumed)
-        rows += [rows[-1]] * (draft.num_tokens + 1 - len(rows))
-        allowed = torch.stack(rows).to(block.logits.device)  # [1 + K, V]
-        return block.with_logits(block.logits.masked_fill(~allowed, float("-inf")))
+        allowed, _ = self.allowed_rows(draft.token_ids, draft.num_tokens + 1, self.vocab_size)  # [1 + K, V]
+        return block.with_logits(block.logits.masked_fill(~allowed.to(block.logits.device), float("-inf")))
 
     def advance(self, token: int) -> bool:
         """Consume `token`; False where the grammar has ended (what follows is its EOS)."""

@@ -46,15 +46,16 @@ def processed_block(
     prompt_ids: Sequence[int],
     output_ids: Sequence[int],
 ) -> TargetBlock:
-    """`block` with the request's processors applied to every row (`block` itself when none)."""
-    if not sampling.processes_logits:
+    """`block` with the request's processors applied to every row (`block` itself when none; a
+    grammar's mask is grammar_state.py's)."""
+    if not (sampling.logit_bias or sampling.penalizes):
         return block
     logits = block.logits.float().clone()  # [1 + K, V]
     vocab_size, device = logits.shape[-1], logits.device
     if sampling.logit_bias:
         ids = torch.tensor(list(sampling.logit_bias), dtype=torch.long, device=device)
         logits[:, ids] += torch.tensor(list(sampling.logit_bias.values()), device=device)
-    if not (sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1.0):
+    if not sampling.penalizes:
         return block.with_logits(logits)
     counts = generated_counts(output_ids, draft, vocab_size, device)  # [1 + K, V]
     if sampling.repetition_penalty != 1.0:

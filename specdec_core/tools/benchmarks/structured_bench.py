@@ -131,7 +131,7 @@ def structured_bench(
     variants += [(f"{name} blind", {"name": name, "params": UNMASKED}) for name in names if name in ("model", "mla")]
     for _, drafter in variants:  # warm-up: kernels, draft costs, the first grammar
         run_one(engine, *cases[0], drafter, 0.0, 0, 8)
-    rows, plain = [], None
+    rows = []
     for temperature in (float(value) for value in temperatures.split(",")):
         baseline = None
         for name, drafter in variants:
@@ -150,8 +150,7 @@ def structured_bench(
                 run_one(engine, prompt, {}, {"name": names[0]}, 0.0, i, max_tokens)
                 for i, (prompt, _) in enumerate(cases)
             ]
-            plain = summary(f"{names[0]}, no schema", 0.0, runs, None)
-            rows.append(plain)
+            rows.append(summary(f"{names[0]}, no schema", 0.0, runs, None))
     out.mkdir(parents=True, exist_ok=True)
     (out / "structured.json").write_text(json.dumps({"schemas": schemas, "rows": rows}, indent=1))
     columns = list(dict.fromkeys(column for row in rows for column in row))
