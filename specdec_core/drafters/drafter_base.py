@@ -74,6 +74,8 @@ class Drafter(ABC):
     # True: masks its proposals with the request's grammar (`follow_grammar`), so they stay
     # inside it; the loop cuts the others' at their first forbidden token
     follows_grammar: ClassVar[bool] = False
+    # True: built over the process's suffix trees (suffix_cache.py), which make_drafter passes
+    reads_suffixes: ClassVar[bool] = False
 
     def __init__(self, params: DrafterParams | None = None):
         self.params = params if params is not None else self.Params()

@@ -42,8 +42,9 @@ from .block_length import (
 )
 from .draft_rounds import DraftForward, ScoredForward, propose_together
 from .drafter_base import Drafter, DraftSource, ahead_outcome, common_prefix_length, sync_cache
+from .first_level import first_level
 from .model_params import ModelDrafterParams, MultiLevelParams
-from .pld import AdaptiveLookupParams, PromptLookupDrafter, lookup_continuation
+from .suffix_cache import SuffixCache
 
 
 class ModelDrafter(Drafter):
@@ -222,33 +223,36 @@ class MultiLevelDrafter(ModelDrafter):
     name = "mla"
     Params = MultiLevelParams
     deterministic = True
+    reads_suffixes: ClassVar[bool] = True  # its first level may be suffix decoding (first_level.py)
+
+    def __init__(
+        self, model: torch.nn.Module, params: Optional[MultiLevelParams] = None, suffixes: Optional[SuffixCache] = None
+    ):
+        super().__init__(model, params)
+        self.suffixes = suffixes
 
     def lookup(self, context: Sequence[int], max_tokens: int) -> list[int]:
-        return lookup_continuation(context, self.params, max_tokens)[1]
+        return self.lookups.guess(context, max_tokens)
 
     def reset(self, prompt_ids, sampling) -> None:
         super().reset(prompt_ids, sampling)
-        # the lookup level on its own: a pld session over the same context, learning from its own proposals
-        self.lookups = PromptLookupDrafter(AdaptiveLookupParams(**self.params.model_dump(include=LOOKUP_FIELDS)))
+        self.lookups = first_level(self.params, self.suffixes)
         self.lookups.reset(prompt_ids, sampling)
 
     def drafting(self, max_tokens: int, batch_rows: int = 1) -> Generator["DraftForward", "ScoredForward", DraftBlock]:
-        if not self.drafts_with_model(max_tokens):  # the lookup level alone: pld
+        if not self.drafts_with_model(max_tokens):  # the lookup level alone
             self.last_proposal = []
             return self.lookups.propose(max_tokens, batch_rows)
         if batch_rows > 1 and self.params.adaptive:
-            ngram, guess, lookup_value = self.lookups.choose(max_tokens, batch_rows)
+            key, guess, lookup_value = self.lookups.choose(max_tokens, batch_rows)
             if guess and lookup_value > self.block_limit(max_tokens, batch_rows).value:
                 self.last_proposal = []
-                return self.lookups.proposed(ngram, guess)
+                return self.lookups.proposed(key, guess)
         return (yield from super().drafting(max_tokens, batch_rows))
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         self.lookups.commit(new_tokens)
         super().commit(new_tokens)
-
-
-LOOKUP_FIELDS = set(AdaptiveLookupParams.model_fields)
 
 
 def propose_step(

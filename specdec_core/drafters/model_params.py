@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from .block_length import DraftCostParams
-from .pld import PromptLookupParams
+from .first_level import FirstLevelParams
 
 
 class ModelDrafterParams(DraftCostParams):
@@ -36,5 +36,5 @@ class ModelDrafterParams(DraftCostParams):
     )
 
 
-class MultiLevelParams(ModelDrafterParams, PromptLookupParams):
+class MultiLevelParams(ModelDrafterParams, FirstLevelParams):
     pass

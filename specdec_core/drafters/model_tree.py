@@ -15,7 +15,7 @@ their verify on the target's device (tree_budget.py)."""
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, ClassVar, NamedTuple, Optional, Sequence
 
 import torch
 from pydantic import Field, field_validator
@@ -27,7 +27,8 @@ from ..trees.topologies import DEFAULT_DRAFT_TREE, default_bank
 from ..trees.tree import Topology
 from .block_length import AcceptanceEstimate, DraftCostParams, cost_per_draft, learning_block, least_drafts
 from .drafter_base import Drafter, DraftSource, assumed_tokens, common_prefix_length, sync_cache
-from .pld import PromptLookupParams, lookup_continuation
+from .first_level import FirstLevelParams, first_level
+from .suffix_cache import SuffixCache
 from .tree_budget import budget_tree
 
 # how a sequence goes on, at most n tokens (prompt lookup's guess)
@@ -125,7 +126,7 @@ class ModelTreeParams(DraftCostParams):
         return default_bank().get(name, named_only=True).name
 
 
-class MultiLevelTreeParams(ModelTreeParams, PromptLookupParams):
+class MultiLevelTreeParams(ModelTreeParams, FirstLevelParams):
     pass
 
 
@@ -210,10 +211,30 @@ class ModelTreeDrafter(Drafter):
 
 
 class MultiLevelTreeDrafter(ModelTreeDrafter):
-    """`mla_tree`: `model_tree` with its top-1 path drafted as mla drafts a chain (FLy's MLA)."""
+    """`mla_tree`: `model_tree` with its top-1 path drafted as mla drafts a chain (FLy's MLA),
+    guessed by its first level (first_level.py)."""
 
     name = "mla_tree"
     Params = MultiLevelTreeParams
+    reads_suffixes: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        params: Optional[MultiLevelTreeParams] = None,
+        suffixes: Optional[SuffixCache] = None,
+    ):
+        super().__init__(model, params)
+        self.suffixes = suffixes
+
+    def reset(self, prompt_ids, sampling) -> None:
+        super().reset(prompt_ids, sampling)
+        self.lookups = first_level(self.params, self.suffixes)
+        self.lookups.reset(prompt_ids, sampling)
 
     def path_lookup(self) -> Lookup:
-        return lambda sequence, max_tokens: lookup_continuation(sequence, self.params, max_tokens)[1]
+        return self.lookups.guess
+
+    def commit(self, new_tokens: Sequence[int]) -> None:
+        self.lookups.commit(new_tokens)
+        super().commit(new_tokens)

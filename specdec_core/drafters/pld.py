@@ -76,6 +76,10 @@ class PromptLookupDrafter(Drafter):
         choice = best_block(rate, len(continuation), self.params.verify_cost, batch_rows=batch_rows)
         return ngram, continuation[: choice.length] if self.params.adaptive else continuation, choice.value
 
+    def guess(self, context: Sequence[int], max_tokens: int) -> list[int]:
+        """How `context` goes on, unchecked (mla's first level: the draft model checks it)."""
+        return lookup_continuation(context, self.params, max_tokens)[1]
+
     def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         ngram, proposal, _ = self.choose(max_tokens, batch_rows)
         return self.proposed(ngram, proposal)

@@ -17,7 +17,7 @@ from ..api.request import Completion, GenerationRequest, RequestDefaults, Stream
 from ..calibration.draft_costs import DraftCosts, cpu_pair, load_draft_costs
 from ..calibration.profile_types import CalibrationSettings, TargetProfile
 from ..calibration.target_profile import calibration_progress, load_profile, measure_profile
-from ..drafters import DraftSource, make_drafter
+from ..drafters import DraftSource, SuffixCache, make_drafter
 from ..heads.contract import Heads
 from ..heads.loading import AUTO, load_heads
 from ..models.loader import ModelSpec, load_model, load_tokenizer, refuse_draft_only_target
@@ -111,6 +111,7 @@ class SpeculativeEngine:
         profile: Optional[Callable[[torch.nn.Module, Frontend], TargetProfile]] = None,
         heads: Optional[dict[str, Heads]] = None,
         draft_costs: Optional[DraftCosts] = None,
+        suffixes: Optional[SuffixCache] = None,
     ):
         """`profile(target_model, frontend)` gives the target's profile (calibration/target_profile.py), on first need
         only; by default it is measured then, which needs a tokenizer (without one there is none).
@@ -121,6 +122,7 @@ class SpeculativeEngine:
         self.draft_model = draft_model
         self.heads = heads or {}
         self.make_drafter = make_drafter  # gpu-report puts a measurement-only drafter here
+        self.suffixes = suffixes if suffixes is not None else SuffixCache()
         generation_config = getattr(target_model, "generation_config", None)
         self.frontend = Frontend(tokenizer, target_model.config, generation_config, defaults)
         self.frontend.heads = lambda: {kind: held.num_heads for kind, held in self.heads.items()}
@@ -170,7 +172,7 @@ class SpeculativeEngine:
         with `run_ahead` False: a proposal outside its rounds would hold one up)."""
         target = target_session(TargetScorer(self.target_model, self.heads))
         spec = prepared.drafter
-        drafter = self.make_drafter(spec.name, spec.params, self.draft_model, target)
+        drafter = self.make_drafter(spec.name, spec.params, self.draft_model, target, self.suffixes)
         if prepared.grammar is not None and drafter.follows_grammar:  # its own copy, following its commits
             drafter.follow_grammar(prepared.grammar.fork())
         # a drafter of the target's heads asks the target session itself: it is a session already

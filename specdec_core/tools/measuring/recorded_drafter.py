@@ -52,9 +52,15 @@ def recorded_drafters(draft_model: torch.nn.Module, recorded: dict[tuple, list[i
     """An engine's `make_drafter` that gives `model` requests a RecordedContinuation and every
     other request its usual drafter."""
 
-    def make(name: str, params: Optional[dict] = None, model: Optional[torch.nn.Module] = None, target: Any = None):
+    def make(
+        name: str,
+        params: Optional[dict] = None,
+        model: Optional[torch.nn.Module] = None,
+        target: Any = None,
+        suffixes: Any = None,
+    ):
         if name != "model":
-            return make_drafter(name, params, model, target)
+            return make_drafter(name, params, model, target, suffixes)
         return RecordedContinuation(draft_model, validate_drafter(name, params), recorded, accept_length)
 
     return make
