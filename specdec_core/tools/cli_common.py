@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..api.errors import format_validation_errors
-from ..calibration.questions import DEFAULT_QUESTIONS, HUMANEVAL
+from ..calibration.questions import DEFAULT_QUESTIONS, NAMED_SETS
 from ..heads.loading import AUTO
 from ..models.loader import DEFAULT_DRAFT, ModelSpec
 from . import params
@@ -44,7 +44,7 @@ TreesOpt = typer.Option([], "--trees", help="a tree bank file of `specdec fronti
 QuestionsOpt = typer.Option(
     str(DEFAULT_QUESTIONS),
     "--questions",
-    help=f"a questions file in Spec-Bench's format (default: Spec-Bench), or {HUMANEVAL!r}",
+    help=f"a questions file in Spec-Bench's format (default: Spec-Bench), or a named set: {', '.join(NAMED_SETS)}",
 )
 
 

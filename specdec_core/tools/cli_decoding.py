@@ -15,7 +15,7 @@ import typer
 from ..api.errors import SpecdecError
 from ..api.request import RequestDefaults
 from ..api.sampling import SamplingParams
-from ..calibration.questions import first_turn, load_questions
+from ..calibration.questions import load_questions, question_messages
 from ..drafters.pld import PromptLookupParams
 from ..models.loader import ModelSpec
 from .cli_common import (
@@ -202,10 +202,10 @@ def load_sweep(config, levels: list[int], connect, target: str, out: Path) -> No
         fail("--concurrency runs endpoint:<policy>+<drafter>[@K] methods only (target-only: endpoint:greedy+none)")
     frontend = Frontend.from_spec(ModelSpec(source=target))
     questions = load_questions(config.questions, config.categories, config.per_category, config.skip)
-    prompts = [frontend.encode(GenerationRequest(messages=first_turn(question))) for question in questions]
+    prompts = [frontend.encode(GenerationRequest(messages=question_messages(question))) for question in questions]
     runner = Runner(None, config)
     methods = {
-        method: (lambda prompt, spec=parse_specdec_method(method): runner.request(prompt, spec))
+        method: (lambda prompt, level, spec=parse_specdec_method(method): runner.request(prompt, spec, f"c{level}"))
         for method in config.methods
     }
     rows = sweep(connect, methods, prompts, levels, progress=lambda text: console.print(f"[dim]{text}[/dim]"))

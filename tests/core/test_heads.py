@@ -263,7 +263,12 @@ def test_sharegpt_exchanges_are_read_item_by_item_and_a_truncated_tail_is_skippe
     import io
     import json
 
-    from specdec_core.calibration.questions import first_exchanges, sharegpt_exchanges, sharegpt_first_turns
+    from specdec_core.calibration.questions import (
+        conversations,
+        first_exchanges,
+        sharegpt_exchanges,
+        sharegpt_first_turns,
+    )
 
     def conversation(first: str) -> dict:
         return {"id": first, "conversations": [{"from": "human", "value": first}, {"from": "gpt", "value": "ok"}]}
@@ -273,10 +278,10 @@ def test_sharegpt_exchanges_are_read_item_by_item_and_a_truncated_tail_is_skippe
     text = json.dumps(items, indent=2)
     questions = [f"question {index}" for index in range(5)]
     answers = ["ok", "", "ok", "ok", "ok"]
-    assert first_exchanges(io.StringIO(text), 10, chunk=64) == list(zip(questions, answers))
-    truncated = first_exchanges(io.StringIO(text[: text.index("question 4") + 5]), 10, chunk=64)
+    assert first_exchanges(conversations(io.StringIO(text), chunk=64), 10) == list(zip(questions, answers))
+    truncated = first_exchanges(conversations(io.StringIO(text[: text.index("question 4") + 5]), chunk=64), 10)
     assert [question for question, _ in truncated] == questions[:4]
-    assert [question for question, _ in first_exchanges(io.StringIO(text), 2, chunk=7)] == questions[:2]
+    assert [question for question, _ in first_exchanges(conversations(io.StringIO(text), chunk=7), 2)] == questions[:2]
     turns = sharegpt_first_turns(20)  # the wheel's own file
     assert len(turns) == 20 and all(turn.strip() for turn in turns)
     assert [human for human, _ in sharegpt_exchanges(20)] == turns

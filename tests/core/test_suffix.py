@@ -142,3 +142,71 @@ def test_suffix_decoding_without_arctic_is_a_clear_error(monkeypatch):
         with pytest.raises(DrafterError, match="arctic-inference"):
             validate_drafter(drafter, params)
     validate_drafter("mla")  # prompt lookup's first level needs none
+
+
+def test_the_code_edit_set_asks_back_each_humaneval_function_with_one_edit():
+    import ast
+
+    from specdec_core.calibration.questions import load_questions
+
+    questions = load_questions("code_edit", ["all"], 1000)
+    renames = [q for q in questions if q["category"] == "code_edit_rename"]
+    docstrings = [q for q in questions if q["category"] == "code_edit_docstring"]
+    assert len(renames) == 164 and len(docstrings) >= 150
+    for question in renames[:20] + docstrings[:20]:
+        code = question["turns"][0].split("```python\n")[1].rstrip("`")
+        name = question["turns"][0].split("`")[3 if question in renames else 1]
+        function = next(node for node in ast.parse(code).body if getattr(node, "name", None) == name)
+        if question in docstrings:
+            assert ast.get_docstring(function) is None and "docstring" in question["turns"][0]
+        else:
+            assert f"`{function.args.args[0].arg}`" in question["turns"][0]
+
+
+def test_the_multiturn_set_ends_each_chat_with_a_request_to_redo_the_answer_before():
+    from specdec_core.calibration.questions import EDIT_REQUEST, load_questions, question_messages
+
+    questions = load_questions("multiturn", ["all"], 30)
+    assert len(questions) == 30
+    for question in questions:
+        messages = question_messages(question)
+        roles = [message["role"] for message in messages]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"] and len(roles) >= 3
+        assert EDIT_REQUEST.search(messages[-1]["content"]) and all(m["content"].strip() for m in messages)
+
+
+@pytest.mark.needs_smollm2  # the target's tokenizer
+def test_suffix_cost_measures_a_filled_tree(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from specdec_core.tools.cli_app import app
+
+    out = tmp_path / "cost.json"
+    args = ["suffix-cost", "--requests", "30", "--context", "256", "--steps", "20", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())
+    assert [row["drafter"] for row in rows] == ["suffix", "suffix_tree"]
+    assert all(row["outputs"] == 30 and row["tokens"] > 0 and row["proposal_ms_p50"] > 0 for row in rows)
+
+
+def test_the_bench_keeps_each_methods_suffix_trees_to_itself():
+    """A bench asks every method the same questions: one method's answers in another's shared
+    tree would draft that method's answers for it. Each method (and each load level) drafts from
+    a scope of its own, tagged per run so a served run never reads the last run's."""
+    from specdec_core.tools.benchmarks.bench import Runner, parse_specdec_method
+    from specdec_core.tools.benchmarks.bench_records import BenchConfig
+
+    config = BenchConfig("q", [], ["all"], 1, 8, 0.0, 0, 4, {})
+    runner, other_run = Runner(None, config), Runner(None, config)
+
+    def scope(method: str, level: str = "", run: Runner = runner) -> str:
+        return run.request([1, 2], parse_specdec_method(method), level).drafter.params["suffix_scope"]
+
+    scopes = [scope("specdec:greedy+suffix"), scope("specdec:greedy+suffix(max_spec_factor=2)")]
+    scopes += [scope("specdec:greedy+mla(lookup=suffix)"), scope("specdec:greedy+suffix", "c8")]
+    scopes += [scope("specdec:greedy+suffix", run=other_run)]
+    assert len(set(scopes)) == 5 and scope("specdec:greedy+suffix") == scopes[0]
+    assert "suffix_scope" not in runner.request([1, 2], parse_specdec_method("specdec:greedy+model")).drafter.params

@@ -310,7 +310,7 @@ def test_the_load_sweep_streams_from_concurrent_clients_and_compares_outputs_acr
         return client
 
     def method(drafter: str, run_ahead: bool = False):
-        return lambda prompt: GenerationRequest(
+        return lambda prompt, level: GenerationRequest(
             prompt_ids=prompt,
             drafter={"name": drafter},
             num_draft_tokens=4,

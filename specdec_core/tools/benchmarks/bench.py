@@ -8,8 +8,10 @@ provides (`EndpointClient`). report.py aggregates the runs into rows."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
@@ -17,7 +19,7 @@ import torch
 
 from ...api.request import ComponentSpec, GenerationRequest
 from ...api.sampling import SamplingParams, entropy_of_logits
-from ...calibration.questions import first_turn, load_questions
+from ...calibration.questions import load_questions, question_messages
 from ...drafters import DRAFTERS
 from ...drafters.pld import PromptLookupParams
 from ...loop.engine import SpeculativeEngine
@@ -101,13 +103,19 @@ class Runner:
         self.sampling = SamplingParams(**{**options, **config.sampling_params})  # --sampling wins
         self.pld_params = pld_params(vars(config))
         self.endpoint_client = endpoint_client
+        # each method's requests share suffix trees with its own alone: one method's answers would
+        # be another's drafts (the same questions); the run's tag keeps a served run from the last's
+        self.suffix_scope = f"bench-{uuid.uuid4().hex[:8]}"
 
-    def request(self, prompt_ids: list[int], method: Optional[SpeculativeMethod]) -> GenerationRequest:
-        """`method` None: target-only, under the default policy for the temperature."""
+    def request(self, prompt_ids: list[int], method: Optional[SpeculativeMethod], scope: str = "") -> GenerationRequest:
+        """`method` None: target-only, under the default policy for the temperature; `scope`: a
+        part of the run the method's suffix trees are kept to (a load level)."""
         drafter = method.drafter if method else "none"
         takes_lookup = drafter in DRAFTERS and issubclass(DRAFTERS[drafter].Params, PromptLookupParams)
+        takes_scope = drafter in DRAFTERS and "suffix_scope" in DRAFTERS[drafter].Params.model_fields
         drafter_params = {
             **(self.pld_params if takes_lookup else {}),
+            **({"suffix_scope": self.scope_of(method, scope)} if takes_scope else {}),
             **self.config.drafter_params.get(drafter, {}),
             **(method.drafter_params if method else {}),
         }
@@ -122,6 +130,11 @@ class Runner:
             drafter=ComponentSpec(name=drafter, params=drafter_params),
             num_draft_tokens=(method and method.num_draft_tokens) or self.config.num_draft_tokens,
         )
+
+    def scope_of(self, method: SpeculativeMethod, scope: str) -> str:
+        """The suffix scope of a method's requests in this run (and in the part `scope` of it)."""
+        method_tag = hashlib.sha1(repr(method).encode()).hexdigest()[:10]
+        return "/".join(filter(None, [self.suffix_scope, method_tag, scope]))
 
     def run(self, method: str, prompt_ids: list[int]) -> MethodRun:
         start = time.perf_counter()
@@ -197,7 +210,7 @@ def run_bench(
         runner.run(method, warm_prompt)
     runs, outputs = [], []
     for question in progress(questions):
-        prompt_ids = engine.frontend.encode(GenerationRequest(messages=first_turn(question)))
+        prompt_ids = engine.frontend.encode(GenerationRequest(messages=question_messages(question)))
         reference = None
         for method in config.methods:
             run = runner.run(method, prompt_ids)

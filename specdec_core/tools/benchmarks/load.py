@@ -70,19 +70,19 @@ def percentile(values: list[float], fraction: float) -> Optional[float]:
 
 def sweep(
     connect: Callable[[], StreamingClient],
-    methods: dict[str, Callable[[list[int]], GenerationRequest]],
+    methods: dict[str, Callable[[list[int], int], GenerationRequest]],
     prompts: list[list[int]],
     levels: list[int],
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[dict]:
-    """One row per method and concurrency level. `methods`: name -> request for a prompt; the
-    outputs are compared with the same method's at the first level and with the first method's
-    (target-only, where it comes first)."""
+    """One row per method and concurrency level. `methods`: name -> request for a prompt at a
+    level; the outputs are compared with the same method's at the first level and with the first
+    method's (target-only, where it comes first)."""
     rows, baseline = [], None
     for name, make_request in methods.items():
-        requests = [make_request(prompt) for prompt in prompts]
         first_outputs = None
         for concurrency in levels:
+            requests = [make_request(prompt, concurrency) for prompt in prompts]
             progress(f"{name} at concurrency {concurrency}")
             results, seconds = run_level(connect, requests, concurrency)
             outputs = [sent.token_ids for sent in results]
