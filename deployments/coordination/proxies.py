@@ -243,13 +243,15 @@ class RemoteDrafter:
         self.length += len(new_tokens)
 
     async def release(self) -> None:
+        """Free the session, with the tokens committed since the last Propose: the drafter learns
+        the whole answer (suffix decoding's shared trees keep it)."""
         if self.remote and not self.failed:
-            await release(self.stub, self.session_id, self.deadline_s, "draft")
+            await release(self.stub, self.session_id, self.deadline_s, "draft", self.pending_tokens)
 
 
-async def release(stub, session_id: str, deadline_s: float, role: str) -> None:
+async def release(stub, session_id: str, deadline_s: float, role: str, commit_tokens: Sequence[int] = ()) -> None:
     """Free a session; a worker that cannot be reached frees it on its idle timeout instead."""
     try:
-        await stub.Release(pb.SessionRef(session_id=session_id), timeout=deadline_s)
+        await stub.Release(pb.SessionRef(session_id=session_id, commit_tokens=commit_tokens), timeout=deadline_s)
     except grpc.RpcError as error:
         logger.warning("releasing %s session %s failed: %s", role, session_id, error.code().name)

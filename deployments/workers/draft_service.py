@@ -18,7 +18,7 @@ from specdec_core.structured.grammar_compiler import GrammarCompiler
 from .admission import Admission
 from .steps import PendingRow
 from .tensor_parallel import ControlChannel
-from .worker_ops import DraftRow, DraftStep, OpenDraft
+from .worker_ops import DraftRow, DraftStep, OpenDraft, Release
 from .worker_service import MAX_BATCH_ROWS, WorkerService
 
 
@@ -101,6 +101,14 @@ class DraftService(WorkerService):
             after_tokens=after_tokens,
         )
         return self.batcher.submit(row).result()
+
+    def release(self, op: Release) -> None:
+        """Commit the session's last tokens (none where it proposed after them), then free it."""
+        commit_tokens = self.check_tokens(op.commit_tokens, "commit_tokens", 0, 2 * (MAX_DRAFT_TOKENS + 1))
+        drafter_session = self.table.get(op.session_id)
+        if commit_tokens and drafter_session is not None:
+            drafter_session[0].commit(commit_tokens)
+        super().release(op)
 
     def sessions_in_steps(self) -> int:
         # only chain model drafters share a step's forwards: a lookup row never waits for companions

@@ -70,7 +70,7 @@ class SessionServicer:
 
     @checked
     def Release(self, request, context):
-        self.service.call(Release(session_id=request.session_id))
+        self.service.call(Release(session_id=request.session_id, commit_tokens=list(request.commit_tokens)))
         return pb.Empty()
 
     @checked

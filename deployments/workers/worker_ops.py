@@ -22,6 +22,7 @@ class Message(BaseModel):
 class Release(Message):
     op: Literal["release"] = "release"
     session_id: str
+    commit_tokens: list[int] = []  # a draft session's last commit (drafter.commit), where it has one
 
 
 class OpenDraft(Message):

@@ -30,6 +30,7 @@ EDIT_REQUEST = re.compile(
     r"change|fix|update|again|summari[sz]e|simplify|make it|add|remove|replace|format)\b",
     re.IGNORECASE,
 )
+EDIT_WORDS_WITHIN = 150  # characters: past them a turn's words are often a pasted text's, not its request
 MULTITURN_HISTORY_CHARS = 6000  # about 1,500 tokens of earlier turns: a CPU prefills them in seconds
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the whole function in one Python code block.\n\n"
@@ -53,13 +54,15 @@ def humaneval_questions() -> list[dict]:
 
 def multiturn_questions(limit: int = 200, corpus: Optional[Path] = None) -> list[dict]:
     """ShareGPT chats (those after SHAREGPT_HELD_OUT) cut after their first later human turn that
-    asks to redo or edit (EDIT_REQUEST), with at most MULTITURN_HISTORY_CHARS of earlier turns:
-    the dataset's own answers are the history, the model answers the last turn."""
-    questions = []
+    asks to redo or edit (EDIT_REQUEST in its first EDIT_WORDS_WITHIN characters), with at most
+    MULTITURN_HISTORY_CHARS of earlier turns: the dataset's own answers are the history, the
+    model answers the last turn."""
+    questions, counted = [], 0
     for index, turns in enumerate(sharegpt_conversations(corpus)):
         if len(questions) >= limit:
             break
-        if index < SHAREGPT_HELD_OUT:
+        counted += bool(first_exchanges([turns], 1))  # counted as train-heads counts its exchanges
+        if counted <= SHAREGPT_HELD_OUT:
             continue
         messages: list[dict[str, str]] = []
         for speaker, text in turns:
@@ -68,7 +71,7 @@ def multiturn_questions(limit: int = 200, corpus: Optional[Path] = None) -> list
             history = sum(len(message["content"]) for message in messages)
             if role != expected or not text.strip() or history > MULTITURN_HISTORY_CHARS:
                 break
-            if role == "user" and len(messages) >= 2 and EDIT_REQUEST.search(text):
+            if role == "user" and len(messages) >= 2 and EDIT_REQUEST.search(text[:EDIT_WORDS_WITHIN]):
                 questions.append(
                     {
                         "question_id": f"sharegpt-{index}",

@@ -12,17 +12,17 @@ others' never shape its drafts (so a seeded sampled request reproduces its token
 a shared tree depend on what the scope answered before).
 
 The global trees of all scopes hold at most `max_requests` outputs and `max_tokens` output
-tokens together; past either bound the oldest output goes first (FIFO, as Arctic's cache evicts
-by requests). A request's own tree lives as long as its drafter session: it is freed when the
-session is dropped (`weakref.finalize`), so a worker's released or expired sessions need no
-hook here."""
+tokens together, across scopes (so one scope's traffic evicts another's outputs); past either
+bound the oldest output goes first (FIFO, as Arctic's cache evicts by requests). A request's own
+tree lives as long as its drafter session: it is freed once the session is dropped
+(`weakref.finalize`), so a worker's released or expired sessions need no hook here."""
 
 from __future__ import annotations
 
 import itertools
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -62,17 +62,21 @@ class SuffixCache:
         self.scopes: dict[str, Any] = {}  # scope -> its SuffixDecodingCache (its requests' own trees too)
         self.held: OrderedDict[tuple[str, int], int] = OrderedDict()  # (scope, id) -> output tokens, oldest first
         self.held_tokens = 0
+        self.open_requests = 0
         self.ids = itertools.count()
-        # the draft worker's sessions open, step and drop on different threads; RLock: a finalizer
-        # may run on a thread already inside
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()  # the draft worker's sessions open, step and drop on different threads
+        # requests whose handles went: a finalizer may run on any thread, inside this cache's own
+        # calls too (a garbage collection), so it only queues them; each call frees them first
+        self.closed: deque[tuple[Any, Optional[str], int]] = deque()
 
     def open(self, prompt_ids: Sequence[int], share: bool = True, scope: str = "") -> "SuffixRequest":
         """A request's trees: its own over `prompt_ids` and what it commits, and, where it
         `share`s, its scope's global tree, which its output enters as it is committed."""
         bounds = self.settings
         share = share and bounds.max_requests > 0 and bounds.max_tokens > 0
+        prompt = list(prompt_ids)
         with self.lock:
+            self.free_closed()
             request_id = next(self.ids)
             if not share:  # its own tree alone: Arctic's cache without a global tree
                 trees = require_arctic()(bounds.max_depth, max_cached_requests=0)
@@ -80,15 +84,18 @@ class SuffixCache:
                 trees = self.scopes[scope]
             else:
                 trees = self.scopes[scope] = require_arctic()(bounds.max_depth, max_cached_requests=-1)
-            trees.start_request(request_id, list(prompt_ids))
+            trees.start_request(request_id, prompt)
+            self.open_requests += 1
             if share:
                 self.held[scope, request_id] = 0
                 self.evict(keep=(scope, request_id))
         return SuffixRequest(self, trees, scope if share else None, request_id)
 
     def extend(self, request: "SuffixRequest", tokens: Sequence[int]) -> None:
+        tokens = list(tokens)
         with self.lock:
-            request.trees.add_active_response(request.request_id, list(tokens))
+            self.free_closed()
+            request.trees.add_active_response(request.request_id, tokens)
             key = (request.scope, request.request_id)
             if key in self.held:
                 self.held[key] += len(tokens)
@@ -98,10 +105,12 @@ class SuffixCache:
     def speculate(self, request: "SuffixRequest", context: Sequence[int], max_tokens: int, params: Any, tree: bool):
         """Arctic's draft (`token_ids`, `parents`, `probs`: each token's path probability, `score`)
         from the better of the request's own tree and its scope's global tree."""
+        tail = list(context[-self.settings.max_depth :])
         with self.lock:
+            self.free_closed()
             return request.trees.speculate(
                 request.request_id,
-                list(context[-self.settings.max_depth :]),
+                tail,
                 max_spec_tokens=max_tokens,
                 max_spec_factor=params.max_spec_factor,
                 max_spec_offset=params.max_spec_offset,
@@ -109,36 +118,43 @@ class SuffixCache:
                 use_tree_spec=tree,
             )
 
-    def close(self, trees: Any, scope: Optional[str], request_id: int) -> None:
-        """Free a request's own tree; its output stays in its scope's global tree until evicted."""
-        with self.lock:
+    def free_closed(self) -> None:
+        """Free the own trees of requests whose handles went; their outputs stay in their scope's
+        global tree until evicted (the caller holds the lock)."""
+        while self.closed:
+            trees, scope, request_id = self.closed.popleft()
             trees.stop_request(request_id)
+            self.open_requests -= 1
             if scope is not None:
-                self.drop_if_empty(scope)
+                self.drop_if_empty(scope, trees)
 
     def evict(self, keep: tuple[str, int]) -> None:
-        """The oldest outputs, other than `keep`'s, out of the global trees while over a bound."""
+        """The oldest outputs, other than `keep`'s, out of the global trees while over a bound
+        (the newest alone may run past the token bound)."""
         bounds = self.settings
         while (len(self.held) > bounds.max_requests or self.held_tokens > bounds.max_tokens) and len(self.held) > 1:
-            oldest = next(iter(self.held))
-            if oldest == keep:  # the newest alone may run past the token bound: the others go first
-                self.held.move_to_end(oldest)
-                oldest = next(iter(self.held))
+            oldest = next(key for key in self.held if key != keep)
             self.held_tokens -= self.held.pop(oldest)
             scope, request_id = oldest
-            self.scopes[scope].evict_cached_response(request_id)
-            self.drop_if_empty(scope)
+            trees = self.scopes[scope]
+            trees.evict_cached_response(request_id)
+            self.drop_if_empty(scope, trees)
 
-    def drop_if_empty(self, scope: str) -> None:
-        cache = self.scopes[scope]
-        if not cache.active_requests and not cache.cached_requests:
+    def drop_if_empty(self, scope: str, trees: Any) -> None:
+        """Forget a scope whose trees hold no request and no output."""
+        if self.scopes.get(scope) is trees and not trees.active_requests and not trees.cached_requests:
             del self.scopes[scope]
 
     def stats(self) -> dict[str, int]:
-        """What the global trees hold: outputs, their tokens, scopes, and open requests."""
+        """What the global trees hold (outputs, their tokens, scopes), and the open requests."""
         with self.lock:
-            active = sum(len(cache.active_requests) for cache in self.scopes.values())
-            return {"outputs": len(self.held), "tokens": self.held_tokens, "scopes": len(self.scopes), "open": active}
+            self.free_closed()
+            return {
+                "outputs": len(self.held),
+                "tokens": self.held_tokens,
+                "scopes": len(self.scopes),
+                "open": self.open_requests,
+            }
 
 
 class SuffixRequest:
@@ -147,7 +163,7 @@ class SuffixRequest:
 
     def __init__(self, cache: SuffixCache, trees: Any, scope: Optional[str], request_id: int):
         self.cache, self.trees, self.scope, self.request_id = cache, trees, scope, request_id
-        self.close = weakref.finalize(self, cache.close, trees, scope, request_id)
+        self.close = weakref.finalize(self, cache.closed.append, (trees, scope, request_id))
 
     def extend(self, tokens: Sequence[int]) -> None:
         if tokens:

@@ -100,6 +100,20 @@ def test_the_oldest_outputs_leave_the_shared_tree_past_its_bounds():
     assert by_tokens.stats()["tokens"] <= 12
 
 
+def test_eviction_keeps_first_in_first_out_while_the_oldest_still_grows():
+    """An old request still answering is spared while it grows, and stays the oldest."""
+    cache = SuffixCache(SuffixCacheSettings(max_requests=3, max_tokens=10))
+    a, b = cache.open([1]), cache.open([1])
+    a.extend([10] * 6)
+    b.extend([11] * 3)
+    c = cache.open([1])
+    a.extend([10] * 2)  # 11 tokens: the oldest other than a goes (b)
+    assert [request_id for _, request_id in cache.held] == [a.request_id, c.request_id]
+    cache.open([1])
+    cache.open([1])  # four outputs: a, the oldest, goes
+    assert [request_id for _, request_id in cache.held][:1] == [c.request_id]
+
+
 def test_a_dropped_session_frees_its_own_tree_and_an_empty_scope_goes():
     cache = SuffixCache(SuffixCacheSettings(max_requests=1))
     drafter = make_drafter("suffix", {"suffix_scope": "a"}, suffixes=cache)

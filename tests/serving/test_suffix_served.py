@@ -17,6 +17,7 @@ from helpers.served import Workers, http_client  # noqa: E402
 pytestmark = pytest.mark.needs_smollm2  # SmolLM2's tokenizer
 
 from deployments.config import AppConfig  # noqa: E402
+from deployments.workers.draft_service import DraftService  # noqa: E402
 from specdec_core import GenerationRequest, ModelSpec, SpeculativeEngine  # noqa: E402
 from specdec_core.models.loader import load_tokenizer  # noqa: E402
 
@@ -28,8 +29,9 @@ def served():
     tokenizer = load_tokenizer(ModelSpec())
     target = tiny_llama(vocab_size=len(tokenizer))
     engine = SpeculativeEngine(target, tokenizer, perturbed_copy(target, 0.002))
-    workers = Workers(engine)
-    yield engine, workers
+    draft = DraftService(engine.draft_model, engine.target_model.config, 60.0, tokenizer=tokenizer)
+    workers = Workers(engine, draft=draft)
+    yield engine, workers, draft
     workers.stop()
 
 
@@ -51,7 +53,7 @@ def test_served_suffix_decoding_equals_the_engine_over_http_and_grpc(served, dra
     from deployments.client import SpecdecGrpcClient
     from deployments.ingress.grpc_ingress import GrpcIngress
 
-    engine, workers = served
+    engine, workers, _ = served
     client = http_client(workers)
     scope = {"suffix_scope": f"wire-{drafter}"}
     reply = client.post("/v1/completions", json=body(drafter, {**params, **scope}))
@@ -85,7 +87,7 @@ def accepted(client, params: dict) -> int:
 
 
 def test_the_draft_workers_shared_tree_fills_from_earlier_answers(served):
-    _, workers = served
+    _, workers, _ = served
     client = http_client(workers)
     private = accepted(client, {"suffix_scope": "fills", "suffix_share": False})
     first = accepted(client, {"suffix_scope": "fills"})
@@ -93,3 +95,24 @@ def test_the_draft_workers_shared_tree_fills_from_earlier_answers(served):
     assert accepted(client, {"suffix_scope": "fills"}) > first
     assert accepted(client, {"suffix_scope": "fills", "suffix_share": False}) == private
     assert workers.engine.session_counts() == {"draft": 0, "target": 0}
+
+
+def held_tokens(suffixes, scope: str) -> int:
+    return sum(tokens for (held_scope, _), tokens in suffixes.held.items() if held_scope == scope)
+
+
+def test_a_served_answer_enters_the_shared_tree_whole(served):
+    """The tokens committed after a session's last proposal ride on its Release: the draft
+    worker's tree holds every committed token, as the in-process engine's does."""
+    engine, workers, draft = served
+    reply = http_client(workers).post("/v1/completions", json=body("suffix", {"suffix_scope": "whole"}))
+    assert reply.status_code == 200, reply.text
+    local = engine.complete(
+        GenerationRequest(
+            prompt=PROMPT,
+            drafter={"name": "suffix", "params": {"suffix_scope": "whole"}},
+            num_draft_tokens=6,
+            sampling={"max_tokens": 24},
+        )
+    )
+    assert held_tokens(draft.suffixes, "whole") == held_tokens(engine.suffixes, "whole") >= len(local.token_ids) == 24
