@@ -81,6 +81,8 @@ def completion_cases() -> list[HttpCase]:
             ({"drafter": {"name": "heads", "params": {"scheduler": "binary_tau"}}}, 400, "drafter"),
             ({"drafter": {"name": "heads", "params": {"tree": "nope"}}}, 400, "drafter"),
             ({"drafter": {"name": "model_tree", "params": {"tree": "medusa_8+medusa_16"}}}, 400, "drafter"),
+            ({"drafter": {"name": "suffix", "params": {"suffix_scope": "s" * 129}}}, 400, "drafter"),
+            ({"drafter": {"name": "mla", "params": {"lookup": "suffix", "min_token_prob": 2}}}, 400, "drafter"),
             ({"num_draft_tokens": 500}, 400, "num_draft_tokens"),
             ({"num_draft_tokens": 0}, 400, "num_draft_tokens"),
             ({"stop": 5}, 400, "stop"),

@@ -904,6 +904,11 @@ def test_workers_check_the_secret_and_everything_they_receive(tiny_engine):
             assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
         ahead = pb.ProposeRequest(session_id="drafted", max_tokens=3, after_tokens=[4, 5])
         assert len(stubs["draft"].Propose(ahead, metadata=secret, timeout=10).tokens) == 1 + 3  # the guess, a block
+        for commit_tokens in ([999_999], [4] * 200):  # a release's last commit is checked as a Propose's
+            with pytest.raises(grpc.RpcError) as failure:
+                stubs["draft"].Release(pb.SessionRef(session_id="lookup", commit_tokens=commit_tokens), metadata=secret)
+            assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
+        stubs["draft"].Release(pb.SessionRef(session_id="lookup", commit_tokens=[4, 5]), metadata=secret, timeout=10)
     finally:
         for server in servers:
             server.stop(None)
