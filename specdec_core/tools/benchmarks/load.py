@@ -3,7 +3,11 @@ method and each concurrency N, N clients stream their questions one after anothe
 takes questions i, i + N, ...; every level sends the same questions); reported per level:
 aggregate tokens/s over the level's wall time, request latency p50/p95, time to first token
 p50/p95, mean acceptance length, and whether each output equals the method's output at the
-first level (same request, same tokens: batching must not change a request's output)."""
+first level (same request, same tokens: batching must not change a request's output).
+
+Every method sends the same prompts, one method after another: a service with its prefix cache
+on prefills each prompt once, for the first method, so the later ones start faster. To compare
+methods, serve with `prefix_caching: false`."""
 
 from __future__ import annotations
 
