@@ -63,7 +63,6 @@ class SuffixDrafter(Drafter):
     name = "suffix"
     Params = SuffixParams
     reads_suffixes: ClassVar[bool] = True  # built over the process's SuffixCache (make_drafter)
-    tree = False
 
     def __init__(self, params: Optional[SuffixParams] = None, suffixes: Optional[SuffixCache] = None):
         super().__init__(params)

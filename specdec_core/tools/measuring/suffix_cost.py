@@ -21,6 +21,7 @@ import typer
 from ...api.sampling import SamplingParams
 from ...calibration.questions import sharegpt_exchanges
 from ...drafters import SuffixCache, make_drafter
+from ..benchmarks.load import percentile
 from ..cli_common import TargetOpt, console, print_table
 
 
@@ -28,11 +29,6 @@ def resident_bytes() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 def fill(cache: SuffixCache, outputs: list[list[int]]) -> float:
