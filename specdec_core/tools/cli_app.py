@@ -1,9 +1,10 @@
 """`specdec` command line: the app and its in-process commands, registered here in groups, in the
 order `specdec --help` lists them (cli_decoding.py, cli_measuring.py, cli_preparing.py,
-gpu_report.py, step_ops.py, pipeline_step.py, suffix_cost.py hold them; cli_common.py what they share). The
-console script (deployments/cli.py) adds the serving commands to this app, with the console,
-`fail` and `request_from_options`, and hands `bench` its endpoint client through typer's context
-object (`{"endpoint_client": factory}`), so this package never imports the serving side."""
+gpu_report.py, step_ops.py, step_profile.py, pipeline_step.py, suffix_cost.py hold them;
+cli_common.py what they share). The console script (deployments/cli.py) adds the serving
+commands to this app, with the console, `fail` and `request_from_options`, and hands `bench` its
+endpoint client through typer's context object (`{"endpoint_client": factory}`), so this package
+never imports the serving side."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .measuring.compile_check import compile_check_command
 from .measuring.gpu_report import gpu_report
 from .measuring.pipeline_step import pipeline_step
 from .measuring.step_ops import step_ops_command
+from .measuring.step_profile import step_profile_command
 from .measuring.suffix_cost import suffix_cost_command
 
 __all__ = ["app", "console", "fail", "request_from_options"]
@@ -39,6 +41,7 @@ GROUPS = {
         "lookup-ceiling": lookup_ceiling,
         "suffix-cost": suffix_cost_command,
         "step-ops": step_ops_command,
+        "step-profile": step_profile_command,
         "pipeline-step": pipeline_step,
         "compile-check": compile_check_command,
         "gpu-report": gpu_report,
