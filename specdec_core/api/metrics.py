@@ -26,6 +26,7 @@ class SpecMetrics:
     prefill_ms: float = 0.0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the target's prefix cache (vLLM's name)
     prefix_cache_hits: int = 0  # and found there
+    preemptions: int = 0  # times the target took the request's KV back and recomputed it (kv_room.py)
     run_ahead: Optional[dict] = None  # with run-ahead drafting: its proposals used, discarded, draft time hidden
 
     def record(self, draft: DraftBlock, verdict: Verdict) -> None:
@@ -81,6 +82,7 @@ class SpecMetrics:
             "prefill_ms": round(self.prefill_ms, 3),
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
+            "preemptions": self.preemptions,
             "draft_ms_p50": p50(self.draft_ms),
             "target_ms_p50": p50(self.target_ms),
             "verify_ms_p50": p50(self.verify_ms),

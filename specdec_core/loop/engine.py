@@ -61,6 +61,7 @@ async def speculative_loop(
         scored = [last_token, *draft.token_ids]
         block = await (target.score(scored) if draft.tree is None else target.score_tree(scored, draft.tree))
         metrics.target_ms.append((time.perf_counter() - clock) * 1e3)
+        metrics.preemptions = block.preemptions
         batch_rows = block.batch_rows if follows_load else 1
         clock = time.perf_counter()
         verify = policy.verify if draft.tree is None else policy.verify_tree

@@ -3,8 +3,12 @@ model calls are gathered so that every step is one draft round and one target fo
 of them, as a worker's step batcher does (deployments/workers/steps.py) but without threads or gRPC. The
 GPU report and the in-process benchmarks use it to measure a step at a given concurrency.
 
-Invariant: a step runs only when every live loop waits on a model call, so each forward holds
-every session that has work for it; between forwards the loops verify and commit in turn."""
+With a fixed KV pool (`kv_room.py`), requests wait to be admitted, and a step's rows may preempt
+the youngest sessions, which wait (their row parked) until they resume.
+
+Invariant: a step runs only when every live loop waits on a model call, its admission or its
+resumption, so each forward holds every session that has work for it; between forwards the loops
+verify and commit in turn."""
 
 from __future__ import annotations
 
@@ -18,9 +22,11 @@ import torch
 
 from ..api.request import Completion, GenerationRequest
 from ..drafters.model import propose_step
-from ..target.scorer import Row, TargetScorer, forward_rows
+from ..runtime.batching import fix_pool
+from ..target.scorer import PREFILL_CHUNK, Row, TargetScorer, forward_rows
 from ..trees.tree import Topology
 from .engine import SpeculativeEngine, speculative_loop
+from .kv_room import Admission, KVRoom
 
 
 @dataclass
@@ -37,21 +43,29 @@ class Lockstep:
     """Gathers the loops' calls: target rows (`forward_rows`) and proposals (`propose_step`, as a
     draft worker's step: the model drafters' forwards in lockstep)."""
 
-    def __init__(self, engine: SpeculativeEngine, times: StepTimes):
-        self.engine, self.times = engine, times
+    def __init__(self, engine: SpeculativeEngine, times: StepTimes, room: Optional[KVRoom] = None):
+        self.engine, self.times, self.room = engine, times, room
         self.live = 0  # loops not finished
         self.rows: list[tuple[Row, asyncio.Future]] = []
         self.proposals: list[tuple[Any, asyncio.Future]] = []
+        self.parked: list[tuple[Row, asyncio.Future]] = []  # rows of preempted sessions
+        self.arriving: list[tuple[tuple, asyncio.Future]] = []  # (scorer, its reset's arguments)
 
     def wait(self, queue: list, item: Any) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
-        queue.append((item, future))
+        preempted = queue is self.rows and self.room is not None and item.scorer in self.room.preempted
+        (self.parked if preempted else queue).append((item, future))
         self.run_if_all_wait()
         return future
 
     def run_if_all_wait(self) -> None:
-        if not self.live or len(self.rows) + len(self.proposals) < self.live:
-            return
+        while self.live and len(self.rows) + len(self.proposals) + len(self.parked) + len(self.arriving) >= self.live:
+            if not self.step():
+                raise RuntimeError("every session waits and none can run")  # a bug: never a hang
+
+    def step(self) -> bool:
+        """One draft round and one target forward over what waits, then whom the pool lets in;
+        False where nothing could run."""
         proposals, self.proposals = self.proposals, []
         rows, self.rows = self.rows, []
         if proposals:
@@ -59,11 +73,55 @@ class Lockstep:
             blocks = self.timed(self.times.draft_s, propose_step, model, [item for item, _ in proposals])
             for (_, future), block in zip(proposals, blocks):
                 future.set_result(block)
+        if rows and self.room is not None:
+            self.room.rows_that_fit([row for row, _ in rows])
+            self.parked += [(row, future) for row, future in rows if row.scorer in self.room.preempted]
+            rows = [(row, future) for row, future in rows if row.scorer not in self.room.preempted]
         if rows:
             self.times.target_rows.append(len(rows))
             blocks = self.timed(self.times.target_s, forward_rows, [row for row, _ in rows])
             for (_, future), block in zip(rows, blocks):
                 future.set_result(block)
+        return self.let_in() or bool(proposals or rows)
+
+    def let_in(self) -> bool:
+        """Resume preempted sessions and admit new requests, oldest first, while they fit; a
+        resumed session's parked row joins the next step."""
+        let = False
+        while self.room is not None:
+            oldest = self.room.oldest([*self.room.preempted, *(item[0] for item, _ in self.arriving)])
+            parked = next((entry for entry in self.parked if entry[0].scorer is oldest), None)
+            arriving = next((entry for entry in self.arriving if entry[0][0] is oldest), None)
+            if parked is not None and self.room.resumable(oldest, parked[0]):
+                self.parked.remove(parked)
+                prefill(oldest, self.room.resume(oldest))
+                self.rows.append(parked)
+            elif arriving is not None and self.admit(arriving):
+                self.arriving.remove(arriving)
+            else:  # none waits, or the oldest does not fit yet (or its row is on its way)
+                return let
+            let = True
+        return let
+
+    def admit(self, arriving: tuple) -> bool:
+        """Start a waiting request where the pool has room for it (its prefill runs now, so the
+        next one sees what it took); one that could never fit fails."""
+        (scorer, prompt_ids, policy, sampling, heads_kind), future = arriving
+        try:
+            if not self.room.fits(scorer, prompt_ids, sampling.max_tokens):
+                return False
+            future.set_result(scorer.reset(prompt_ids, policy, sampling, heads_kind))
+        except Exception as error:  # to the request's own loop, which raises it
+            self.room.leave(scorer)
+            future.set_exception(error)
+        return True
+
+    def leave(self, scorer: TargetScorer) -> None:
+        """A loop is done: its KV goes back to the pool for those waiting."""
+        if self.room is not None:
+            self.room.leave(scorer)
+        self.live -= 1
+        self.run_if_all_wait()
 
     def timed(self, into: list[float], call: Callable, *args: Any) -> Any:
         clock = time.perf_counter()
@@ -80,8 +138,12 @@ class LockstepTarget:
     def __init__(self, step: Lockstep, scorer: TargetScorer):
         self.step, self.scorer = step, scorer
 
-    async def reset(self, *args: Any, **kwargs: Any) -> Any:
-        return self.scorer.reset(*args, **kwargs)  # a prompt prefills alone, on arrival
+    async def reset(self, prompt_ids, policy, sampling, heads_kind=None) -> Any:
+        """A prompt prefills alone, on arrival, or when the KV pool admits it."""
+        if self.step.room is None:
+            return self.scorer.reset(prompt_ids, policy, sampling, heads_kind)
+        self.step.room.arrive(self.scorer)
+        return await self.step.wait(self.step.arriving, (self.scorer, prompt_ids, policy, sampling, heads_kind))
 
     async def score(self, tokens: Sequence[int]):
         return await self.step.wait(self.step.rows, Row(self.scorer, tokens))
@@ -115,12 +177,28 @@ class LockstepDraft:
         self.drafter.commit(new_tokens)
 
 
+def prefill(scorer: TargetScorer, tokens: Sequence[int]) -> None:
+    """Feed a resumed session's recomputed positions, a prompt chunk per forward."""
+    for begin in range(0, len(tokens), PREFILL_CHUNK):
+        forward_rows([Row(scorer, tokens[begin : begin + PREFILL_CHUNK], prefill=True)])
+
+
 def complete_together(
-    engine: SpeculativeEngine, requests: Sequence[GenerationRequest], times: Optional[StepTimes] = None
+    engine: SpeculativeEngine,
+    requests: Sequence[GenerationRequest],
+    times: Optional[StepTimes] = None,
+    kv_positions: Optional[int] = None,
+    admission: Admission = "on_demand",
 ) -> list[Completion]:
-    """Decode `requests` at once, each step batched over all of them; `times` collects the steps'."""
+    """Decode `requests` at once, each step batched over all of them; `times` collects the steps'.
+    `kv_positions`: the target's pool fixed to hold that many, shared by `admission` (kv_room.py),
+    for these requests only."""
     times = times if times is not None else StepTimes()
-    step = Lockstep(engine, times)
+    base = engine.target_model.model
+    kept_pool = getattr(base, "kv_pool", None)
+    # a budget of one "byte" a position: a pool of kv_positions positions
+    room = KVRoom(fix_pool(engine.target_model, kv_positions, 1.0), admission) if kv_positions else None
+    step = Lockstep(engine, times, room)
     prepared = [engine.frontend.prepare(request) for request in requests]  # bad input fails before any work
 
     async def one(request) -> Completion:
@@ -132,8 +210,7 @@ def complete_together(
                 chunk async for chunk in speculative_loop(request, drafter, target, engine.frontend.output(request))
             ]
         finally:
-            step.live -= 1
-            step.run_if_all_wait()
+            step.leave(target.scorer)
         return Completion.from_chunks(chunks)
 
     async def all_of_them() -> list[Completion]:
@@ -141,6 +218,10 @@ def complete_together(
         return await asyncio.gather(*(one(request) for request in prepared))
 
     clock = time.perf_counter()
-    completions = asyncio.run(all_of_them())
+    try:
+        completions = asyncio.run(all_of_them())
+    finally:
+        if room is not None:
+            base.kv_pool = kept_pool
     times.wall_s = time.perf_counter() - clock
     return completions

@@ -88,6 +88,7 @@ class TargetBlock:
     # verdict then needs no device operation per request; None where the logits were not scored
     # so (or were changed after)
     argmax_ids: Optional[list[int]] = None
+    preemptions: int = 0  # times the session's KV was taken back and recomputed so far (kv_room.py)
 
     @property
     def vocab_size(self) -> int:

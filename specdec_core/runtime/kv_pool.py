@@ -82,6 +82,11 @@ class KVPool:
         """Blocks some session holds."""
         return self.num_blocks - len(self.free) - len(self.idle)
 
+    @property
+    def available(self) -> int:
+        """Blocks a session can take now: free ones and cached ones nobody holds (evicted first)."""
+        return len(self.free) + len(self.idle)
+
     def allocate(self, count: int) -> list[int]:
         """`count` blocks for one session: free ones first, lowest first, then the least recently
         used cached ones; only when held blocks fill it does a growable pool double."""
@@ -249,10 +254,22 @@ class PagedKV:
     def reserve(self, pool: KVPool, positions: int) -> None:
         """Blocks for `positions` positions in all, from `pool` (this session's from now on)."""
         self.join(pool)
-        positions = max(positions, self.reserve_positions)
-        wanted = blocks_for(positions, pool.block_size) - len(self.table)
+        wanted = self.blocks_wanted(positions, pool.block_size)
         if wanted > 0:
             self.table += pool.allocate(wanted)
+
+    def blocks_wanted(self, positions: int, block_size: int = BLOCK_SIZE) -> int:
+        """The blocks `reserve(positions)` would take from the pool."""
+        return max(blocks_for(max(positions, self.reserve_positions), block_size) - len(self.table), 0)
+
+    def drop(self) -> None:
+        """Give every block back and hold nothing (a preempted session's; the blocks it published
+        stay in the prefix cache until the pool needs them)."""
+        if self.pool is not None:
+            self.pool.release(self.table)
+        self.table.clear()  # in place: the finalizer holds this list
+        self.length = self.reserve_positions = 0
+        self.prefix_keys.clear()
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens

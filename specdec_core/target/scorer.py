@@ -46,6 +46,9 @@ class TargetScorer:
         self.heads_session: Optional[HeadsSession] = None
         self.reads_aux_states = False  # its heads session reads the target's kept states
         self.prompt_parts: Optional[list[PromptScores]] = None  # per prefill chunk, when the request asks
+        self.cached_ids: list[int] = []  # the tokens of the committed positions: what a recompute feeds
+        self.scored_ids: list[int] = []  # the last score's tokens, of which `commit` keeps some
+        self.preemptions = 0  # times its blocks were taken back (`preempt`) and recomputed
 
     def start(
         self,
@@ -54,7 +57,7 @@ class TargetScorer:
         sampling: SamplingParams,
         heads_kind: Optional[str] = None,
     ) -> list[int]:
-        """Begin a request (its cache: `PagedKV.for_request`); returns the tokens to prefill
+        """Begin a request (a new cache); returns the tokens to prefill
         (the prompt but its last token, which the first `score` feeds, past what the pool
         has cached of it), as
         `Row(prefill=True)`s of one or more forwards. `heads_kind`: the kind of the target's heads
@@ -64,9 +67,11 @@ class TargetScorer:
         self.policy = policy
         self.sampling = sampling
         self.prompt_ids = list(prompt_ids)
+        self.cached_ids, self.preemptions, self.heads_kind = self.prompt_ids[:-1], 0, heads_kind
         self.prompt_parts = [] if sampling.prompt_logprobs is not None else None
         self.features_rng = sampling.generator("target")
-        self.cache = PagedKV.for_request(len(prompt_ids), sampling.max_tokens)
+        # blocks as its positions come (a fixed pool's sessions take what they hold, kv_room.py)
+        self.cache = PagedKV(len(prompt_ids) + 1)
         # the prompt's blocks another session computed (prefix caching), unless the prompt's
         # scores or the heads need its forward
         reusable = self.prompt_parts is None and heads_kind is None
@@ -156,6 +161,7 @@ class TargetScorer:
     def commit(self, num_keep: int) -> None:
         """Keep the first `num_keep` scored tokens; the rest are rolled back on the next call."""
         self.committed_len += num_keep
+        self.cached_ids += self.scored_ids[:num_keep]
         self.cache.crop(self.committed_len)
         self.advance_heads(slice(0, num_keep))
 
@@ -164,6 +170,7 @@ class TargetScorer:
         root 0 first); their cache entries move into place and the other nodes' are dropped."""
         self.cache.keep_at(self.committed_len, [self.committed_len + node for node in nodes])
         self.committed_len += len(nodes)
+        self.cached_ids += [self.scored_ids[node] for node in nodes]
         self.advance_heads(list(nodes))
 
     def check_commit(self, keep: int, path: Sequence[int]) -> None:
@@ -195,6 +202,24 @@ class TargetScorer:
             self.heads_session.advance(self.scored_hidden[rows], self.scored_tokens[rows], features)
             self.scored_hidden = self.scored_tokens = self.scored_features = None  # each position enters once
 
+    def preempt(self) -> None:
+        """Give the pool back every block (another session needs them): the committed positions'
+        full blocks are published first, so that `recompute` finds most of them cached."""
+        self.cache.publish(self.cached_ids)
+        self.cache.drop()
+        self.preemptions += 1
+
+    def recompute(self) -> list[int]:
+        """After `preempt`: a new cache, the committed positions the prefix cache still holds,
+        and the tokens to prefill for the rest (the heads, which need every position, see them
+        all again). The request's random streams go on where they were."""
+        self.cache, self.prompt_parts = PagedKV(), None
+        if self.heads_kind is None:
+            self.committed_len = self.cache.reuse(pool_of(self.model.model), self.cached_ids)
+        else:
+            self.committed_len, self.heads_session = 0, self.heads[self.heads_kind].session(self.model)
+        return self.cached_ids[self.committed_len :]
+
     def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
         """The heads' node tokens of tree `tree` after `root_token` (the last committed token,
         which the last committed position predicted); None before any position is committed."""
@@ -224,7 +249,11 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
     for row in rows:
         row.scorer.cache.crop(row.scorer.committed_len)
         if not row.prefill:
-            row.scorer.num_scored, row.scorer.scored_tree = len(row.tokens), row.tree
+            row.scorer.num_scored, row.scorer.scored_tree, row.scorer.scored_ids = (
+                len(row.tokens),
+                row.tree,
+                list(row.tokens),
+            )
     model = rows[0].scorer.model
     hidden, _ = forward_ragged(
         model, [row.scorer.cache for row in rows], [row.tokens for row in rows], [row.tree for row in rows]
@@ -253,11 +282,12 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
             row_features = feature_parts[index] if feature_parts is not None else None
             blocks[index] = row.scorer.finish(row_tokens, parts[index], row_logits, row.tree, row_features)
             blocks[index].batch_rows, blocks[index].argmax_ids = len(rows), row_argmax
+            blocks[index].preemptions = row.scorer.preemptions
     for index, (row, part) in enumerate(zip(rows, parts)):
         if row.prefill:
             row.scorer.score_prefill(part[None])
             row.scorer.committed_len += len(row.tokens)
-            row.scorer.cache.publish(row.scorer.prompt_ids[: row.scorer.committed_len])
+            row.scorer.cache.publish(row.scorer.cached_ids[: row.scorer.committed_len])
             if row.scorer.heads_session is not None:
                 chunk = torch.tensor(row.tokens, dtype=torch.long, device=part.device)
                 row_features = feature_parts[index] if feature_parts is not None else None
