@@ -9,16 +9,17 @@ Two admissions, both first come first served:
   resumes, oldest first, once its positions and its row fit again, by recomputing what the prefix
   cache no longer holds; its stream only pauses. A request may so run to the end of the context.
 - `reach` (a worker's admission before): a request is admitted only when its whole reach
-  (prompt, max_tokens and a block of drafts) fits beside the reaches of those running; none is
-  ever preempted, and a long reach leaves few running.
+  (prompt, max_tokens and a block of its drafts) fits beside the reaches of those running; none
+  is ever preempted, and a long reach leaves few running.
 
-Invariant: the oldest waiting session is never passed by a younger one, and a session that
-cannot fit an empty pool fails alone, with a clear error."""
+Invariants: the oldest waiting session is never passed by a younger one; a request whose reach
+could not fit the empty pool is refused before any work (`check_reach`), so a session running
+alone always fits."""
 
 from __future__ import annotations
 
 import itertools
-from typing import Literal, Optional, Sequence
+from typing import Literal, Sequence
 
 from ..api.errors import SpecdecError
 from ..api.request import session_positions
@@ -33,47 +34,57 @@ class KVRoom:
         self.pool, self.admission = pool, admission
         self.arrivals = itertools.count()
         self.arrival: dict[TargetScorer, int] = {}  # every session admitted or waiting, by arrival
+        self.reach: dict[TargetScorer, int] = {}  # the blocks each may take at most
         self.running: set[TargetScorer] = set()  # admitted and holding its blocks
         self.preempted: set[TargetScorer] = set()  # admitted, its blocks taken back: it waits to resume
-        self.reach: dict[TargetScorer, int] = {}  # with `reach` admission: the blocks each may take
+        self.reserved = 0  # with `reach` admission: the reaches of the sessions admitted
         self.preemptions = 0
 
-    def arrive(self, scorer: TargetScorer) -> None:
+    def reach_blocks(self, num_prompt: int, max_tokens: int, num_draft_tokens: int) -> int:
+        return blocks_for(session_positions(num_prompt, max_tokens, num_draft_tokens), self.pool.block_size)
+
+    def check_reach(self, num_prompt: int, max_tokens: int, num_draft_tokens: int) -> None:
+        """Refuse a request (SpecdecError) whose reach is more than the whole pool: alone, it could
+        still run out."""
+        reach = self.reach_blocks(num_prompt, max_tokens, num_draft_tokens)
+        if reach > self.pool.num_blocks:
+            raise SpecdecError(
+                f"a prompt of {num_prompt} tokens and max_tokens={max_tokens} need {reach} KV blocks; "
+                f"the pool holds {self.pool.num_blocks}",
+                "max_tokens",
+            )
+
+    def arrive(self, scorer: TargetScorer, num_prompt: int, max_tokens: int, num_draft_tokens: int) -> None:
         """A new request's session joins the queue (its turn comes by arrival)."""
         self.arrival[scorer] = next(self.arrivals)
+        self.reach[scorer] = self.reach_blocks(num_prompt, max_tokens, num_draft_tokens)
 
-    def fits(self, scorer: TargetScorer, prompt: Sequence[int], max_tokens: int) -> bool:
-        """Whether a new request's prefill may start now (it is the oldest waiting); with `reach`
-        admission this holds its reach from now on. A request whose reach is more than the whole
-        pool fails (SpecdecError): alone, it could still run out."""
-        reach = blocks_for(session_positions(len(prompt), max_tokens), self.pool.block_size)
-        self.check_alone(reach, f"a prompt of {len(prompt)} tokens and max_tokens={max_tokens}")
+    def spare(self, queued: Sequence[Row]) -> int:
+        """Blocks left once the rows queued for the next step have taken theirs."""
+        return self.pool.available - self.wanted(queued)
+
+    def admit(self, scorer: TargetScorer, num_prompt: int, queued: Sequence[Row]) -> bool:
+        """Whether a new request (the oldest waiting) starts now, beside the `queued` rows; if so
+        it runs from now on (with `reach` admission, holding its reach)."""
         if self.admission == "reach":
-            if sum(self.reach.values()) + reach > self.pool.num_blocks:
+            if self.reserved + self.reach[scorer] > self.pool.num_blocks:
                 return False
-            self.reach[scorer] = reach
-        else:
-            # the prompt and one verify row of the most drafts
-            if blocks_for(session_positions(len(prompt), 0), self.pool.block_size) > self.pool.available:
-                return False
+            self.reserved += self.reach[scorer]
+        elif blocks_for(session_positions(num_prompt, 0), self.pool.block_size) > self.spare(queued):
+            return False  # its prompt and a verify row of the most drafts
         self.running.add(scorer)
         return True
 
-    def check_alone(self, blocks: int, what: str) -> None:
-        if blocks > self.pool.num_blocks:
-            raise SpecdecError(f"{what} need {blocks} KV blocks; the pool holds {self.pool.num_blocks}", "max_tokens")
-
-    def rows_that_fit(self, rows: Sequence[Row]) -> tuple[list[Row], list[Row]]:
-        """This step's rows that run, and those whose sessions were preempted to make room for
-        the others: the youngest first, also sessions waiting on a draft round."""
+    def make_room(self, rows: Sequence[Row]) -> None:
+        """Preempt the youngest running sessions (those waiting on a draft round too) until this
+        step's rows of the others fit."""
         running_rows = list(rows)
         while self.wanted(running_rows) > self.pool.available:
             running = sorted(self.running, key=self.arrival.__getitem__)
-            if len(running) <= 1:  # admitted within its reach, a lone session always fits
+            if len(running) <= 1:  # refused by check_reach: a lone session always fits
                 raise RuntimeError(f"KV pool of {self.pool.num_blocks} blocks short for one session")
             self.preempt(running[-1])
             running_rows = [row for row in running_rows if row.scorer in self.running]
-        return running_rows, [row for row in rows if row.scorer not in self.running]
 
     def wanted(self, rows: Sequence[Row]) -> int:
         """The blocks a step of `rows` takes beyond what their sessions hold (rejected positions
@@ -89,11 +100,10 @@ class KVRoom:
         self.preempted.add(scorer)
         self.preemptions += 1
 
-    def resumable(self, scorer: TargetScorer, row: Row) -> bool:
-        """Whether a preempted session's positions and its next `row` fit now (no prefix cache
-        counted: what it holds may be evicted by the recompute itself)."""
-        needed = blocks_for(len(scorer.cached_ids) + len(row.tokens), self.pool.block_size)
-        return needed <= self.pool.available
+    def resumable(self, scorer: TargetScorer, row: Row, queued: Sequence[Row]) -> bool:
+        """Whether a preempted session's positions and its next `row` fit beside the `queued`
+        rows (its cached blocks not counted: the recompute itself may evict them)."""
+        return blocks_for(len(scorer.cached_ids) + len(row.tokens), self.pool.block_size) <= self.spare(queued)
 
     def resume(self, scorer: TargetScorer) -> list[int]:
         """The session runs again: the tokens to prefill (`TargetScorer.recompute`)."""
@@ -104,10 +114,12 @@ class KVRoom:
     def leave(self, scorer: TargetScorer) -> None:
         """A request is done: its blocks go back now, not when its objects are collected."""
         scorer.cache.drop()
+        if scorer in self.running and self.admission == "reach":
+            self.reserved -= self.reach[scorer]
         self.running.discard(scorer)
         self.preempted.discard(scorer)
         self.reach.pop(scorer, None)
         self.arrival.pop(scorer, None)
 
-    def oldest(self, waiting: Sequence[TargetScorer]) -> Optional[TargetScorer]:
+    def oldest(self, waiting: Sequence[TargetScorer]) -> TargetScorer | None:
         return min(waiting, key=self.arrival.__getitem__, default=None)

@@ -23,10 +23,19 @@ import torch
 from ..api.request import Completion, GenerationRequest
 from ..drafters.model import propose_step
 from ..runtime.batching import fix_pool
-from ..target.scorer import PREFILL_CHUNK, Row, TargetScorer, forward_rows
+from ..target.scorer import Row, TargetScorer, forward_rows
 from ..trees.tree import Topology
 from .engine import SpeculativeEngine, speculative_loop
 from .kv_room import Admission, KVRoom
+
+
+@dataclass
+class Arrival:
+    """A request waiting for the KV pool to admit it: its session and its reset's arguments."""
+
+    scorer: TargetScorer
+    reset: tuple  # prompt_ids, policy, sampling, heads_kind
+    future: asyncio.Future  # its prefill's result (Prefilled) once admitted
 
 
 @dataclass
@@ -49,7 +58,7 @@ class Lockstep:
         self.rows: list[tuple[Row, asyncio.Future]] = []
         self.proposals: list[tuple[Any, asyncio.Future]] = []
         self.parked: list[tuple[Row, asyncio.Future]] = []  # rows of preempted sessions
-        self.arriving: list[tuple[tuple, asyncio.Future]] = []  # (scorer, its reset's arguments)
+        self.arriving: list[Arrival] = []
 
     def wait(self, queue: list, item: Any) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
@@ -74,7 +83,7 @@ class Lockstep:
             for (_, future), block in zip(proposals, blocks):
                 future.set_result(block)
         if rows and self.room is not None:
-            self.room.rows_that_fit([row for row, _ in rows])
+            self.room.make_room([row for row, _ in rows])
             self.parked += [(row, future) for row, future in rows if row.scorer in self.room.preempted]
             rows = [(row, future) for row, future in rows if row.scorer not in self.room.preempted]
         if rows:
@@ -85,41 +94,41 @@ class Lockstep:
         return self.let_in() or bool(proposals or rows)
 
     def let_in(self) -> bool:
-        """Resume preempted sessions and admit new requests, oldest first, while they fit; a
-        resumed session's parked row joins the next step."""
+        """Resume preempted sessions and admit new requests, oldest first, while they fit beside
+        the rows queued; a resumed session's parked row joins the next step."""
         let = False
         while self.room is not None:
-            oldest = self.room.oldest([*self.room.preempted, *(item[0] for item, _ in self.arriving)])
+            queued = [row for row, _ in self.rows]
+            oldest = self.room.oldest([*self.room.preempted, *(arrival.scorer for arrival in self.arriving)])
             parked = next((entry for entry in self.parked if entry[0].scorer is oldest), None)
-            arriving = next((entry for entry in self.arriving if entry[0][0] is oldest), None)
-            if parked is not None and self.room.resumable(oldest, parked[0]):
+            arrival = next((arrival for arrival in self.arriving if arrival.scorer is oldest), None)
+            if parked is not None and self.room.resumable(oldest, parked[0], queued):
                 self.parked.remove(parked)
-                prefill(oldest, self.room.resume(oldest))
+                oldest.prefill(self.room.resume(oldest))
                 self.rows.append(parked)
-            elif arriving is not None and self.admit(arriving):
-                self.arriving.remove(arriving)
+            elif arrival is not None and self.room.admit(oldest, len(arrival.reset[0]), queued):
+                self.arriving.remove(arrival)
+                self.start(arrival)
             else:  # none waits, or the oldest does not fit yet (or its row is on its way)
                 return let
             let = True
         return let
 
-    def admit(self, arriving: tuple) -> bool:
-        """Start a waiting request where the pool has room for it (its prefill runs now, so the
-        next one sees what it took); one that could never fit fails."""
-        (scorer, prompt_ids, policy, sampling, heads_kind), future = arriving
+    def start(self, arrival: Arrival) -> None:
+        """An admitted request's prefill, now: the next admission sees the blocks it took."""
         try:
-            if not self.room.fits(scorer, prompt_ids, sampling.max_tokens):
-                return False
-            future.set_result(scorer.reset(prompt_ids, policy, sampling, heads_kind))
-        except Exception as error:  # to the request's own loop, which raises it
-            self.room.leave(scorer)
-            future.set_exception(error)
-        return True
+            arrival.future.set_result(arrival.scorer.reset(*arrival.reset))
+        except Exception as error:  # noqa: BLE001 - to the request's own loop, which raises it
+            arrival.future.set_exception(error)
 
     def leave(self, scorer: TargetScorer) -> None:
-        """A loop is done: its KV goes back to the pool for those waiting."""
+        """A loop is done: its KV goes back to the pool for those waiting (and whatever it had
+        queued, where it ended by an error, is dropped)."""
         if self.room is not None:
             self.room.leave(scorer)
+        self.rows = [entry for entry in self.rows if entry[0].scorer is not scorer]
+        self.parked = [entry for entry in self.parked if entry[0].scorer is not scorer]
+        self.arriving = [arrival for arrival in self.arriving if arrival.scorer is not scorer]
         self.live -= 1
         self.run_if_all_wait()
 
@@ -138,12 +147,14 @@ class LockstepTarget:
     def __init__(self, step: Lockstep, scorer: TargetScorer):
         self.step, self.scorer = step, scorer
 
-    async def reset(self, prompt_ids, policy, sampling, heads_kind=None) -> Any:
-        """A prompt prefills alone, on arrival, or when the KV pool admits it."""
+    async def reset(self, *args: Any) -> Any:
+        """A prompt prefills alone, on arrival, or when the KV pool admits it (kv_room.py)."""
         if self.step.room is None:
-            return self.scorer.reset(prompt_ids, policy, sampling, heads_kind)
-        self.step.room.arrive(self.scorer)
-        return await self.step.wait(self.step.arriving, (self.scorer, prompt_ids, policy, sampling, heads_kind))
+            return self.scorer.reset(*args)
+        future = asyncio.get_running_loop().create_future()
+        self.step.arriving.append(Arrival(self.scorer, args, future))
+        self.step.run_if_all_wait()
+        return await future
 
     async def score(self, tokens: Sequence[int]):
         return await self.step.wait(self.step.rows, Row(self.scorer, tokens))
@@ -177,12 +188,6 @@ class LockstepDraft:
         self.drafter.commit(new_tokens)
 
 
-def prefill(scorer: TargetScorer, tokens: Sequence[int]) -> None:
-    """Feed a resumed session's recomputed positions, a prompt chunk per forward."""
-    for begin in range(0, len(tokens), PREFILL_CHUNK):
-        forward_rows([Row(scorer, tokens[begin : begin + PREFILL_CHUNK], prefill=True)])
-
-
 def complete_together(
     engine: SpeculativeEngine,
     requests: Sequence[GenerationRequest],
@@ -194,17 +199,24 @@ def complete_together(
     `kv_positions`: the target's pool fixed to hold that many, shared by `admission` (kv_room.py),
     for these requests only."""
     times = times if times is not None else StepTimes()
+    prepared = [engine.frontend.prepare(request) for request in requests]  # bad input fails before any work
     base = engine.target_model.model
     kept_pool = getattr(base, "kv_pool", None)
-    # a budget of one "byte" a position: a pool of kv_positions positions
-    room = KVRoom(fix_pool(engine.target_model, kv_positions, 1.0), admission) if kv_positions else None
+    room = None
+    if kv_positions:  # a budget of one "byte" a position: a pool of kv_positions positions
+        room = KVRoom(fix_pool(engine.target_model, kv_positions, 1.0), admission)
+        room.pool.prefix_caching = kept_pool.prefix_caching if kept_pool is not None else True
     step = Lockstep(engine, times, room)
-    prepared = [engine.frontend.prepare(request) for request in requests]  # bad input fails before any work
+
+    def reach(request) -> tuple[int, int, int]:
+        return len(request.prompt_ids), request.sampling.max_tokens, request.num_draft_tokens
 
     async def one(request) -> Completion:
         drafter, target = engine.sessions(
             request, functools.partial(LockstepTarget, step), functools.partial(LockstepDraft, step), run_ahead=False
         )
+        if room is not None:
+            room.arrive(target.scorer, *reach(request))
         try:
             chunks = [
                 chunk async for chunk in speculative_loop(request, drafter, target, engine.frontend.output(request))
@@ -219,6 +231,8 @@ def complete_together(
 
     clock = time.perf_counter()
     try:
+        for request in prepared if room is not None else ():
+            room.check_reach(*reach(request))  # before any work, as bad input
         completions = asyncio.run(all_of_them())
     finally:
         if room is not None:

@@ -10,16 +10,17 @@ one gather (batching.py), whatever the number of rows.
 Without a fixed size the pool doubles when full (a copy, done between forwards, log2 of the
 peak times), so a server's memory settles at its peak and stays there.
 
-Prefix caching (vLLM's automatic prefix caching): a full block of a session's committed prompt is
-published under a key that hashes its tokens and the key before it, so a key names a whole
-prefix; a later session whose prompt starts with the same blocks takes them (a reference each)
-instead of computing them. Only committed, full blocks are published, and a session writes only
-past its committed positions, so a shared block never changes. A block no session holds stays
-cached until a new block is needed and it is the least recently used."""
+Prefix caching (vLLM's automatic prefix caching): a full block of a session's committed prompt (or,
+when it is preempted, of all its committed positions) is published under a key that hashes its
+tokens and the key before it, so a key names a whole prefix; a later session whose tokens start
+with the same blocks takes them (a reference each) instead of computing them. Only committed,
+full blocks are published, and a session writes only past its committed positions, so a shared
+block never changes. A block no session holds stays cached until the pool needs it (LRU)."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import weakref
 from array import array
 from collections import OrderedDict
@@ -48,6 +49,9 @@ def prefix_keys(tokens: Sequence[int], block_size: int, parent: bytes = b"") -> 
     return keys
 
 
+POOL_SERIALS = itertools.count()
+
+
 class KVPool:
     """`keys`, `values`: `[layers, (num_blocks + 1) * block_size, kv_heads, head_dim]`, the last
     block a scratch block, allocated at the first write (its shape, dtype and device are the
@@ -71,6 +75,7 @@ class KVPool:
         self.keys: Optional[torch.Tensor] = None
         self.values: Optional[torch.Tensor] = None
         self.storage_version = 0  # one more each time the storage is placed: CUDA graphs wrote the old one
+        self.serial = next(POOL_SERIALS)  # unlike id(), never reused by a later pool
         self.free = list(range(num_blocks))
         self.holders = [0] * num_blocks
         self.published: dict[bytes, int] = {}  # prefix key -> block
@@ -263,8 +268,7 @@ class PagedKV:
         return max(blocks_for(max(positions, self.reserve_positions), block_size) - len(self.table), 0)
 
     def drop(self) -> None:
-        """Give every block back and hold nothing (a preempted session's; the blocks it published
-        stay in the prefix cache until the pool needs them)."""
+        """Give every block back (a preempted session's: those it published stay cached)."""
         if self.pool is not None:
             self.pool.release(self.table)
         self.table.clear()  # in place: the finalizer holds this list

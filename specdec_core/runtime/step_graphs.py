@@ -66,8 +66,8 @@ class StepGraphs:
         layout: StepLayout = inputs["ragged"]
         if layout.pool.keys is None:  # the first forward allocates the pool: eagerly
             return self.forward(**inputs).last_hidden_state
-        storage = (id(layout.pool), layout.pool.storage_version)
-        if storage != self.storage:  # the pool grew (moved): every graph wrote the old storage
+        storage = (layout.pool.serial, layout.pool.storage_version)
+        if storage != self.storage:  # the pool grew (moved), or is another: every graph wrote the old one
             self.drop()
             self.storage = storage
         key = shapes(inputs)

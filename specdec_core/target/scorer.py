@@ -38,7 +38,6 @@ class TargetScorer:
         self.cache = PagedKV()
         self.committed_len = 0
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # prompt tokens looked up and found
-        self.num_scored = 0  # tokens of the last `score`, of which `commit` keeps some
         self.scored_tree: Optional[Topology] = None  # the tree the last score was, if one
         self.scored_hidden: Optional[torch.Tensor] = None  # [T, H] of the last score, with heads
         self.scored_tokens: Optional[torch.Tensor] = None  # [T] its tokens
@@ -48,6 +47,7 @@ class TargetScorer:
         self.prompt_parts: Optional[list[PromptScores]] = None  # per prefill chunk, when the request asks
         self.cached_ids: list[int] = []  # the tokens of the committed positions: what a recompute feeds
         self.scored_ids: list[int] = []  # the last score's tokens, of which `commit` keeps some
+        self.heads_kind: Optional[str] = None
         self.preemptions = 0  # times its blocks were taken back (`preempt`) and recomputed
 
     def start(
@@ -78,7 +78,7 @@ class TargetScorer:
         self.committed_len = self.cache.reuse(pool_of(self.model.model), prompt_ids[:-1]) if reusable else 0
         self.prefix_cache_queries = len(prompt_ids) - 1 if reusable else 0
         self.prefix_cache_hits = self.committed_len
-        self.num_scored = 0
+        self.scored_ids = []
         self.scored_hidden = self.scored_tokens = self.scored_features = None
         self.heads_session = None
         # only an EAGLE-3 layer reads the kept states of the target's forward (aux_states.py)
@@ -97,10 +97,13 @@ class TargetScorer:
         heads_kind: Optional[str] = None,
     ) -> Prefilled:
         """Start a request and prefill its prompt, `PREFILL_CHUNK` tokens per forward."""
-        prefill = self.start(prompt_ids, policy, sampling, heads_kind)
-        for begin in range(0, len(prefill), PREFILL_CHUNK):
-            forward_rows([Row(self, prefill[begin : begin + PREFILL_CHUNK], prefill=True)])
+        self.prefill(self.start(prompt_ids, policy, sampling, heads_kind))
         return self.prefilled()
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Feed `tokens` after the committed positions (a prompt's, or a recompute's), a chunk per forward."""
+        for begin in range(0, len(tokens), PREFILL_CHUNK):
+            forward_rows([Row(self, tokens[begin : begin + PREFILL_CHUNK], prefill=True)])
 
     def prefilled(self) -> Prefilled:
         """After the prefill: the prompt's scores (when the request asks) and its prefix cache use."""
@@ -176,8 +179,8 @@ class TargetScorer:
     def check_commit(self, keep: int, path: Sequence[int]) -> None:
         """A caller's commit of the last score (a worker checks every one it receives): at most the
         tokens scored, or a root-first path of the tree scored."""
-        if not 0 <= keep <= self.num_scored:
-            raise SpecdecError(f"commit_keep must lie in [0, {self.num_scored}] (the tokens last scored)")
+        if not 0 <= keep <= len(self.scored_ids):
+            raise SpecdecError(f"commit_keep must lie in [0, {len(self.scored_ids)}] (the tokens last scored)")
         if not path:
             return
         parents = self.scored_tree.parents.tolist() if self.scored_tree is not None else []
@@ -193,7 +196,7 @@ class TargetScorer:
             self.commit(keep)
         if path:
             self.commit_path(path)
-        self.num_scored, self.scored_tree = 0, None
+        self.scored_ids, self.scored_tree = [], None
 
     def advance_heads(self, rows) -> None:
         """With heads: the scored rows `rows` (a slice or node indices) are committed positions."""
@@ -249,11 +252,7 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
     for row in rows:
         row.scorer.cache.crop(row.scorer.committed_len)
         if not row.prefill:
-            row.scorer.num_scored, row.scorer.scored_tree, row.scorer.scored_ids = (
-                len(row.tokens),
-                row.tree,
-                list(row.tokens),
-            )
+            row.scorer.scored_ids, row.scorer.scored_tree = list(row.tokens), row.tree
     model = rows[0].scorer.model
     hidden, _ = forward_ragged(
         model, [row.scorer.cache for row in rows], [row.tokens for row in rows], [row.tree for row in rows]

@@ -48,9 +48,8 @@ def rooms(monkeypatch):
 def test_a_pool_of_two_contexts_runs_six_chats_to_the_end_of_the_context(tiny_engine, rooms):
     requests = [chat(seed) for seed in range(6)]
     alone = [tiny_engine.complete(one) for one in requests]
-    assert {len(done.token_ids) for done in alone} == {CONTEXT - 4 - len(one.prompt_ids) for one in requests} or all(
-        len(done.token_ids) > 900 for done in alone
-    )
+    # to the end of the context: its room after the prompt and a block of drafts (K = 4)
+    assert [len(done.token_ids) for done in alone] == [CONTEXT - len(one.prompt_ids) - 4 for one in requests]
     on_demand = complete_together(tiny_engine, requests, kv_positions=2 * CONTEXT)
     reach = complete_together(tiny_engine, requests, kv_positions=2 * CONTEXT, admission="reach")
     expected = [done.token_ids for done in alone]
@@ -82,7 +81,7 @@ def test_preemption_keeps_every_drafter_exact(tiny_engine, rooms, drafter):
 
 def test_a_request_whose_reach_is_more_than_the_pool_fails_alone(tiny_engine):
     requests = [chat(0, max_tokens=40), chat(1, max_tokens=600)]
-    with pytest.raises(SpecdecError, match="KV blocks; the pool holds 16"):
+    with pytest.raises(SpecdecError, match="max_tokens=600 need 39 KV blocks; the pool holds 16"):
         complete_together(tiny_engine, requests, kv_positions=256)
 
 
@@ -122,4 +121,5 @@ def test_kv_pressure_reports_both_admissions(tiny_engine):
     rows = [pressure_row(tiny_engine, requests, alone, admission, 160) for admission in ("reach", "on_demand")]
     assert [row["same as alone"] for row in rows] == ["3/3", "3/3"]
     assert rows[0]["preemptions"] == 0 and rows[1]["preemptions"] > 0 and rows[1]["preempted chats"] >= 1
-    assert rows[0]["rows a step (mean / most)"].endswith("/ 1") and rows[0]["tokens"] == rows[1]["tokens"] == 180
+    # by reach (prompt, 60 tokens and 4 drafts: 5 blocks) two of the 10 blocks' pool run at a time
+    assert rows[0]["rows a step (mean / most)"].endswith("/ 2") and rows[0]["tokens"] == rows[1]["tokens"] == 180
