@@ -12,6 +12,10 @@ from helpers.published_hydra import hydra_from_medusa
 from helpers.tiny_models import HEADS_PROMPTS, perturbed_copy, repeating_prompt, tiny_llama, tiny_profile
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# without CUDA, Triton kernels (kernels/paged_attention.py) run under Triton's interpreter; it must
+# be on before triton is first imported, which decides at import and at each kernel's decoration
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_sessionfinish(session, exitstatus):

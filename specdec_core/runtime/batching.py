@@ -27,6 +27,7 @@ from ..models.kernels.chunked import kernels_by_chunk
 from ..models.shard_loader import activation_dtype
 from ..trees.tree import Topology
 from .kv_pool import BLOCK_SIZE, KV_CACHE_DTYPES, KVPool, PagedKV, blocks_for
+from .paged_layout import paged_rows
 from .ragged_attention import RowGroup, StepLayout, attention_backends, use_ragged_attention
 
 # rows with more new tokens than this (prompt chunks) attend in a call of their own: padded to a
@@ -88,12 +89,14 @@ def step_layout(
     trees: Sequence[Optional[Topology]],
     device,
     padded: bool = False,
+    paged: bool = False,
 ) -> StepLayout:
     """Reserve each row's blocks for its new tokens and lay out the step (host-side, a few ops
     per forward, not per layer). A lone row whose blocks are consecutive reads them as a slice.
     `padded` (a compiled step): every size rounds up to `padded_size`, so that a step's tensors
     take a bounded set of shapes; the padding tokens write to the pool's scratch block, padding rows and
-    queries see key 0 only, and no view (a slice's bounds would be a new graph every step)."""
+    queries see key 0 only, and no view (a slice's bounds would be a new graph every step).
+    `paged`: every row's attention is the paged kernel's (paged_layout.py), in one call."""
     for cache, length in zip(caches, lengths):
         cache.reserve(pool, cache.length + length)
     history = torch.tensor([cache.length for cache in caches])  # [B]
@@ -110,6 +113,9 @@ def step_layout(
     real = queries[None] < new[:, None]  # [B, Q]
     write_slots = read_slots.gather(1, (history[:, None] + queries[None]).clamp(max=width - 1))[real]  # [N]
     scratch = pool.scratch_slot + torch.arange(pad(num_tokens) - num_tokens) % size  # [padding]
+    if paged:
+        rows = paged_rows(history, new, tables, trees, pad, device)
+        return StepLayout(pool, torch.cat([write_slots, scratch]).to(device), [], None, rows)
     offsets = torch.cumsum(new, 0) - new  # [B]
     long = new > LONG_ROW
     parts = [members for members in (torch.nonzero(~long)[:, 0], torch.nonzero(long)[:, 0]) if members.numel()]
@@ -241,7 +247,9 @@ def step_inputs(base_model, caches, lengths, trees, inputs: dict, padded: bool) 
             for offset in (range(length) if tree is None else (0, *map(len, tree.paths)))
         ]
     )
-    layout = step_layout(pool_of(base_model), caches, lengths, trees, base_model.device, padded=padded)
+    # the paged kernel for short rows only: a prompt chunk's tokens would each read its keys again
+    paged = getattr(base_model, "paged_attention", False) and max(lengths) <= LONG_ROW
+    layout = step_layout(pool_of(base_model), caches, lengths, trees, base_model.device, padded=padded, paged=paged)
     padding = layout.write_slots.numel() - len(positions)
     return {
         **{name: pad_tokens(tensor, padding) for name, tensor in inputs.items()},

@@ -34,9 +34,22 @@ class RowGroup:
 
 
 @dataclass
+class PagedRows:
+    """The rows as the paged kernel reads them (kernels/paged_attention.py), int32 each: no
+    gather, no padding of a row to the longest."""
+
+    block_tables: torch.Tensor  # [B, blocks] each row's blocks
+    seq_lens: torch.Tensor  # [B] each row's keys, its history and new tokens
+    query_start: torch.Tensor  # [B + 1] where each row's new tokens start among the N
+    token_row: torch.Tensor  # [N] each new token's row
+    new_mask: torch.Tensor  # [N, Q] int8: which of its row's new tokens each sees
+
+
+@dataclass
 class StepLayout:
     """Where one forward's rows write and read in the pool, built once for all its layers: one
-    attention call per group, at most two (short rows, long rows)."""
+    attention call per group, at most two (short rows, long rows); or, with the paged kernel,
+    one call over every row (`paged`, the groups then empty)."""
 
     pool: KVPool
     write_slots: torch.Tensor  # [N] the slot of each new token
@@ -44,6 +57,7 @@ class StepLayout:
     # [N] where each packed token's output lies among the groups' outputs, [B * Q] each, in order
     # (None: one row, whose outputs are its tokens in order)
     output_index: Optional[torch.Tensor]
+    paged: Optional[PagedRows] = None
 
 
 def attention_backends(device: torch.device):
@@ -65,6 +79,11 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     pool_keys, pool_values = ragged.pool.storage(module.layer_idx, key)  # [slots, kv_heads, head_dim] each
     write(pool_keys, ragged.write_slots, key[0].transpose(0, 1))
     write(pool_values, ragged.write_slots, value[0].transpose(0, 1))
+    if ragged.paged is not None:
+        from ..models.kernels.paged_attention import paged_attention  # Triton: imported where used
+
+        rows = vars(ragged.paged)
+        return paged_attention(query[0].transpose(0, 1), pool_keys, pool_values, **rows, scale=scaling)[None], None
     outputs = [attend(group, query, pool_keys, pool_values, scaling).flatten(0, 1) for group in ragged.groups]
     output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [sum of B * Q, heads, head_dim]
     return (output if ragged.output_index is None else output[ragged.output_index])[None], None
@@ -113,6 +132,20 @@ def register_ragged_attention() -> None:
     AttentionInterface.register(UNTRACED_RAGGED_ATTENTION, torch.compiler.disable(ragged_attention))
     for name in (RAGGED_ATTENTION, UNTRACED_RAGGED_ATTENTION):
         AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def use_paged_attention(model: torch.nn.Module) -> None:
+    """`model`'s steps of short rows (verify blocks, trees, single tokens: every step a CUDA graph
+    covers) attend with the paged kernel; prompt chunks keep SDPA."""
+    import os
+
+    import triton  # noqa: F401 - a clear ImportError at load, not at the first step
+
+    if model.device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        raise ValueError(
+            "the paged attention kernel runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)"
+        )
+    model.model.paged_attention = True
 
 
 def use_ragged_attention(model: torch.nn.Module, traced: bool = True) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .batching import LONG_ROW
-from .ragged_attention import RowGroup, StepLayout
+from .ragged_attention import PagedRows, RowGroup, StepLayout
 
 # a step of more tokens than this (after padding) runs eagerly: 64 sessions' verify rows of up to
 # 16 tokens; a row of more than LONG_ROW new tokens (a prompt chunk) is never graphed
@@ -144,7 +144,10 @@ def map_tensors(inputs: dict, function: Callable, absent: Optional[list] = None)
             groups = [
                 RowGroup(apply(group.read), apply(group.query_index), apply(group.mask)) for group in value.groups
             ]
-            value = StepLayout(value.pool, apply(value.write_slots), groups, apply(value.output_index))
+            paged = value.paged
+            if paged is not None:
+                paged = PagedRows(**{part.name: apply(getattr(paged, part.name)) for part in dataclasses.fields(paged)})
+            value = StepLayout(value.pool, apply(value.write_slots), groups, apply(value.output_index), paged)
         mapped[name] = apply(value)
     return mapped
 

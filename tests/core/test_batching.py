@@ -191,8 +191,8 @@ def test_a_compiled_step_captures_without_breaks_and_decodes_as_eager(monkeypatc
 
     shapes = {False: [], True: []}  # padded or not: each step's tensor sizes
 
-    def recording_layout(*args, padded=False):
-        layout = laid_out(*args, padded=padded)
+    def recording_layout(*args, padded=False, **others):
+        layout = laid_out(*args, padded=padded, **others)
         tensors = [layout.write_slots, *(t for group in layout.groups for t in (group.read, group.mask))]
         shapes[padded].append(tuple(size for tensor in tensors if torch.is_tensor(tensor) for size in tensor.shape))
         return layout

@@ -106,10 +106,12 @@ def test_an_fp8_checkpoint_multiplies_in_fp8_within_its_rounding(tmp_path):
     assert (got - want).norm() < 0.05 * want.norm()
 
 
-def graphed_pair(compiled_layers_in=None) -> SpeculativeEngine:
+def graphed_pair(compiled_layers_in=None, paged: bool = False) -> SpeculativeEngine:
     """cuda_engine's target with its steps replayed as CUDA graphs (step_graphs.py), beside a draft
-    graphed too; with a cache folder, both compiled by layer first (compiled_layers.py)."""
+    graphed too; with a cache folder, both compiled by layer first (compiled_layers.py); `paged`:
+    both on the paged attention kernel."""
     from specdec_core.runtime.compiled_layers import compile_layers
+    from specdec_core.runtime.ragged_attention import use_paged_attention
     from specdec_core.runtime.step_graphs import use_step_graphs
 
     target = tiny_llama(seed=0, prepared=False).to("cuda")
@@ -121,6 +123,8 @@ def graphed_pair(compiled_layers_in=None) -> SpeculativeEngine:
     for model in (target, draft):
         if compiled_layers_in is not None:
             compile_layers(model, compiled_layers_in)
+        if paged:
+            use_paged_attention(model)
         use_step_graphs(model)
     return SpeculativeEngine(target, None, draft, profile=lambda *_: tiny_profile())
 
@@ -137,6 +141,17 @@ def test_greedy_speculation_with_compiled_layers_and_graphs_equals_its_target_on
     engine = graphed_pair(tmp_path_factory.mktemp("compiled"))
     target_only = engine.complete(request("greedy", "none")).token_ids
     for _ in range(2):  # the first request compiles and records, the second replays
+        assert engine.complete(request("greedy", drafter)).token_ids == target_only
+    assert engine.target_model.model.step_graphs.recorded > 0
+
+
+@pytest.mark.parametrize("drafter", ["pld", "model", "mla", "model_tree"])
+def test_greedy_speculation_on_the_paged_kernel_and_graphs_equals_its_target_only(drafter):
+    """kernels/paged_attention.py in the step, graphed: against its own target-only output (its
+    fp32 sums run in another order than SDPA's)."""
+    engine = graphed_pair(paged=True)
+    target_only = engine.complete(request("greedy", "none")).token_ids
+    for _ in range(2):  # the first request records, the second replays
         assert engine.complete(request("greedy", drafter)).token_ids == target_only
     assert engine.target_model.model.step_graphs.recorded > 0
 
@@ -175,3 +190,24 @@ def test_a_replayed_step_keeps_the_states_eagle3_reads():
             states.append(aux_states(model, len(tokens)))
         torch.testing.assert_close(states[0], states[1], atol=1e-4, rtol=0)
     assert graphed.model.step_graphs.recorded == 2
+
+
+@pytest.mark.parametrize("rows, tokens, history", [(64, 5, 352), (1, 1, 2000), (3, 5, 40)])
+def test_the_paged_attention_kernel_equals_sdpa_and_replays_in_a_cuda_graph(rows, tokens, history):
+    """kernels/paged_attention.py at Llama-3.1-8B's heads in bf16, against SDPA in fp32 over the
+    gathered keys; recorded in a CUDA graph (it reads nothing back to the host), its replay the same."""
+    from specdec_core.models.kernels.paged_attention import paged_attention
+
+    from helpers.paged_rows import causal, paged_rows, sdpa_reference
+
+    arguments = paged_rows(
+        [history + tokens] * rows, [causal(tokens)] * rows, 32, 8, 128, dtype=torch.bfloat16, device="cuda"
+    )
+    expected = sdpa_reference(arguments)
+    output = paged_attention(**arguments)
+    torch.testing.assert_close(output.float().cpu(), expected, atol=2e-2, rtol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = paged_attention(**arguments)
+    graph.replay()
+    torch.testing.assert_close(captured, output, atol=0, rtol=0)

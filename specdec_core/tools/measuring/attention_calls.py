@@ -3,7 +3,9 @@ every row (its keys gathered and padded to the longest row's bucket), with the K
 to the query heads (before) or the query heads folded into the query rows (ragged_attention.
 folded_heads_attention, now), against one flex_attention call over the rows packed. A row is
 `tokens` new queries over its own `history` keys (causal within the new ones), heads grouped as
-Llama-3.1-8B's (32 query heads, 8 K/V heads of 128)."""
+Llama-3.1-8B's (32 query heads, 8 K/V heads of 128). And the paged kernel (kernels/
+paged_attention.py), which reads the rows' keys in the pool through their block tables: no
+gather, no padding."""
 
 from __future__ import annotations
 
@@ -26,9 +28,11 @@ def microseconds(call, repeats: int = 20) -> float:
     return seconds_per_call(call, repeats) * 1e6
 
 
-def attention_calls(rows: int = 64, tokens: int = 5, history: int = 352, device: str = "cuda") -> list[dict]:
+def attention_calls(
+    rows: int = 64, tokens: int = 5, history: int = 352, device: str = "cuda", flex: bool = True
+) -> list[dict]:
     """Microseconds of one layer's attention over `rows` rows, per way of calling it (on CUDA, its
-    efficient kernel, which takes a mask; flex_attention there only)."""
+    efficient kernel, which takes a mask; `flex`: flex_attention too, there only)."""
     bf16 = torch.bfloat16
     width = padded_size(history + tokens)  # a graphed step's keys
     query = torch.randn(rows, HEADS, tokens, HEAD_DIM, device=device, dtype=bf16)
@@ -49,7 +53,34 @@ def attention_calls(rows: int = 64, tokens: int = 5, history: int = 352, device:
             one = microseconds(call)
         kernel = f"one masked call, {width} keys a row: {name}"
         results.append({"kernel": kernel, "us per layer": round(one), "calls": 1})
-    return [*results, one_flex_call(rows, tokens, history)] if on_cuda else results
+    if not on_cuda:  # Triton's interpreter would time numpy
+        return results
+    results.append({"kernel": "one paged call (Triton)", "us per layer": paged_call(rows, tokens, history), "calls": 1})
+    return [*results, one_flex_call(rows, tokens, history)] if flex else results
+
+
+def paged_call(rows: int, tokens: int, history: int, device: str = "cuda") -> int:
+    """Microseconds of kernels/paged_attention.py over `rows` rows of `tokens` new tokens after
+    `history`, each row's blocks where the pool put them (consecutive here: the kernel reads
+    them through the tables all the same)."""
+    from ...models.kernels.paged_attention import paged_attention
+    from ...runtime.kv_pool import BLOCK_SIZE, blocks_for
+
+    total = history + tokens
+    per_row = blocks_for(total, BLOCK_SIZE)
+    bf16, int32 = torch.bfloat16, torch.int32
+    keys = torch.randn((rows * per_row + 1) * BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=device, dtype=bf16)
+    arguments = {
+        "query": torch.randn(rows * tokens, HEADS, HEAD_DIM, device=device, dtype=bf16),
+        "keys": keys,
+        "values": keys,
+        "block_tables": torch.arange(rows * per_row, device=device, dtype=int32).view(rows, per_row),
+        "seq_lens": torch.full((rows,), total, device=device, dtype=int32),
+        "query_start": torch.arange(0, rows * tokens + 1, tokens, device=device, dtype=int32),
+        "token_row": torch.arange(rows, device=device, dtype=int32).repeat_interleave(tokens),
+        "new_mask": torch.ones(tokens, tokens, device=device).tril().to(torch.int8).repeat(rows, 1),
+    }
+    return round(microseconds(lambda: paged_attention(**arguments)))
 
 
 def one_flex_call(rows: int, tokens: int, history: int) -> dict:

@@ -24,6 +24,7 @@ from ...models.loader import ModelSpec, load_model
 from ...planning.kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION, kv_budget
 from ...planning.memory import GIB, kv_bytes_per_token
 from ...policies import make_policy
+from ...runtime.ragged_attention import use_paged_attention
 from ...target.scorer import PREFILL_CHUNK, TargetScorer
 from .attention_calls import attention_calls
 from .device_clock import seconds_per_call
@@ -111,6 +112,10 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
     engine = SpeculativeEngine(load_model(target), None, load_model(draft), profile=lambda *_: None)
     loaded_s = time.perf_counter() - clock
     compiled = ", steps compiled" if target.compile else ", layers compiled" if target.compile_layers else ""
+    if args["paged_attention"]:
+        for model in (engine.target_model, engine.draft_model):
+            use_paged_attention(model)
+        compiled += ", paged attention"
     models = f"models: target {target.source}, draft {draft.source}, {target.dtype}{compiled}"
     out += [f"{models}, loaded in {loaded_s:.1f} s", ""]
     args = {**args, "vocab": engine.target_model.config.vocab_size}
@@ -126,8 +131,10 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
     out += [heading, "", table(ops, list(ops[0]))]
     out += ["", *verify_cost_section(engine.target_model, args["prompt_tokens"])]
     if on_cuda:
-        calls = attention_calls()
-        out += ["", "One layer's attention over 64 rows of 5 tokens, 352 keys each:", "", table(calls, list(calls[0]))]
+        for rows, tokens, history in ((64, 5, 352), (1, 5, 256), (1, 1, 256)):
+            calls = attention_calls(rows, tokens, history, flex=rows > 1)
+            heading = f"One layer's attention over {rows} row(s) of {tokens} token(s) after {history}:"
+            out += ["", heading, "", table(calls, list(calls[0]))]
         costs = eagle3_costs(engine.target_model)  # last: the layer's hooks stay on the target
         heading = "A random EAGLE-3 layer beside the target, one session after a 256-token prompt:"
         out += ["", heading, "", table(costs, list(costs[0]))]
@@ -165,6 +172,7 @@ def gpu_report(
     tests: bool = typer.Option(True, help="run tests/core/test_gpu.py first"),
     compiled: bool = typer.Option(False, "--compile", help="both models' steps compiled (CUDA graphs on CUDA)"),
     compile_layers: bool = typer.Option(False, help="both models' layers compiled (compiled_layers.py)"),
+    paged_attention: bool = typer.Option(False, help="both models' short rows on the paged kernel (Triton)"),
     out: Optional[Path] = typer.Option(None, help="also write the markdown here"),
 ):
     """Device facts, GPU tests and the engine at real shapes on random weights, as markdown."""
@@ -184,6 +192,7 @@ def gpu_report(
         print(f"skipped: {skipped} runs the engine here)")
         return
     args = {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "num_draft": num_draft_tokens, "tests": tests}
+    args["paged_attention"] = paged_attention
     levels = [int(level) for level in concurrency.split(",")]
     method_list = methods.split(",")
     fixed = [method for method in method_list if method_parts(method)[1] is not None]

@@ -2,8 +2,10 @@
 Each chat may run to the end of the context, so admission by reach (prompt, the context's room,
 a block of drafts) runs as many at a time as the pool holds contexts; admission on demand runs
 all that fit now and preempts the youngest when the pool runs out (kv_room.py). Reported for
-both: wall time, tokens per second, the sessions a step held, preemptions, and whether every
-output equals the chat's own output decoded alone (the exactness check; T = 0)."""
+both: wall time, tokens per second, the sessions a step held and what a step's target forward
+took, preemptions, and whether every output equals the chat's own output decoded alone (the
+exactness check; T = 0). Prefills, a resumed session's recompute among them, count in the wall
+time only."""
 
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ def pressure_row(engine, requests, alone: list[list[int]], admission: str, kv_po
         "tok/s": round(tokens / wall_s, 1),
         "tokens": tokens,
         "rows a step (mean / most)": f"{statistics.mean(times.target_rows):.1f} / {max(times.target_rows)}",
+        "target ms a step": round(statistics.mean(times.target_s) * 1e3, 1),
         "preemptions": sum(completion.metrics["preemptions"] for completion in done),
         "preempted chats": sum(completion.metrics["preemptions"] > 0 for completion in done),
         "same as alone": f"{sum(c.token_ids == a for c, a in zip(done, alone))}/{len(alone)}",
