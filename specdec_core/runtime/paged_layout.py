@@ -24,7 +24,7 @@ def paged_rows(
     tables: torch.Tensor,
     trees: Sequence[Optional[Topology]],
     pad: Callable[[int], int],
-    device,
+    device: torch.device,
 ) -> PagedRows:
     """`history`, `new` `[B]`: each row's cached and new tokens; `tables` `[B, blocks]` its blocks
     (a shorter row's padded with block 0, past its keys); `pad`: a size's bucket (`int`: none)."""

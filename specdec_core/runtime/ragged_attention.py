@@ -9,6 +9,7 @@ Vocabulary: B rows, N new tokens in all, Q the most new tokens of a row, L the l
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -82,8 +83,11 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if ragged.paged is not None:
         from ..models.kernels.paged_attention import paged_attention  # Triton: imported where used
 
-        rows = vars(ragged.paged)
-        return paged_attention(query[0].transpose(0, 1), pool_keys, pool_values, **rows, scale=scaling)[None], None
+        rows, block_size = vars(ragged.paged), ragged.pool.block_size
+        output = paged_attention(
+            query[0].transpose(0, 1), pool_keys, pool_values, **rows, scale=scaling, block_size=block_size
+        )
+        return output[None], None  # [1, N, H, D]
     outputs = [attend(group, query, pool_keys, pool_values, scaling).flatten(0, 1) for group in ragged.groups]
     output = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [sum of B * Q, heads, head_dim]
     return (output if ragged.output_index is None else output[ragged.output_index])[None], None
@@ -137,8 +141,6 @@ def register_ragged_attention() -> None:
 def use_paged_attention(model: torch.nn.Module) -> None:
     """`model`'s steps of short rows (verify blocks, trees, single tokens: every step a CUDA graph
     covers) attend with the paged kernel; prompt chunks keep SDPA."""
-    import os
-
     import triton  # noqa: F401 - a clear ImportError at load, not at the first step
 
     if model.device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 from specdec_core.models.kernels.paged_attention import paged_attention  # noqa: E402 - after the skip
 
-from helpers.paged_rows import causal, paged_rows, sdpa_reference, tree_mask  # noqa: E402
+from helpers.paged_rows import causal, random_paged_arguments, sdpa_reference, tree_mask  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -24,7 +24,7 @@ from helpers.paged_rows import causal, paged_rows, sdpa_reference, tree_mask  # 
     ],
 )
 def test_the_kernel_equals_sdpa_over_the_gathered_keys(seq_lens, masks, heads, kv_heads, splits):
-    arguments = paged_rows(seq_lens, masks, heads, kv_heads, head_dim=16, seed=len(seq_lens) + heads)
+    arguments = random_paged_arguments(seq_lens, masks, heads, kv_heads, head_dim=16, seed=len(seq_lens) + heads)
     output = paged_attention(**arguments, num_splits=splits)  # [N, H, D]
     torch.testing.assert_close(output, sdpa_reference(arguments), atol=2e-5, rtol=2e-5)
 

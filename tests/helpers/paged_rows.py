@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 16
+from specdec_core.runtime.kv_pool import BLOCK_SIZE as BLOCK
 
 
 def causal(new: int) -> torch.Tensor:
@@ -25,7 +25,9 @@ def tree_mask() -> torch.Tensor:
     return mask
 
 
-def paged_rows(seq_lens, masks, heads, kv_heads, head_dim, seed=0, dtype=torch.float32, device="cpu") -> dict:
+def random_paged_arguments(
+    seq_lens, masks, heads, kv_heads, head_dim, seed=0, dtype=torch.float32, device="cpu"
+) -> dict:
     """The kernel's arguments for rows of `seq_lens` keys whose last `len(mask)` are new tokens
     seeing each other by `mask`; each row owns shuffled blocks of a random pool."""
     generator = torch.Generator().manual_seed(seed)

@@ -62,9 +62,9 @@ def split_attention_kernel(
     q = q.to(tl.float32) * scale  # [G, D]
     num_tiles = tl.cdiv(seq_len, BLOCK)
     per_split = tl.cdiv(num_tiles, num_splits)
-    largest = tl.full([GROUP], float("-inf"), tl.float32)
-    total = tl.zeros([GROUP], tl.float32)
-    acc = tl.zeros([GROUP, HEAD_DIM], tl.float32)
+    largest = tl.full([GROUP], float("-inf"), tl.float32)  # [G] the scores' running max
+    total = tl.zeros([GROUP], tl.float32)  # [G] the softmax's running denominator at that max
+    acc = tl.zeros([GROUP, HEAD_DIM], tl.float32)  # [G, D] the weighted values, not normalized
     offsets = tl.arange(0, BLOCK)
     tile = split * per_split
     last = tl.minimum((split + 1) * per_split, num_tiles)
@@ -76,7 +76,7 @@ def split_attention_kernel(
         seen = tl.load(new_mask + token * max_new + new, mask=(new >= 0) & (positions < seq_len), other=0)
         visible = (positions < seq_len) & ((new < 0) | (seen != 0))  # [BLOCK]
         k = tl.load(keys + (slots * KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :])  # [BLOCK, D]
-        v = tl.load(values + (slots * KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :])
+        v = tl.load(values + (slots * KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :])  # [BLOCK, D]
         scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G, BLOCK]
         scores = tl.where(visible[None, :], scores, float("-inf"))
         new_largest = tl.maximum(largest, tl.max(scores, axis=1))
@@ -119,8 +119,20 @@ def merge_splits_kernel(
         other=0.0,
     )  # [S, D]
     # a token that sees no key (a padding token of a graphed step) comes out 0, not nan
-    merged = tl.sum(weights[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+    merged = tl.sum(weights[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)  # [D]
     tl.store(output + token_head * HEAD_DIM + dims, merged.to(output.dtype.element_ty))
+
+
+# programs that keep a device of ~130 multiprocessors busy; each split at least one block of keys
+BUSY_PROGRAMS, MOST_SPLITS = 512, 16
+
+
+def splits_for(num_tokens: int, kv_heads: int, max_blocks: int) -> int:
+    """How many ways to split a row's keys: enough programs to fill the device when the tokens
+    are few (a draft's one token over a long history), none when they are many (each split's
+    partial output costs a write and a read). Static for a graphed step's shapes."""
+    wanted = -(-BUSY_PROGRAMS // (num_tokens * kv_heads))
+    return max(1, min(wanted, MOST_SPLITS, max_blocks))
 
 
 def paged_attention(
@@ -133,21 +145,24 @@ def paged_attention(
     token_row: torch.Tensor,
     new_mask: torch.Tensor,
     scale: Optional[float] = None,
-    num_splits: int = 16,
+    num_splits: Optional[int] = None,
     block_size: int = BLOCK_SIZE,
 ) -> torch.Tensor:
     """Each new token's attention over its row's keys in the pool: `query` `[N, H, D]`, one layer's
     `keys`, `values` `[slots, H_kv, D]` (slot = block * BLOCK + offset), `block_tables` `[B,
     max_blocks]`, `seq_lens` `[B]`, `query_start` `[B + 1]`, `token_row` `[N]` (int32 each),
     `new_mask` `[N, max_new]` (a token's view of its row's new tokens); returns `[N, H, D]` in
-    the query's dtype. Every size is a tensor's: nothing is read back to the host."""
+    the query's dtype. Every size is a tensor's: nothing is read back to the host.
+    `num_splits`: None, `splits_for` the shapes."""
+    query = query.contiguous()  # the kernels index [N, H, D] densely, the output too
     num_tokens, heads, head_dim = query.shape
     kv_heads = keys.shape[1]
+    num_splits = num_splits or splits_for(num_tokens, kv_heads, block_tables.shape[1])
     partial_out = torch.empty(num_tokens, heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     partial_max = torch.empty(num_tokens, heads, num_splits, dtype=torch.float32, device=query.device)
     partial_sum = torch.empty_like(partial_max)
     split_attention_kernel[(num_tokens, kv_heads, num_splits)](
-        query.contiguous(),
+        query,
         keys,
         values,
         block_tables,
@@ -168,7 +183,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK=block_size,
     )
-    output = torch.empty_like(query)
+    output = torch.empty(num_tokens, heads, head_dim, dtype=query.dtype, device=query.device)
     merge_splits_kernel[(num_tokens * heads,)](
         partial_out,
         partial_max,
