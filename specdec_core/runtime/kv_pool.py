@@ -95,9 +95,9 @@ class KVPool:
     def allocate(self, count: int) -> list[int]:
         """`count` blocks for one session: free ones first, lowest first, then the least recently
         used cached ones; only when held blocks fill it does a growable pool double."""
-        while count > len(self.free) + len(self.idle):
+        while count > self.available:
             if not self.growable:
-                raise KVPoolExhausted(f"KV pool full: {count} blocks wanted, {len(self.free) + len(self.idle)} free")
+                raise KVPoolExhausted(f"KV pool full: {count} blocks wanted, {self.available} free")
             self.grow(max(self.num_blocks, count - len(self.free) - len(self.idle)))
         taken, self.free = self.free[:count], self.free[count:]
         while len(taken) < count:  # evict

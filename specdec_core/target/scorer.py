@@ -75,7 +75,7 @@ class TargetScorer:
         # the prompt's blocks another session computed (prefix caching), unless the prompt's
         # scores or the heads need its forward
         reusable = self.prompt_parts is None and heads_kind is None
-        self.committed_len = self.cache.reuse(pool_of(self.model.model), prompt_ids[:-1]) if reusable else 0
+        self.committed_len = self.cache.reuse(pool_of(self.model.model), self.cached_ids) if reusable else 0
         self.prefix_cache_queries = len(prompt_ids) - 1 if reusable else 0
         self.prefix_cache_hits = self.committed_len
         self.scored_ids = []

@@ -34,6 +34,13 @@ from .step_ops import count_step_ops
 from .verify_cost import block_cost_curve, drafter_cost_params
 
 REPO = Path(__file__).resolve().parents[3]
+# the options of the GPU measurements that load the random pair (this report, step_profile.py)
+TargetShapeOpt = typer.Option("random:llama-3.1-8b-instruct", help="target model (any loader source)")
+DraftShapeOpt = typer.Option("random:llama-3.2-1b-instruct", help="draft model")
+DtypeOpt = typer.Option("bfloat16", help="both models' dtype")
+DeviceOpt = typer.Option("auto", help="auto: CUDA when present; cpu runs here (small models!)")
+CompileLayersOpt = typer.Option(False, help="both models' layers compiled (compiled_layers.py)")
+PagedAttentionOpt = typer.Option(False, help="both models' short rows on the paged kernel (Triton)")
 
 
 def device_facts(device: torch.device) -> dict:
@@ -157,10 +164,10 @@ def verify_cost_section(model: torch.nn.Module, prompt_tokens: int, max_tokens: 
 
 
 def gpu_report(
-    target: str = typer.Option("random:llama-3.1-8b-instruct", help="target model (any loader source)"),
-    draft: str = typer.Option("random:llama-3.2-1b-instruct", help="draft model"),
-    dtype: str = typer.Option("bfloat16", help="both models' dtype"),
-    device: str = typer.Option("auto", help="auto: CUDA when present; cpu runs the report here (small models!)"),
+    target: str = TargetShapeOpt,
+    draft: str = DraftShapeOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
     concurrency: str = typer.Option("1,8,64", help="sessions decoding together"),
     methods: str = typer.Option(
         ",".join(METHODS),
@@ -171,8 +178,8 @@ def gpu_report(
     num_draft_tokens: int = typer.Option(4, min=1, help="K, fixed (no adaptive length)"),
     tests: bool = typer.Option(True, help="run tests/core/test_gpu.py first"),
     compiled: bool = typer.Option(False, "--compile", help="both models' steps compiled (CUDA graphs on CUDA)"),
-    compile_layers: bool = typer.Option(False, help="both models' layers compiled (compiled_layers.py)"),
-    paged_attention: bool = typer.Option(False, help="both models' short rows on the paged kernel (Triton)"),
+    compile_layers: bool = CompileLayersOpt,
+    paged_attention: bool = PagedAttentionOpt,
     out: Optional[Path] = typer.Option(None, help="also write the markdown here"),
 ):
     """Device facts, GPU tests and the engine at real shapes on random weights, as markdown."""

@@ -23,6 +23,7 @@ from ...runtime.ragged_attention import use_paged_attention
 from ...target.scorer import forward_rows
 from .device_clock import seconds_per_call, synchronize
 from .gpu_decode import graphed, steps_as, table
+from .gpu_report import CompileLayersOpt, DeviceOpt, DraftShapeOpt, DtypeOpt, PagedAttentionOpt, TargetShapeOpt
 from .step_ops import OpCounter, verify_rows
 
 # a kernel's kind, by the first pattern its name matches (the SDPA kernels, cuBLAS's and CUTLASS's
@@ -175,16 +176,16 @@ def step_profile(
 
 
 def step_profile_command(
-    target: str = typer.Option("random:llama-3.1-8b-instruct", help="target model (any loader source)"),
-    draft: str = typer.Option("random:llama-3.2-1b-instruct", help="draft model"),
-    dtype: str = typer.Option("bfloat16", help="both models' dtype"),
-    device: str = typer.Option("auto", help="auto: CUDA when present"),
+    target: str = TargetShapeOpt,
+    draft: str = DraftShapeOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
     rows: str = typer.Option("1,64", help="sessions in the step, comma-separated"),
     num_draft_tokens: int = typer.Option(4, min=1, help="K: the target verifies K + 1 tokens a row"),
     history: int = typer.Option(256, min=1, help="tokens each session holds before the step"),
-    compile_layers: bool = typer.Option(False, help="both models' layers compiled (compiled_layers.py)"),
+    compile_layers: bool = CompileLayersOpt,
     num_layers: Optional[int] = typer.Option(None, help="keep each model's first N layers"),
-    paged_attention: bool = typer.Option(False, help="short rows on the paged kernel (Triton)"),
+    paged_attention: bool = PagedAttentionOpt,
 ):
     """Where one target verify step's and one draft step's time goes: wall, graph replay, device
     busy, kernels by kind, and the top kernels (CUDA; on the CPU the wall and the operations)."""
