@@ -13,6 +13,7 @@ from specdec_core.calibration.draft_costs import DraftCosts
 from specdec_core.calibration.profile_types import CalibrationSettings
 from specdec_core.drafters.suffix_cache import SuffixCacheSettings
 from specdec_core.heads.loading import AUTO, TargetShape, named_heads, refusal
+from specdec_core.loop.kv_room import Admission as KVAdmission
 from specdec_core.models.loader import DEFAULT_DRAFT, ModelSpec, load_configs, refuse_draft_only_target
 from specdec_core.planning.kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION
 from specdec_core.target.scorer import PREFILL_CHUNK
@@ -55,6 +56,13 @@ class WorkerConfig(BaseModel):
         description="on CUDA without kv_budget_mb: the fraction of the card a rank may use for weights, "
         "activations and KV (vLLM's knob); the KV pool gets the rest after a profiled step. Default: "
         "0.9 of the rank's num_gpus share, so workers sharing a card split it",
+    )
+    kv_admission: KVAdmission = Field(
+        "on_demand",
+        description="target worker: on_demand (vLLM's) admits a session when its prompt fits the KV pool now, "
+        "takes blocks as tokens come and preempts the youngest sessions when the pool runs out (they resume "
+        "by recompute); reach reserves each session's prompt plus max_tokens up front. A draft worker admits "
+        "by reach",
     )
     max_waiting_sessions: int = Field(64, ge=0, description="sessions that wait for KV memory before 503s")
     admission_wait_s: float = Field(
@@ -127,7 +135,9 @@ class AppConfig(BaseModel):
         description="the suffix trees that drafters `suffix`, `suffix_tree` and those with `lookup: suffix` read, "
         "one set per draft worker replica, shared by its requests (specdec_core/drafters/suffix_cache.py)",
     )
-    max_tokens_limit: int = Field(2048, ge=1)
+    max_tokens_limit: Optional[int] = Field(
+        None, ge=1, description="a cap on max_tokens; None: a request without one runs to the end of the context"
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024)
     replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(16, ge=1)

@@ -104,6 +104,9 @@ class RemoteTarget:
         )
         try:
             reply = await self.stub.Score(request, timeout=self.deadline_s)
+            while reply.held:  # the session waits for KV blocks (preempted): its stream only pauses
+                held = pb.ScoreRequest(session_id=self.session_id, awaits_held=True)
+                reply = await self.stub.Score(held, timeout=self.deadline_s)
         except grpc.RpcError as error:
             raise classify(error, "target") from None
         self.pending_keep, self.pending_path = 0, []
@@ -119,7 +122,11 @@ class RemoteTarget:
         features = {name: tensor_from_proto(tensor) for name, tensor in reply.features.items()}
         token_log_probs = tensor_from_proto(reply.token_log_probs) if reply.HasField("token_log_probs") else None
         return TargetBlock(
-            logits=logits, features=features, token_log_probs=token_log_probs, batch_rows=max(1, reply.step_rows)
+            logits=logits,
+            features=features,
+            token_log_probs=token_log_probs,
+            batch_rows=max(1, reply.step_rows),
+            preemptions=reply.preemptions,
         )
 
     async def score_tree(self, tokens: Sequence[int], tree: Topology) -> TargetBlock:

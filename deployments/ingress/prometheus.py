@@ -44,6 +44,10 @@ class ServeMetrics:
                 ("forwarded", "proposals used that the target scored from the draft worker, before the server asked"),
             )
         }
+        self.preemptions = Counter(
+            "specdec_preemptions",
+            description="times the target worker took a request's KV blocks back, to recompute them later",
+        )
         self.tokens = {
             kind: Counter(f"specdec_{kind}_tokens", description=f"{kind} tokens of finished requests")
             for kind in ("prompt", "generation")
@@ -82,6 +86,8 @@ class ServeMetrics:
         for name, value in metrics.get("run_ahead", {}).items():
             if value > 0:
                 self.run_ahead[name].inc(value)
+        if metrics["preemptions"] > 0:
+            self.preemptions.inc(metrics["preemptions"])
         for kind, key in (("prompt", "prompt_tokens"), ("generation", "completion_tokens")):
             if metrics[key] > 0:
                 self.tokens[kind].inc(metrics[key])

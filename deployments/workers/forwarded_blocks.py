@@ -25,11 +25,16 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import grpc
+import torch
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec_core.api.errors import SpecdecError
-from specdec_core.loop.run_ahead import Outcome
+from specdec_core.loop.run_ahead import Outcome, target_outcome
+from specdec_core.loop.stage_types import TargetBlock
+from specdec_core.target.compact import expand_rows
+from specdec_core.target.scorer import TargetScorer
+from specdec_core.trees.topologies import default_bank
 
 from ..ingress.auth import SECRET_METADATA
 from .worker_ops import TargetRow
@@ -44,6 +49,17 @@ class ForwardedBlock:
     assumed: list[int]  # the verdict on block t it assumes: its drafts kept, then the guess
     tokens: list[int]  # [guess, block t+1's drafts]: the next Score's tokens under that verdict
     tree: str = ""
+
+
+@dataclass
+class ScoredRows:
+    """A verify row's answer: its block, and its rows as top-k (`top_ids`, `top_log_probs`
+    `[T, k]`) where they may travel so (None: the whole `block.logits` `[T, V]`)."""
+
+    block: TargetBlock
+    top_ids: Optional[torch.Tensor] = None
+    top_log_probs: Optional[torch.Tensor] = None
+    forwarded: bool = False  # scored from the draft worker's forwarded block, before the Score came
 
 
 @dataclass
@@ -77,9 +93,12 @@ class ForwardedBlocks:
         with self.lock:
             self.sessions[session_id] = SessionForwards()
 
-    def close(self, session_id: str) -> None:
+    def close(self, session_id: str) -> Optional[TargetRow]:
+        """The session takes no more forwarded blocks; the row of the one scored ahead and not yet
+        claimed (or being claimed), if any."""
         with self.lock:
-            self.sessions.pop(session_id, None)
+            state = self.sessions.pop(session_id, None)
+            return state.prescored.row if state is not None and state.prescored is not None else None
 
     def takes(self, session_id: str) -> bool:
         with self.lock:
@@ -95,6 +114,18 @@ class ForwardedBlocks:
             state.verdict = (after_length, outcome)
             started = self._start(session_id, state)
         self._launch(started)
+
+    def decide(self, scorer: TargetScorer, row: TargetRow, scored: ScoredRows) -> None:
+        """The server's verdict on a scored block, decided here on the rows the server receives
+        (a CPU copy of the wire's tensors, expanded as the server expands them)."""
+        block = scored.block
+        if scored.top_ids is None:
+            rows = block.logits.cpu()
+        else:
+            rows = expand_rows(scored.top_ids.cpu(), scored.top_log_probs.cpu(), block.vocab_size)
+        tree = default_bank().get(row.tree) if row.tree else None
+        outcome = target_outcome(scorer.policy, scorer.sampling, row.tokens, tree, rows)
+        self.on_scored(row.session_id, scorer.committed_len + 1, outcome)
 
     def on_forwarded(self, session_id: str, block: ForwardedBlock) -> None:
         """A block the draft worker forwarded; unknown sessions (released, or not taking them) drop it."""
@@ -147,7 +178,7 @@ class ForwardedBlocks:
             state = self.sessions.get(row.session_id)
             if state is None:
                 return None, row
-            prescored, state.prescored = state.prescored, None
+            prescored = state.prescored  # kept until the claim settles, for `close` to see
             if prescored is None:  # the server moves past the verdict: its forwarded block is late
                 if state.verdict is not None:
                     state.stale_below = state.verdict[0] + 1
@@ -156,7 +187,11 @@ class ForwardedBlocks:
             state.claiming = True  # no block starts ahead until this claim settles
         try:
             error = prescored.future.exception()  # waits for its step
-            if isinstance(error, (SpecdecError, SessionMissing)):  # refused by its checks: nothing applied
+            with self.lock:
+                state.prescored = None
+            if isinstance(
+                error, (SpecdecError, SessionMissing)
+            ):  # refused by its checks (or withdrawn): nothing applied
                 with self.lock:
                     state.verdict = None
                 return None, row

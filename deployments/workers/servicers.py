@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from concurrent import futures
 from typing import Any, Callable, Optional
 
@@ -31,6 +32,8 @@ from .worker_service import SessionMissing
 
 logger = logging.getLogger(__name__)
 
+# a Score answers this long before its deadline at the latest, held where not ready (held_answers.py)
+HELD_MARGIN_S = 1.0
 MESSAGE_LIMITS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 HANDLER_THREADS = 256  # handlers mostly wait for the torch thread; one per call in flight
 
@@ -156,11 +159,24 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
 
     @checked
     def Score(self, request, context):
-        scored = self.service.score(
-            request.session_id, list(request.tokens), request.commit_keep, list(request.commit_path), request.tree
-        )
+        remaining = context.time_remaining()  # a call without a deadline has years left
+        wait_s = None if remaining is None else min(max(remaining - HELD_MARGIN_S, 0.0), threading.TIMEOUT_MAX)
+        if request.awaits_held:
+            scored = self.service.score_held(request.session_id, wait_s)
+        else:
+            tokens, commit_path = list(request.tokens), list(request.commit_path)
+            scored = self.service.score(
+                request.session_id, tokens, request.commit_keep, commit_path, request.tree, wait_s
+            )
+        if scored is None:
+            return pb.ScoreReply(held=True)
         block = scored.block
-        reply = pb.ScoreReply(vocab_size=block.vocab_size, step_rows=block.batch_rows, forwarded=scored.forwarded)
+        reply = pb.ScoreReply(
+            vocab_size=block.vocab_size,
+            step_rows=block.batch_rows,
+            forwarded=scored.forwarded,
+            preemptions=block.preemptions,
+        )
         if scored.top_ids is None:
             reply.logits.CopyFrom(tensor_to_proto(block.logits))
         else:

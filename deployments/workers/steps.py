@@ -53,11 +53,15 @@ class StepBatcher:
         open_sessions: Callable[[], int],
         window_s: float,
         chunk: int,
+        plan: Callable[[list[PendingRow]], list[PendingRow]] = list,
     ):
         """`run_step(rows)`: one step over the rows (worker_ops' rows), a result (None for a prompt
         chunk) per row; `check_row` raises for a row that may not run (and
-        may set its `reply`); `open_sessions()`: how many rows a full step would hold."""
+        may set its `reply`); `open_sessions()`: how many rows a full step would hold;
+        `plan(rows)`: those of the checked rows that run now (it keeps the others, to `requeue`
+        or answer them later)."""
         self.executor, self.run_step, self.check_row, self.open_sessions = executor, run_step, check_row, open_sessions
+        self.plan = plan
         self.window_s, self.chunk = window_s, chunk
         self.pending: list[PendingRow] = []
         self.arrived = threading.Condition()
@@ -82,6 +86,19 @@ class StepBatcher:
                 self.scheduled = True
         return row.future
 
+    def requeue(self, row: PendingRow) -> None:
+        """A row `plan` kept back: it joins the next step (on the torch thread)."""
+        with self.arrived:
+            self.pending.append(row)
+            if not self.scheduled:
+                try:
+                    schedule(self.executor, self.step)
+                except WorkerStopping as error:
+                    self.pending.remove(row)
+                    row.future.set_exception(error)
+                    return
+                self.scheduled = True
+
     def step(self) -> None:
         """On the torch thread: gather, run one forward, answer; schedule the next if rows wait."""
         with self.arrived:
@@ -104,7 +121,7 @@ class StepBatcher:
                         self.pending = []
 
     def run(self, taken: list[PendingRow]) -> None:
-        rows, ops = [], []
+        rows = []
         for row in taken:
             try:
                 self.check_row(row)
@@ -112,9 +129,19 @@ class StepBatcher:
                 row.future.set_exception(error)
                 continue
             rows.append(row)
-            ops.append(row.row.model_copy(update={"tokens": row.row.tokens[: self.chunk]}) if row.prefill else row.row)
+        try:
+            rows = self.plan(rows)
+        except Exception as error:  # noqa: BLE001 - the rows of a step that could not be planned fail
+            for row in rows:
+                if not row.future.done():
+                    row.future.set_exception(error)
+            return
         if not rows:
             return
+        ops = [
+            row.row.model_copy(update={"tokens": row.row.tokens[: self.chunk]}) if row.prefill else row.row
+            for row in rows
+        ]
         clock = time.perf_counter()
         try:
             results = self.run_step(ops)

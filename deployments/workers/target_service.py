@@ -9,7 +9,6 @@ import dataclasses
 import functools
 import json
 import logging
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -21,34 +20,25 @@ from specdec_core.calibration.profile_types import CalibrationSettings, TargetPr
 from specdec_core.calibration.target_profile import calibration_progress, measure_profile
 from specdec_core.heads.contract import HeadGuesses, Heads
 from specdec_core.loop.frontend import Frontend
-from specdec_core.loop.run_ahead import target_outcome
 from specdec_core.loop.stage_types import Prefilled, TargetBlock
 from specdec_core.models.loader import ModelSpec
 from specdec_core.policies import make_policy
-from specdec_core.target.compact import compact_rows, expand_rows, wire_top_k
+from specdec_core.runtime.batching import pool_of
+from specdec_core.target.compact import compact_rows, wire_top_k
 from specdec_core.target.scorer import PREFILL_CHUNK, Row, TargetScorer, forward_rows
 from specdec_core.trees.dynamic_tree import check_guess_tree
 from specdec_core.trees.topologies import default_bank
 
 from .admission import Admission
-from .forwarded_blocks import ForwardedBlock, ForwardedBlocks
+from .forwarded_blocks import ForwardedBlock, ForwardedBlocks, ScoredRows
+from .held_answers import HeldAnswers
+from .pool_scheduler import PoolScheduler
 from .steps import PendingRow
 from .tensor_parallel import ControlChannel
-from .worker_ops import Guess, MeasureProfile, OpenTarget, Release, TargetRow, TargetStep
-from .worker_service import WorkerService
+from .worker_ops import Guess, MeasureProfile, OpenTarget, Preempt, Release, Resume, TargetRow, TargetStep
+from .worker_service import TORCH_THREAD, WorkerService
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScoredRows:
-    """A verify row's answer: its block, and its rows as top-k (`top_ids`, `top_log_probs`
-    `[T, k]`) where they may travel so (None: the whole `block.logits` `[T, V]`)."""
-
-    block: TargetBlock
-    top_ids: Optional[torch.Tensor] = None
-    top_log_probs: Optional[torch.Tensor] = None
-    forwarded: bool = False  # scored from the draft worker's forwarded block, before the Score came
 
 
 class TargetService(WorkerService):
@@ -62,9 +52,11 @@ class TargetService(WorkerService):
         prefill_chunk: int = PREFILL_CHUNK,
         admission: Optional[Admission] = None,
         heads: Optional[dict[str, Heads]] = None,
+        rank: int = 0,
     ):
         """`profile`: the target's, measured at load (the defaults of policies that need one);
-        `heads`: its multi-token heads by kind (drafters `heads`, `eagle3`), on its device."""
+        `heads`: its multi-token heads by kind (drafters `heads`, `eagle3`), on its device; `rank`:
+        this one's in its group (rank 0 schedules an on-demand `admission`'s pool)."""
         super().__init__(
             target_model.config, idle_timeout_s, channel, admission, target_model, batch_window_s, prefill_chunk
         )
@@ -72,10 +64,30 @@ class TargetService(WorkerService):
         self.profile = profile
         self.heads = heads or {}
         self.operations.update(
-            {OpenTarget: self.open, TargetStep: self.step, Guess: self.guess_after, MeasureProfile: self.measure}
+            {
+                OpenTarget: self.open,
+                TargetStep: self.step,
+                Guess: self.guess_after,
+                MeasureProfile: self.measure,
+                Preempt: self.preempt,
+                Resume: self.resume,
+            }
         )
         self.operations[Release] = self.release
         self.forwarded = ForwardedBlocks(self.batcher.submit)  # rank 0's: the other ranks follow its steps
+        self.held = HeldAnswers()  # Score answers not ready within their call's deadline
+        self.scheduler: Optional[PoolScheduler] = None
+        if rank == 0 and admission is not None and admission.on_demand and admission.budget_bytes is not None:
+            self.scheduler = PoolScheduler(
+                pool_of(target_model.model),
+                self.run,
+                self.batcher.requeue,
+                self.forwarded.close,
+                prefill_chunk,
+                admission.max_waiting,
+                admission.wait_s,
+            )
+            self.batcher.plan = self.scheduler.plan
 
     def reset(
         self,
@@ -106,11 +118,22 @@ class TargetService(WorkerService):
             heads_kind=heads_kind,
         )
         prefill = self.open_session(op, self.heads[heads_kind].cache_bytes_per_token() if heads_kind else 0.0)
+        if self.scheduler is not None:
+            self.wait_admitted(session_id, len(prompt_ids), op.sampling.max_tokens or self.max_positions)
         if prefill:
             self.batcher.submit(TargetRow(session_id=session_id, tokens=prefill, prefill=True)).result()
         if takes_forwarded:
             self.forwarded.open(session_id)
         return self.session(session_id).prefilled()
+
+    def wait_admitted(self, session_id: str, num_prompt: int, max_tokens: int) -> None:
+        """Wait until the pool admits the opened session; a session refused (Overloaded) or
+        failed is released."""
+        try:
+            self.scheduler.wait_admitted(session_id, self.session(session_id), num_prompt, max_tokens)
+        except BaseException:
+            self.call(Release(session_id=session_id))
+            raise
 
     def open(self, op: OpenTarget) -> list[int]:
         """Open the session; returns the prompt tokens to prefill (in steps)."""
@@ -131,10 +154,18 @@ class TargetService(WorkerService):
         return self.call(MeasureProfile(spec=spec, settings=settings))
 
     def score(
-        self, session_id: str, tokens: list[int], commit_keep: int, commit_path: list[int], tree: str
-    ) -> ScoredRows:
+        self,
+        session_id: str,
+        tokens: list[int],
+        commit_keep: int,
+        commit_path: list[int],
+        tree: str,
+        wait_s: Optional[float] = None,
+    ) -> Optional[ScoredRows]:
         """Commit the last score (`commit_keep` tokens or a tree's `commit_path`), then score
-        `[last committed, drafts]` (or a tree's root and nodes) in the next step."""
+        `[last committed, drafts]` (or a tree's root and nodes) in the next step. None where the
+        answer is not ready within `wait_s` (its session waits for KV blocks): it is held for
+        `score_held`."""
         tokens = self.check_block(tokens, tree)
         row = TargetRow(
             session_id=session_id, tokens=tokens, commit_keep=commit_keep, commit_path=commit_path, tree=tree
@@ -142,7 +173,12 @@ class TargetService(WorkerService):
         scored_ahead, row = self.forwarded.claim(row)
         if scored_ahead is not None:
             return dataclasses.replace(scored_ahead.result(), forwarded=True)
-        return self.batcher.submit(row).result()
+        return self.held.wait(session_id, self.batcher.submit(row), wait_s)
+
+    def score_held(self, session_id: str, wait_s: Optional[float] = None) -> Optional[ScoredRows]:
+        """The answer of the session's Score held before (as `score`)."""
+        self.session(session_id)
+        return self.held.wait(session_id, self.held.take(session_id), wait_s)
 
     def forward(self, session_id: str, block: ForwardedBlock) -> None:
         """A block the draft worker sends ahead (run-ahead): scored before the server's Score for
@@ -162,15 +198,37 @@ class TargetService(WorkerService):
         return tokens
 
     def stats(self) -> dict:
-        return {**super().stats(), "forwarded_scored": self.forwarded.scored, "forwarded_used": self.forwarded.used}
+        stats = {**super().stats(), "forwarded_scored": self.forwarded.scored, "forwarded_used": self.forwarded.used}
+        if self.scheduler is not None:  # on demand: what the sessions hold now
+            pool = self.scheduler.room.pool
+            stats["kv_reserved_bytes"] = pool.num_used * pool.block_size * self.kv_bytes_per_token
+            stats["preemptions"] = self.scheduler.room.preemptions
+        return stats
 
     def release(self, op: Release) -> None:
+        scorer = self.table.get(op.session_id)
+        if scorer is not None:
+            scorer.cache.drop()  # its blocks back now, on every rank alike
         super().release(op)
         self.forwarded.close(op.session_id)
+        self.held.drop(op.session_id)
+        if self.scheduler is not None:
+            self.scheduler.leave(op.session_id)
 
     def on_expire(self, session_id: str) -> None:
         super().on_expire(session_id)
         self.forwarded.close(session_id)
+        self.held.drop(session_id)
+        if self.scheduler is not None:
+            TORCH_THREAD.submit(self.scheduler.leave, session_id)
+
+    def preempt(self, op: Preempt) -> None:
+        self.session(op.session_id).preempt()
+
+    def resume(self, op: Resume) -> list[int]:
+        scorer = self.session(op.session_id)
+        scorer.commit_scored(op.commit_keep, op.commit_path)
+        return scorer.recompute()
 
     def check_row(self, row: PendingRow) -> None:
         scorer = self.session(row.session_id)
@@ -191,22 +249,10 @@ class TargetService(WorkerService):
         scored = ScoredRows(block) if top_k is None else ScoredRows(block, *compact_rows(block.logits, top_k))
         if not whole and self.forwarded.takes(row.session_id):
             try:
-                self.decide(scorer, row, scored)
+                self.forwarded.decide(scorer, row, scored)
             except Exception:  # noqa: BLE001 - logged; the block's answer stands, only its head start is lost
                 logger.exception("session %s: deciding its verdict on the target failed", row.session_id)
         return scored
-
-    def decide(self, scorer: TargetScorer, row: TargetRow, scored: ScoredRows) -> None:
-        """The server's verdict on a scored block, decided here on the rows the server receives
-        (a CPU copy of the wire's tensors, expanded as the server expands them)."""
-        block = scored.block
-        if scored.top_ids is None:
-            rows = block.logits.cpu()
-        else:
-            rows = expand_rows(scored.top_ids.cpu(), scored.top_log_probs.cpu(), block.vocab_size)
-        tree = default_bank().get(row.tree) if row.tree else None
-        outcome = target_outcome(scorer.policy, scorer.sampling, row.tokens, tree, rows)
-        self.forwarded.on_scored(row.session_id, scorer.committed_len + 1, outcome)
 
     def guess(
         self, session_id: str, commit_keep: int, commit_path: list[int], root_token: int, tree: str

@@ -136,7 +136,8 @@ class WorkerRank:
             budget = on_torch_thread(kv_budget, model, worker.kv_budget_mb, worker.kv_fraction, worker.prefill_chunk)
             if budget is not None and channel is not None:
                 budget = on_torch_thread(channel.smallest, budget)
-        admission = Admission(budget, worker.max_waiting_sessions, worker.admission_wait_s)
+        on_demand = self.role == "target" and worker.kv_admission == "on_demand"
+        admission = Admission(budget, worker.max_waiting_sessions, worker.admission_wait_s, on_demand)
         if self.role == "draft":
             kernels = kernel_summary(model) if model is not None else ""
             if kernels:
@@ -165,6 +166,7 @@ class WorkerRank:
                 prefill_chunk=worker.prefill_chunk,
                 admission=admission,
                 heads=heads,
+                rank=self.rank,
             )
             servicer, add = TargetServicer(service), pb_grpc.add_TargetServicer_to_server
         if model is not None:

@@ -90,6 +90,24 @@ class Guess(Message):
     tree: str
 
 
+class Preempt(Message):
+    """Give a target session's blocks back to the pool, its committed positions' full blocks
+    published first (pool_scheduler.py)."""
+
+    op: Literal["preempt"] = "preempt"
+    session_id: str
+
+
+class Resume(Message):
+    """A preempted target session runs again: apply the commit its waiting row brings, then
+    recompute; the tokens to prefill (`TargetScorer.recompute`)."""
+
+    op: Literal["resume"] = "resume"
+    session_id: str
+    commit_keep: int = 0
+    commit_path: list[int] = Field(default_factory=list)
+
+
 class MeasureProfile(Message):
     op: Literal["measure_profile"] = "measure_profile"
     spec: ModelSpec
@@ -97,7 +115,8 @@ class MeasureProfile(Message):
 
 
 Operation = Annotated[
-    Union[Release, OpenDraft, OpenTarget, DraftStep, TargetStep, Guess, MeasureProfile], Field(discriminator="op")
+    Union[Release, OpenDraft, OpenTarget, DraftStep, TargetStep, Guess, Preempt, Resume, MeasureProfile],
+    Field(discriminator="op"),
 ]
 OPERATIONS = TypeAdapter(Operation)
 

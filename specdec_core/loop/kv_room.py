@@ -14,12 +14,16 @@ Two admissions, both first come first served:
 
 Invariants: the oldest waiting session is never passed by a younger one; a request whose reach
 could not fit the empty pool is refused before any work (`check_reach`), so a session running
-alone always fits."""
+alone always fits.
+
+The room decides; `preempt` and `recompute` carry its decisions out on the sessions (in process:
+the scorer's own methods; a tensor-parallel target worker: operations every rank applies)."""
 
 from __future__ import annotations
 
 import itertools
-from typing import Literal, Sequence
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence
 
 from ..api.errors import SpecdecError
 from ..api.request import session_positions
@@ -29,9 +33,29 @@ from ..target.scorer import Row, TargetScorer
 Admission = Literal["on_demand", "reach"]
 
 
+@dataclass(frozen=True)
+class Need:
+    """A session's row in the next step: the positions its cache holds once the row is in (its
+    committed ones, a commit the row brings first, and the row's tokens)."""
+
+    scorer: TargetScorer
+    positions: int
+
+    @classmethod
+    def of(cls, row: Row) -> "Need":
+        return cls(row.scorer, row.scorer.committed_len + len(row.tokens))
+
+
 class KVRoom:
-    def __init__(self, pool: KVPool, admission: Admission = "on_demand"):
+    def __init__(
+        self,
+        pool: KVPool,
+        admission: Admission = "on_demand",
+        preempt: Callable[[TargetScorer], None] = TargetScorer.preempt,
+        recompute: Callable[[TargetScorer], list[int]] = TargetScorer.recompute,
+    ):
         self.pool, self.admission = pool, admission
+        self.preempt_session, self.recompute_session = preempt, recompute
         self.arrivals = itertools.count()
         self.arrival: dict[TargetScorer, int] = {}  # every session admitted or waiting, by arrival
         self.reach: dict[TargetScorer, int] = {}  # the blocks each may take at most
@@ -59,11 +83,11 @@ class KVRoom:
         self.arrival[scorer] = next(self.arrivals)
         self.reach[scorer] = self.reach_blocks(num_prompt, max_tokens, num_draft_tokens)
 
-    def spare(self, queued: Sequence[Row]) -> int:
+    def spare(self, queued: Sequence[Need]) -> int:
         """Blocks left once the rows queued for the next step have taken theirs."""
         return self.pool.available - self.wanted(queued)
 
-    def admit(self, scorer: TargetScorer, num_prompt: int, queued: Sequence[Row]) -> bool:
+    def admit(self, scorer: TargetScorer, num_prompt: int, queued: Sequence[Need]) -> bool:
         """Whether a new request (the oldest waiting) starts now, beside the `queued` rows; if so
         it runs from now on (with `reach` admission, holding its reach)."""
         if self.admission == "reach":
@@ -75,41 +99,39 @@ class KVRoom:
         self.running.add(scorer)
         return True
 
-    def make_room(self, rows: Sequence[Row]) -> None:
+    def make_room(self, needs: Sequence[Need]) -> None:
         """Preempt the youngest running sessions (those waiting on a draft round too) until this
         step's rows of the others fit."""
-        running_rows = list(rows)
-        while self.wanted(running_rows) > self.pool.available:
+        running_needs = list(needs)
+        while self.wanted(running_needs) > self.pool.available:
             running = sorted(self.running, key=self.arrival.__getitem__)
             if len(running) <= 1:  # refused by check_reach: a lone session always fits
                 raise RuntimeError(f"KV pool of {self.pool.num_blocks} blocks short for one session")
             self.preempt(running[-1])
-            running_rows = [row for row in running_rows if row.scorer in self.running]
+            running_needs = [need for need in running_needs if need.scorer in self.running]
 
-    def wanted(self, rows: Sequence[Row]) -> int:
-        """The blocks a step of `rows` takes beyond what their sessions hold (rejected positions
+    def wanted(self, needs: Sequence[Need]) -> int:
+        """The blocks a step of `needs` takes beyond what their sessions hold (rejected positions
         of the last step are cropped first)."""
-        return sum(
-            row.scorer.cache.blocks_wanted(row.scorer.committed_len + len(row.tokens), self.pool.block_size)
-            for row in rows
-        )
+        return sum(need.scorer.cache.blocks_wanted(need.positions, self.pool.block_size) for need in needs)
 
     def preempt(self, scorer: TargetScorer) -> None:
-        scorer.preempt()
+        self.preempt_session(scorer)
         self.running.discard(scorer)
         self.preempted.add(scorer)
         self.preemptions += 1
 
-    def resumable(self, scorer: TargetScorer, row: Row, queued: Sequence[Row]) -> bool:
-        """Whether a preempted session's positions and its next `row` fit beside the `queued`
-        rows (its cached blocks not counted: the recompute itself may evict them)."""
-        return blocks_for(len(scorer.cached_ids) + len(row.tokens), self.pool.block_size) <= self.spare(queued)
+    def resumable(self, scorer: TargetScorer, num_new: int, queued: Sequence[Need]) -> bool:
+        """Whether a preempted session's positions (`cached_ids`) and the `num_new` its next row
+        adds fit beside the `queued` rows (its cached blocks not counted: the recompute itself
+        may evict them)."""
+        return blocks_for(len(scorer.cached_ids) + num_new, self.pool.block_size) <= self.spare(queued)
 
     def resume(self, scorer: TargetScorer) -> list[int]:
         """The session runs again: the tokens to prefill (`TargetScorer.recompute`)."""
         self.preempted.discard(scorer)
         self.running.add(scorer)
-        return scorer.recompute()
+        return self.recompute_session(scorer)
 
     def leave(self, scorer: TargetScorer) -> None:
         """A request is done: its blocks go back now, not when its objects are collected."""

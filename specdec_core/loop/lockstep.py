@@ -26,7 +26,7 @@ from ..runtime.batching import fix_pool
 from ..target.scorer import Row, TargetScorer, forward_rows
 from ..trees.tree import Topology
 from .engine import SpeculativeEngine, speculative_loop
-from .kv_room import Admission, KVRoom
+from .kv_room import Admission, KVRoom, Need
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Lockstep:
             for (_, future), block in zip(proposals, blocks):
                 future.set_result(block)
         if rows and self.room is not None:
-            self.room.make_room([row for row, _ in rows])
+            self.room.make_room([Need.of(row) for row, _ in rows])
             self.parked += [(row, future) for row, future in rows if row.scorer in self.room.preempted]
             rows = [(row, future) for row, future in rows if row.scorer not in self.room.preempted]
         if rows:
@@ -98,11 +98,11 @@ class Lockstep:
         the rows queued; a resumed session's parked row joins the next step."""
         let = False
         while self.room is not None:
-            queued = [row for row, _ in self.rows]
+            queued = [Need.of(row) for row, _ in self.rows]
             oldest = self.room.oldest([*self.room.preempted, *(arrival.scorer for arrival in self.arriving)])
             parked = next((entry for entry in self.parked if entry[0].scorer is oldest), None)
             arrival = next((arrival for arrival in self.arriving if arrival.scorer is oldest), None)
-            if parked is not None and self.room.resumable(oldest, parked[0], queued):
+            if parked is not None and self.room.resumable(oldest, len(parked[0].tokens), queued):
                 self.parked.remove(parked)
                 oldest.prefill(self.room.resume(oldest))
                 self.rows.append(parked)

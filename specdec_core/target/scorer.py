@@ -44,7 +44,8 @@ class TargetScorer:
         self.scored_features: Optional[torch.Tensor] = None  # [T, A * H] its kept states (aux_states.py)
         self.heads_session: Optional[HeadsSession] = None
         self.reads_aux_states = False  # its heads session reads the target's kept states
-        self.prompt_parts: Optional[list[PromptScores]] = None  # per prefill chunk, when the request asks
+        self.prompt_parts: Optional[list[PromptScores]] = None  # per prefill chunk, while the prompt's are taken
+        self.prompt_scores: Optional[PromptScores] = None  # the prompt's, when the request asks
         self.cached_ids: list[int] = []  # the tokens of the committed positions: what a recompute feeds
         self.scored_ids: list[int] = []  # the last score's tokens, of which `commit` keeps some
         self.heads_kind: Optional[str] = None
@@ -68,7 +69,9 @@ class TargetScorer:
         self.sampling = sampling
         self.prompt_ids = list(prompt_ids)
         self.cached_ids, self.preemptions, self.heads_kind = self.prompt_ids[:-1], 0, heads_kind
-        self.prompt_parts = [] if sampling.prompt_logprobs is not None else None
+        asks, top = sampling.prompt_logprobs is not None, sampling.prompt_logprobs
+        self.prompt_parts = [] if asks and len(prompt_ids) > 1 else None
+        self.prompt_scores = PromptScores.concat([], top) if asks and len(prompt_ids) == 1 else None
         self.features_rng = sampling.generator("target")
         # blocks as its positions come (a fixed pool's sessions take what they hold, kv_room.py)
         self.cache = PagedKV(len(prompt_ids) + 1)
@@ -107,10 +110,7 @@ class TargetScorer:
 
     def prefilled(self) -> Prefilled:
         """After the prefill: the prompt's scores (when the request asks) and its prefix cache use."""
-        scores = None
-        if self.prompt_parts is not None:
-            scores = PromptScores.concat(self.prompt_parts, self.sampling.prompt_logprobs)
-        return Prefilled(scores, self.prefix_cache_queries, self.prefix_cache_hits)
+        return Prefilled(self.prompt_scores, self.prefix_cache_queries, self.prefix_cache_hits)
 
     def within_min_tokens(self) -> bool:
         """Whether the rows last scored decide any of the request's first `min_tokens` tokens,
@@ -125,6 +125,11 @@ class TargetScorer:
             next_tokens = torch.tensor(self.prompt_ids[start : start + hidden.shape[1]], device=hidden.device)
             logits = self.model.lm_head(hidden)[0]  # [T, V]
             self.prompt_parts.append(score_prompt_tokens(logits, next_tokens, self.sampling.prompt_logprobs))
+            if start + hidden.shape[1] == len(self.prompt_ids):  # the last chunk: whole, kept through a preemption
+                self.prompt_scores, self.prompt_parts = (
+                    PromptScores.concat(self.prompt_parts, self.sampling.prompt_logprobs),
+                    None,
+                )
 
     def score(self, tokens: Sequence[int]) -> TargetBlock:
         """Logits `[len(tokens), V]` (fp32) for the tokens appended after the committed prefix,
@@ -170,8 +175,10 @@ class TargetScorer:
 
     def commit_path(self, nodes: Sequence[int]) -> None:
         """After `score_tree`: keep the root and the accepted path, `nodes` (tree node indices,
-        root 0 first); their cache entries move into place and the other nodes' are dropped."""
-        self.cache.keep_at(self.committed_len, [self.committed_len + node for node in nodes])
+        root 0 first); their cache entries move into place and the other nodes' are dropped
+        (unless the session was preempted since: its recompute computes them)."""
+        if self.cache.length > self.committed_len:
+            self.cache.keep_at(self.committed_len, [self.committed_len + node for node in nodes])
         self.committed_len += len(nodes)
         self.cached_ids += [self.scored_ids[node] for node in nodes]
         self.advance_heads(list(nodes))
@@ -215,12 +222,14 @@ class TargetScorer:
     def recompute(self) -> list[int]:
         """After `preempt`: a new cache, the committed positions the prefix cache still holds,
         and the tokens to prefill for the rest (the heads, which need every position, see them
-        all again). The request's random streams go on where they were."""
-        self.cache, self.prompt_parts = PagedKV(), None
-        if self.heads_kind is None:
+        all again, as do a prompt's scores not all taken). The request's random streams go on."""
+        self.cache, restart = PagedKV(), self.prompt_parts is not None
+        self.prompt_parts = [] if restart else None
+        if self.heads_kind is None and not restart:
             self.committed_len = self.cache.reuse(pool_of(self.model.model), self.cached_ids)
         else:
-            self.committed_len, self.heads_session = 0, self.heads[self.heads_kind].session(self.model)
+            self.committed_len = 0
+            self.heads_session = self.heads[self.heads_kind].session(self.model) if self.heads_kind else None
         return self.cached_ids[self.committed_len :]
 
     def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:

@@ -452,7 +452,8 @@ def tp_config(checkpoints, **fields) -> dict:
         "calibration": {"questions_per_category": 1, "max_new_tokens": 4},
         "rpc_deadline_s": 10.0,
         "grpc_port": 0,
-        "target_worker": {"tp_size": 2, "num_cpus": 0.5, "resources": {"target_node": 0.5}},
+        # a pool of two contexts a rank (256 bytes a position on each of 2 ranks): KV on demand preempts
+        "target_worker": {"tp_size": 2, "num_cpus": 0.5, "resources": {"target_node": 0.5}, "kv_budget_mb": 0.5},
         "draft_worker": {"tp_size": 2, "num_cpus": 0.5, "resources": {"draft_node": 0.5}},
     }
     return AppConfig(**{**config, **fields}).model_dump()
@@ -481,6 +482,40 @@ def test_target_and_draft_over_two_ranks_each_serve_what_one_process_does(tp_app
     payload = httpx.post(tp_app + "/v1/completions", json=body, timeout=120).json()
     assert payload["choices"][0]["token_ids"] == local_tokens(local_engine, body)
     assert payload["speculative"]["spec_decode_num_drafts"] > 0
+
+
+def test_a_two_rank_target_preempts_on_demand_and_serves_what_one_process_does(tp_app, local_engine):
+    """Four chats without max_tokens at once, in a pool of two contexts a rank: each may run to the
+    end of the context; rank 0 preempts the youngest and every rank applies it (Preempt, Resume);
+    every output equals the in-process engine's, and the preemptions are counted and exported."""
+
+    def chat(index: int) -> dict:
+        messages = [{"role": "user", "content": f"Chapter {index}. It was a dark night and"}]
+        body = {**tp_body("greedy"), "messages": messages, "model": MODEL}
+        del body["prompt"], body["max_tokens"]
+        return body
+
+    bodies = [chat(index) for index in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        replies = pool.map(lambda body: httpx.post(tp_app + "/v1/chat/completions", json=body, timeout=600), bodies)
+        payloads = [reply.json() for reply in replies]
+    assert all("choices" in payload for payload in payloads), payloads
+    for body, payload in zip(bodies, payloads):
+        request = GenerationRequest(
+            messages=body["messages"],
+            sampling={"temperature": 0.0, "seed": body["seed"]},
+            policy=body["policy"],
+            drafter={"name": body["drafter"]},
+            num_draft_tokens=body["num_draft_tokens"],
+        )
+        expected = local_engine.complete(request).token_ids
+        assert payload["choices"][0]["token_ids"] == expected and len(expected) > 500
+    preemptions = sum(payload["speculative"]["preemptions"] for payload in payloads)
+    assert preemptions > 0
+    deadline = time.time() + 60  # Ray exports every metrics_report_interval_ms
+    while scrape("ray_specdec_preemptions_total") < preemptions and time.time() < deadline:
+        time.sleep(1)
+    assert scrape("ray_specdec_preemptions_total") >= preemptions
 
 
 def test_the_layout_puts_target_ranks_and_draft_on_their_node_types(tp_app):
