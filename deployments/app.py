@@ -12,7 +12,7 @@ from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 from .config import AppConfig, refuse_unfit_heads
 from .coordination.placement import bundles
 from .ingress.server import SpecdecServer
-from .workers.worker import GRACEFUL_STOP_S, WorkerGroup, deployment_name, worker_config
+from .workers.worker import WorkerGroup, deployment_name, worker_config, worker_grace_s
 
 API_KEY_ENV = "SPECDEC_API_KEY"
 
@@ -49,6 +49,7 @@ def build_app(args: Optional[dict] = None):
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
         max_surge_percent=100,  # it holds no resources: a new replica starts before the old one stops
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
     ).bind(arguments, draft, target)
 
 
@@ -74,6 +75,6 @@ def worker_deployment(role: str, config: AppConfig):
         name=deployment_name(role),
         num_replicas=worker.replicas,
         max_surge_percent=worker.max_surge_percent,
-        graceful_shutdown_timeout_s=GRACEFUL_STOP_S,
+        graceful_shutdown_timeout_s=worker_grace_s(config),
         **({} if own_placement else placement),
     )

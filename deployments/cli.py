@@ -20,6 +20,8 @@ from .cli_checks import SERVE  # importing it adds the commands that check a run
 
 # the embedded default, package data so that an installed wheel serves it (cluster/local.yaml links it)
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "data" / "local.yaml"
+# a SIGTERM's drain waits this much past the grace period: the replicas end their last streams first
+DRAIN_SLACK_S = 5.0
 
 
 def load_serve_config(path: Path) -> dict:
@@ -68,6 +70,7 @@ def serve(
     from .app import apply_serve_env_defaults, build_app
     from .config import AppConfig, refuse_unfit_heads
     from .coordination.startup_log import NAMESPACE, start_with_notes
+    from .ingress.drain import clear_drain
 
     start = time.perf_counter()
     args = options_over(
@@ -92,6 +95,7 @@ def serve(
     apply_serve_env_defaults()
     cluster = simulated_cluster(simulate_nodes) if simulate_nodes else None
     ray.init(address=cluster.address if cluster else address, namespace=NAMESPACE, log_to_driver=False)
+    clear_drain(app_config.model_name)
     # no Serve gRPC proxy: it would listen on every interface; the replicas serve gRPC (grpc_ingress.py)
     ray_serve.start(http_options={"host": app_config.host, "port": app_config.http_port})
     console.print("starting the workers and the server (Ray Serve)")
@@ -117,11 +121,33 @@ def serve(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         stop.wait()
+        drained = drain(app_config, url)  # SIGTERM: the streams in flight may finish first; Ctrl-C stops now
+        console.print(f"drained in {drained:.1f}s" if drained is not None else "the grace period ended")
     except KeyboardInterrupt:
         pass
     finally:
         ray_serve.shutdown()
         ray.shutdown()
+
+
+def drain(config, url: str) -> Optional[float]:
+    """Drain the server replicas (deployments/ingress/drain.py) and wait until the workers hold no
+    session, at most the grace period: seconds it took, or None where streams were still running."""
+    import httpx
+
+    from .ingress.drain import begin_drain
+
+    begin_drain(config.model_name, config.graceful_shutdown_timeout_s)
+    began = time.perf_counter()
+    while time.perf_counter() - began < config.graceful_shutdown_timeout_s + DRAIN_SLACK_S:
+        try:
+            sessions = httpx.get(f"{url}/health", timeout=5).json().get("sessions", {})
+        except (httpx.HTTPError, ValueError):
+            return None
+        if not any(sessions.values()):
+            return time.perf_counter() - began
+        time.sleep(0.5)
+    return None
 
 
 def with_measured_draft(config):

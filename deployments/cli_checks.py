@@ -1,5 +1,5 @@
 """The `specdec` commands that check a running service (or its start and redeploys) from outside:
-`probe`, `clients-check`, `start-check`, `rollout-check` (deployments/checks/ does the work).
+`probe`, `clients-check`, `start-check`, `rollout-check`, `drain-check` (deployments/checks/ does the work).
 deployments/cli.py imports this module, which adds them to the app."""
 
 from __future__ import annotations
@@ -177,4 +177,45 @@ def rollout_check(
         for failure in result.failures:
             console.print(f"{result.config}: {failure}", style="red", markup=False)
     if any(status != 200 for result in results for status in result.statuses):
+        raise typer.Exit(1)
+
+
+@app.command("drain-check", rich_help_panel=SERVE)
+def drain_check(
+    config: Path = typer.Option(
+        ..., "--config", help="deploy: a changed Serve config for the running app; sigterm: the config to start"
+    ),
+    via: str = typer.Option(
+        "deploy", "--via", help="deploy: `serve deploy` it; sigterm: `specdec serve` it, then SIGTERM"
+    ),
+    app_name: str = typer.Option("specdec", "--app", help="the service's Serve application"),
+    streams: int = typer.Option(16, "--streams", min=1, help="streams in flight when it happens"),
+    max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="each stream's"),
+    timeout_s: float = typer.Option(300.0, "--timeout", help="a stream silent this long counts as hung"),
+):
+    """Streams in flight through a redeploy or a SIGTERM: how each ended (completed, an error event,
+    cut, hung), what requests sent meanwhile got, and when the app was RUNNING again (deploy) or
+    the process had exited (sigterm). Exits 1 if a stream was cut or hung."""
+    from rich.table import Table
+
+    from .checks.drain_check import deploy_drain, sigterm_drain
+
+    if via not in ("deploy", "sigterm"):
+        fail("--via is deploy or sigterm")
+    if via == "deploy":
+        drain = deploy_drain(config, app_name, streams, max_tokens, timeout_s)
+    else:
+        drain = sigterm_drain(config, streams, max_tokens, timeout_s)
+    table = Table("event", "streams", "requests after it", "after s", "new output after s", title="specdec drain-check")
+
+    def counts(counter) -> str:
+        return ", ".join(f"{count} x {what}" for what, count in sorted(counter.items()))
+
+    table.add_row(
+        drain.event, counts(drain.streams), counts(drain.requests), str(drain.after_s), str(drain.first_new_s)
+    )
+    console.print(table)
+    for failure in drain.failures:
+        console.print(failure, style="red", markup=False)
+    if drain.streams["cut"] or drain.streams["hung"]:
         raise typer.Exit(1)

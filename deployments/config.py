@@ -140,6 +140,13 @@ class AppConfig(BaseModel):
     )
     max_body_bytes: int = Field(1 << 20, ge=1024)
     replicas: int = Field(1, ge=1)
+    graceful_shutdown_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a stopping server replica (a redeploy, a scale-down, SIGTERM to specdec serve) lets its "
+        "streams run this long while new requests go to other replicas (or get 503 + Retry-After); streams "
+        "still running then end with an error event. The workers wait for their sessions as long",
+    )
     max_ongoing_requests: int = Field(16, ge=1)
     max_queued_requests: int = Field(
         64, ge=-1, description="a replica's queue beyond max_ongoing_requests; past it Serve answers 503 (-1: no bound)"

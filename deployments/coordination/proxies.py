@@ -45,6 +45,8 @@ GONE_OR_LATE = (
 )
 # a reset prefills the prompt: allow it this many step deadlines
 RESET_DEADLINES = 10
+# a Score held (its session waits for KV blocks, preempted) is asked for again this many times at most
+HELD_DEADLINES = 20
 
 
 def classify(error: grpc.RpcError, role: str) -> Exception:
@@ -104,9 +106,13 @@ class RemoteTarget:
         )
         try:
             reply = await self.stub.Score(request, timeout=self.deadline_s)
-            while reply.held:  # the session waits for KV blocks (preempted): its stream only pauses
+            for _ in range(HELD_DEADLINES):  # the session waits for KV blocks (preempted): its stream pauses
+                if not reply.held:
+                    break
                 held = pb.ScoreRequest(session_id=self.session_id, awaits_held=True)
                 reply = await self.stub.Score(held, timeout=self.deadline_s)
+            if reply.held:
+                raise WorkerUnavailable(f"target worker: no KV blocks for the session in {HELD_DEADLINES} deadlines")
         except grpc.RpcError as error:
             raise classify(error, "target") from None
         self.pending_keep, self.pending_path = 0, []

@@ -130,13 +130,14 @@ def build_http_app(engine: Any, config: AppConfig) -> FastAPI:
 
     @api.get("/health")
     async def health():
-        """503 while no target worker answers; "degraded" without a draft worker, whose absence
-        only means target-only decoding."""
+        """503 while no target worker answers, or while this replica drains (drain.py); "degraded"
+        without a draft worker, whose absence only means target-only decoding."""
         sessions = await engine.count_sessions()
         down = sorted(role for role, count in sessions.items() if count is None)
         body = {"status": "degraded" if down else "ok", "down": down, "sessions": sessions}
-        if "target" in down:
-            return JSONResponse(status_code=503, content={**body, "status": "unavailable"})
+        if "target" in down or engine.drain.draining:
+            status = "draining" if engine.drain.draining else "unavailable"
+            return JSONResponse(status_code=503, content={**body, "status": status})
         return body
 
     @api.get("/v1/models")

@@ -35,6 +35,7 @@ from ..coordination.event_loop import EventLoopThread
 from ..coordination.proxies import RemoteDrafter, RemoteTarget, classify
 from ..workers.servicers import MESSAGE_LIMITS
 from .auth import SendSecret
+from .drain import Drain
 from .error_replies import WorkerUnavailable
 
 STUBS = {"draft": pb_grpc.DrafterStub, "target": pb_grpc.TargetStub}
@@ -107,6 +108,7 @@ class RemoteEngine:
         # per target stub: its profile and the Profile reply it came in (heads, device type)
         self.profiles: dict[Any, tuple[Optional[TargetProfile], Any]] = {}
         self.consulted: Any = None  # the target stub whose profile `prepare` reads
+        self.drain = Drain()  # a draining replica takes no new request and ends its streams on time
 
     async def stub(self, role: str, wait: bool = True) -> Any:
         """On the coordinator (an aio channel belongs to the loop it is made on): a stub for a
@@ -144,12 +146,14 @@ class RemoteEngine:
         """From any event loop: validates `request` now, then decodes it on the coordinator as
         the chunks are read; `request_id` names its worker sessions."""
         arrival = time.perf_counter()
+        self.drain.refuse_new()
         prepared, target = await self.coordinator.arun(self.prepare(request))
         return self.coordinator.aiterate(self.decode(prepared, target, request_id or uuid.uuid4().hex, arrival))
 
     def stream(self, request: GenerationRequest, request_id: Optional[str] = None) -> Iterator[StreamChunk]:
         """`open` for a caller on a plain thread."""
         arrival = time.perf_counter()
+        self.drain.refuse_new()
         prepared, target = self.coordinator.run(self.prepare(request))
         return self.coordinator.iterate(self.decode(prepared, target, request_id or uuid.uuid4().hex, arrival))
 
@@ -181,6 +185,7 @@ class RemoteEngine:
         try:
             async with contextlib.aclosing(loop) as chunks:
                 async for chunk in chunks:
+                    self.drain.check_stream()
                     now = time.perf_counter()
                     if chunk.token_ids:
                         if timings.time_to_first_token_s is None:

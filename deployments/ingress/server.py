@@ -24,6 +24,7 @@ from specdec_core.trees.topologies import load_tree_bank
 from ..config import AppConfig
 from ..coordination.replicas import ReplicaDirectory
 from ..workers.worker import worker_config
+from .drain import watch_for_drain
 from .grpc_ingress import GrpcIngress
 from .http_ingress import build_http_app
 from .prometheus import ServeMetrics
@@ -53,6 +54,9 @@ class SpecdecServer:
         for directory in self.replicas.values():  # ask now: the first request finds them known
             self.engine.coordinator.loop.call_soon_threadsafe(directory.ask)
         self.grpc_ingress = GrpcIngress(self.engine, self.config)
+        asyncio.run_coroutine_threadsafe(
+            watch_for_drain(self.engine.drain, self.config.model_name, self.lookups), self.engine.coordinator.loop
+        )
 
     async def locate(self, role: str, wait: bool = True) -> str:
         """A replica of the worker `role` for one request: its gRPC address (replicas.py). With

@@ -75,6 +75,7 @@ class SessionForwards:
     prescored: Optional[Prescored] = None
     stale_below: int = 0  # forwarded blocks for shorter sequences come too late
     claiming: bool = False  # a Score is settling the block scored ahead
+    paused: bool = False  # preempted: no block is scored ahead any more
 
 
 class ForwardedBlocks:
@@ -93,12 +94,21 @@ class ForwardedBlocks:
         with self.lock:
             self.sessions[session_id] = SessionForwards()
 
-    def close(self, session_id: str) -> Optional[TargetRow]:
-        """The session takes no more forwarded blocks; the row of the one scored ahead and not yet
-        claimed (or being claimed), if any."""
+    def close(self, session_id: str) -> None:
         with self.lock:
-            state = self.sessions.pop(session_id, None)
-            return state.prescored.row if state is not None and state.prescored is not None else None
+            self.sessions.pop(session_id, None)
+
+    def pause(self, session_id: str) -> Optional[TargetRow]:
+        """No block of the session is scored ahead from now on (it was preempted); the row of the
+        one scored ahead that has not run yet, if any, to withdraw (its claim then falls back to
+        the server's own row). One that ran is claimed as usual: its commit is applied."""
+        with self.lock:
+            state = self.sessions.get(session_id)
+            if state is None:
+                return None
+            state.paused = True
+            prescored = state.prescored
+            return prescored.row if prescored is not None and not prescored.future.done() else None
 
     def takes(self, session_id: str) -> bool:
         with self.lock:
@@ -140,7 +150,9 @@ class ForwardedBlocks:
     def _start(self, session_id: str, state: SessionForwards) -> Optional[Prescored]:
         """(Under the lock.) The waiting block as a row to score ahead, when the verdict is the one
         it assumed and no block scored ahead is unclaimed or being claimed."""
-        if state.prescored is not None or state.claiming or state.verdict is None or state.waiting is None:
+        if state.prescored is not None or state.claiming or state.paused:
+            return None
+        if state.verdict is None or state.waiting is None:
             return None
         after_length, outcome = state.verdict
         if state.waiting.after_length > after_length:

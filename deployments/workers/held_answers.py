@@ -6,8 +6,9 @@ still found by one."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from specdec_core.api.errors import SpecdecError
 
@@ -15,20 +16,29 @@ from specdec_core.api.errors import SpecdecError
 class HeldAnswers:
     def __init__(self):
         self.futures: dict[str, Future] = {}  # by session: one call in flight each
+        self.lock = threading.Lock()
 
-    def wait(self, session_id: str, future: Future, wait_s: Optional[float]) -> Optional[Any]:
-        """The answer within `wait_s` (None: as long as it takes), else None and it is held."""
+    def wait(
+        self, session_id: str, future: Future, wait_s: Optional[float], may_hold: Callable[[], bool]
+    ) -> Optional[Any]:
+        """The answer within `wait_s` (None: as long as it takes), else, where `may_hold()`, None
+        and it is held; where not, the answer whenever it comes (past the caller's deadline)."""
         try:
             return future.result(timeout=wait_s)
         except TimeoutError:
-            self.futures[session_id] = future
+            if not may_hold():
+                return future.result()
+            with self.lock:
+                self.futures[session_id] = future
             return None
 
     def take(self, session_id: str) -> Future:
-        future = self.futures.pop(session_id, None)
+        with self.lock:
+            future = self.futures.pop(session_id, None)
         if future is None:
             raise SpecdecError(f"session {session_id!r} has no answer held")
         return future
 
     def drop(self, session_id: str) -> None:
-        self.futures.pop(session_id, None)
+        with self.lock:
+            self.futures.pop(session_id, None)

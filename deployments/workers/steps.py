@@ -131,7 +131,7 @@ class StepBatcher:
             rows.append(row)
         try:
             rows = self.plan(rows)
-        except Exception as error:  # noqa: BLE001 - the rows of a step that could not be planned fail
+        except Exception as error:  # noqa: BLE001 - a bug: the step's rows fail, the worker goes on
             for row in rows:
                 if not row.future.done():
                     row.future.set_exception(error)
@@ -153,6 +153,8 @@ class StepBatcher:
         self.steps += 1
         self.rows += len(rows)
         for row, result in zip(rows, results):
+            if row.future.done():  # answered already (a failed plan parked it)
+                continue
             if row.prefill:
                 row.row = row.row.model_copy(update={"tokens": row.row.tokens[self.chunk :]})
                 if row.row.tokens:

@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import json
 import logging
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -32,11 +32,11 @@ from specdec_core.trees.topologies import default_bank
 from .admission import Admission
 from .forwarded_blocks import ForwardedBlock, ForwardedBlocks, ScoredRows
 from .held_answers import HeldAnswers
-from .pool_scheduler import PoolScheduler
+from .pool_scheduler import PoolScheduler, apply_pool_operation
 from .steps import PendingRow
 from .tensor_parallel import ControlChannel
-from .worker_ops import Guess, MeasureProfile, OpenTarget, Preempt, Release, Resume, TargetRow, TargetStep
-from .worker_service import TORCH_THREAD, WorkerService
+from .worker_ops import Admit, Guess, MeasureProfile, OpenTarget, Preempt, Release, Resume, TargetRow, TargetStep
+from .worker_service import WorkerService
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,9 @@ class TargetService(WorkerService):
                 TargetStep: self.step,
                 Guess: self.guess_after,
                 MeasureProfile: self.measure,
-                Preempt: self.preempt,
-                Resume: self.resume,
+                Admit: self.pool_operation,
+                Preempt: self.pool_operation,
+                Resume: self.pool_operation,
             }
         )
         self.operations[Release] = self.release
@@ -78,16 +79,10 @@ class TargetService(WorkerService):
         self.held = HeldAnswers()  # Score answers not ready within their call's deadline
         self.scheduler: Optional[PoolScheduler] = None
         if rank == 0 and admission is not None and admission.on_demand and admission.budget_bytes is not None:
+            pool = pool_of(target_model.model)
             self.scheduler = PoolScheduler(
-                pool_of(target_model.model),
-                self.run,
-                self.batcher.requeue,
-                self.forwarded.close,
-                prefill_chunk,
-                admission.max_waiting,
-                admission.wait_s,
+                pool, self.run, self.batcher, self.forwarded.pause, admission, self.max_positions
             )
-            self.batcher.plan = self.scheduler.plan
 
     def reset(
         self,
@@ -116,21 +111,22 @@ class TargetService(WorkerService):
             policy=filled,
             sampling=sampling.seeded(),
             heads_kind=heads_kind,
+            admitted=self.scheduler is None,
         )
         prefill = self.open_session(op, self.heads[heads_kind].cache_bytes_per_token() if heads_kind else 0.0)
         if self.scheduler is not None:
-            self.wait_admitted(session_id, len(prompt_ids), op.sampling.max_tokens or self.max_positions)
+            prefill = self.wait_admitted(session_id, len(prompt_ids), op.sampling.max_tokens or self.max_positions)
         if prefill:
             self.batcher.submit(TargetRow(session_id=session_id, tokens=prefill, prefill=True)).result()
         if takes_forwarded:
             self.forwarded.open(session_id)
         return self.session(session_id).prefilled()
 
-    def wait_admitted(self, session_id: str, num_prompt: int, max_tokens: int) -> None:
-        """Wait until the pool admits the opened session; a session refused (Overloaded) or
-        failed is released."""
+    def wait_admitted(self, session_id: str, num_prompt: int, max_tokens: int) -> list[int]:
+        """Wait until the pool admits the opened session: the tokens to prefill. A session refused
+        (Overloaded) or failed is released."""
         try:
-            self.scheduler.wait_admitted(session_id, self.session(session_id), num_prompt, max_tokens)
+            return self.scheduler.wait_admitted(session_id, self.session(session_id), num_prompt, max_tokens)
         except BaseException:
             self.call(Release(session_id=session_id))
             raise
@@ -139,7 +135,7 @@ class TargetService(WorkerService):
         """Open the session; returns the prompt tokens to prefill (in steps)."""
         scorer = TargetScorer(self.target_model, self.heads)
         policy = make_policy(op.policy.name, op.policy.params)
-        prefill = scorer.start(op.prompt_ids, policy, op.sampling, op.heads_kind)
+        prefill = scorer.start(op.prompt_ids, policy, op.sampling, op.heads_kind, op.admitted)
         self.table.put(op.session_id, scorer)
         return prefill
 
@@ -173,12 +169,23 @@ class TargetService(WorkerService):
         scored_ahead, row = self.forwarded.claim(row)
         if scored_ahead is not None:
             return dataclasses.replace(scored_ahead.result(), forwarded=True)
-        return self.held.wait(session_id, self.batcher.submit(row), wait_s)
+        return self.answer(session_id, self.batcher.submit(row), wait_s)
 
     def score_held(self, session_id: str, wait_s: Optional[float] = None) -> Optional[ScoredRows]:
         """The answer of the session's Score held before (as `score`)."""
         self.session(session_id)
-        return self.held.wait(session_id, self.held.take(session_id), wait_s)
+        return self.answer(session_id, self.held.take(session_id), wait_s)
+
+    def answer(self, session_id: str, future, wait_s: Optional[float]) -> Optional[ScoredRows]:
+        """Held only while its session waits for KV blocks: a late answer otherwise runs into the
+        call's deadline, as a hung worker's should."""
+        scheduler = self.scheduler
+        answer = self.held.wait(
+            session_id, future, wait_s, lambda: scheduler is not None and scheduler.waits(session_id)
+        )
+        if answer is None and self.table.get(session_id) is None:  # released meanwhile
+            self.held.drop(session_id)
+        return answer
 
     def forward(self, session_id: str, block: ForwardedBlock) -> None:
         """A block the draft worker sends ahead (run-ahead): scored before the server's Score for
@@ -219,16 +226,17 @@ class TargetService(WorkerService):
         super().on_expire(session_id)
         self.forwarded.close(session_id)
         self.held.drop(session_id)
+
+    def expired(self, session_id: str) -> None:
+        super().expired(session_id)
         if self.scheduler is not None:
-            TORCH_THREAD.submit(self.scheduler.leave, session_id)
+            self.scheduler.leave(session_id)
 
-    def preempt(self, op: Preempt) -> None:
-        self.session(op.session_id).preempt()
-
-    def resume(self, op: Resume) -> list[int]:
-        scorer = self.session(op.session_id)
-        scorer.commit_scored(op.commit_keep, op.commit_path)
-        return scorer.recompute()
+    def pool_operation(self, op: Union[Admit, Preempt, Resume]) -> Optional[list[int]]:
+        """Rank 0's scheduler keeps a session's scorer until it has left every rank (an expired
+        one is gone from rank 0's table first)."""
+        scorers = self.scheduler.scorers if self.scheduler is not None else {}
+        return apply_pool_operation(op, scorers.get(op.session_id) or self.session(op.session_id))
 
     def check_row(self, row: PendingRow) -> None:
         scorer = self.session(row.session_id)

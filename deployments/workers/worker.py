@@ -35,8 +35,7 @@ RANK_PING_TIMEOUT_S = 10.0
 # serving at 0 needs the right to (root, CAP_SYS_NICE or RLIMIT_NICE), and without it a rank
 # keeps Ray's priority throughout.
 STARTING_NICENESS, SERVING_NICENESS = 19, 0
-# a stopping replica finishes its open sessions this long at most (Serve's graceful_shutdown_timeout_s)
-GRACEFUL_STOP_S, DRAIN_POLL_S = 30.0, 0.5
+DRAIN_POLL_S = 0.5
 logger = logging.getLogger(__name__)
 
 
@@ -53,6 +52,12 @@ def set_priority(niceness: int) -> None:
             os.setpriority(os.PRIO_PROCESS, int(task), niceness)
         except (PermissionError, ProcessLookupError):
             pass
+
+
+def worker_grace_s(config: AppConfig) -> float:
+    """A stopping worker replica's time (Serve's graceful_shutdown_timeout_s): until the servers
+    have forgotten it, then their grace for the sessions it holds, then a health check."""
+    return FORGET_S + config.graceful_shutdown_timeout_s + RANK_PING_TIMEOUT_S
 
 
 def worker_config(role: Role, config: AppConfig) -> WorkerConfig:
@@ -283,10 +288,9 @@ class WorkerGroup:
     async def __del__(self):
         """Serve stops the replica: a redeploy replaced it, or a rank is gone. With its ranks
         alive it serves on until every server has forgotten it (replicas.FORGET_S: their requests
-        meanwhile are served) and its open sessions have ended, within the deployment's
-        GRACEFUL_STOP_S, so that a rollout fails no request. Then its ranks go with it, and its own
-        placement group."""
-        deadline = time.monotonic() + GRACEFUL_STOP_S - RANK_PING_TIMEOUT_S
+        meanwhile are served) and its open sessions have ended, within `worker_grace_s`, so that a
+        rollout fails no request. Then its ranks go with it, and its own placement group."""
+        deadline = time.monotonic() + worker_grace_s(self.config) - RANK_PING_TIMEOUT_S
         try:
             if getattr(self, "address", None) is not None:  # it started, and servers may know it
                 await self.check_health()

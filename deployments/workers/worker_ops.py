@@ -45,6 +45,14 @@ class OpenTarget(Message):
     policy: ComponentSpec
     sampling: SamplingParams
     heads_kind: Optional[str]  # the kind of the target's heads the drafter reads; None: none
+    admitted: bool = True  # False: it waits for its pool's `Admit` before it holds any block
+
+
+class Admit(Message):
+    """A target session the pool admits: its prompt's cached blocks; the tokens to prefill."""
+
+    op: Literal["admit"] = "admit"
+    session_id: str
 
 
 class DraftRow(Message):
@@ -115,7 +123,7 @@ class MeasureProfile(Message):
 
 
 Operation = Annotated[
-    Union[Release, OpenDraft, OpenTarget, DraftStep, TargetStep, Guess, Preempt, Resume, MeasureProfile],
+    Union[Release, OpenDraft, OpenTarget, Admit, DraftStep, TargetStep, Guess, Preempt, Resume, MeasureProfile],
     Field(discriminator="op"),
 ]
 OPERATIONS = TypeAdapter(Operation)

@@ -96,8 +96,12 @@ class WorkerService:
     def on_expire(self, session_id: str) -> None:
         if self.admission is not None:
             self.admission.release(session_id)
-        if self.channel is not None:  # sends keep their order with the operations on the torch thread
-            TORCH_THREAD.submit(self.channel.send, Release(session_id=session_id))
+        TORCH_THREAD.submit(self.expired, session_id)
+
+    def expired(self, session_id: str) -> None:
+        """On the torch thread, in order with the operations: the other ranks release it too."""
+        if self.channel is not None:
+            self.channel.send(Release(session_id=session_id))
 
     def open_session(self, op: Message, extra_bytes_per_token: float = 0.0) -> Any:
         """Admit the session `op` opens (reserving KV memory for the most it can reach, plus what

@@ -1,10 +1,9 @@
-"""Target scorer: chain verification of `[last committed, d_1..d_K]` in one forward, with a KV
-cache that always holds exactly the committed tokens but the last one. Rollback of rejected
-positions crops the cache. `forward_rows` runs many sessions' verify blocks and prompt chunks in
-one forward (a ragged batch, batching.py); each row comes out as it would alone. A verify row may
-be a candidate tree (`score_tree`), whose accepted path `commit_path` moves into place. With
-multi-token heads (heads/: Medusa's, Hydra's, EAGLE-3's), the scorer feeds the final hidden states of the positions
-it commits to the request's heads session, whose `guess` gives the next tree."""
+"""Target scorer: chain verification of `[last committed, d_1..d_K]` in one forward, with a KV cache
+holding exactly the committed tokens but the last one; rollback crops it. `forward_rows` runs many
+sessions' verify blocks and prompt chunks in one forward (a ragged batch, batching.py), each row as
+it would alone. A verify row may be a candidate tree (`score_tree`), whose accepted path
+`commit_path` moves into place. With multi-token heads (heads/), the scorer feeds the final hidden
+states of the positions it commits to the request's heads session, whose `guess` gives the next tree."""
 
 from __future__ import annotations
 
@@ -27,10 +26,9 @@ from .aux_states import aux_states
 
 class TargetScorer:
     """One request's target state (a `TargetSession`). `score` appends the scored tokens to the
-    cache; `commit(n)` keeps the first n of them. The request's policy computes its target-side
-    features (`policy.target_features`, e.g. DropMatch's dropout paths) here, next to the hidden
-    states and LM head, from `sampling.generator("target")`, so they come out the same wherever
-    the target runs."""
+    cache; `commit(n)` keeps the first n. The policy's target-side features (`target_features`,
+    e.g. DropMatch's paths) are computed here, by the hidden states and LM head, from
+    `sampling.generator("target")`, so they come out the same wherever the target runs."""
 
     def __init__(self, model: torch.nn.Module, heads: Optional[Mapping[str, Heads]] = None):
         self.model = model
@@ -57,11 +55,10 @@ class TargetScorer:
         policy: AcceptancePolicy,
         sampling: SamplingParams,
         heads_kind: Optional[str] = None,
+        admitted: bool = True,
     ) -> list[int]:
-        """Begin a request (a new cache); returns the tokens to prefill
-        (the prompt but its last token, which the first `score` feeds, past what the pool
-        has cached of it), as
-        `Row(prefill=True)`s of one or more forwards. `heads_kind`: the kind of the target's heads
+        """Begin a request (a new cache); returns the tokens to prefill (`take_prompt`), or none
+        yet where it is not `admitted` to its pool. `heads_kind`: the kind of the target's heads
         the request's drafter reads (`guess`); only those run beside it, only then."""
         if len(prompt_ids) == 0:
             raise ValueError("prompt must contain at least one token")
@@ -75,12 +72,7 @@ class TargetScorer:
         self.features_rng = sampling.generator("target")
         # blocks as its positions come (a fixed pool's sessions take what they hold, kv_room.py)
         self.cache = PagedKV(len(prompt_ids) + 1)
-        # the prompt's blocks another session computed (prefix caching), unless the prompt's
-        # scores or the heads need its forward
-        reusable = self.prompt_parts is None and heads_kind is None
-        self.committed_len = self.cache.reuse(pool_of(self.model.model), self.cached_ids) if reusable else 0
-        self.prefix_cache_queries = len(prompt_ids) - 1 if reusable else 0
-        self.prefix_cache_hits = self.committed_len
+        self.committed_len = self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.scored_ids = []
         self.scored_hidden = self.scored_tokens = self.scored_features = None
         self.heads_session = None
@@ -90,7 +82,17 @@ class TargetScorer:
             if heads_kind not in self.heads:
                 raise ValueError(f"this target has no {heads_kind} heads (it has: {', '.join(self.heads) or 'none'})")
             self.heads_session = self.heads[heads_kind].session(self.model)
-        return list(prompt_ids[self.committed_len : -1])
+        return self.take_prompt() if admitted else []
+
+    def take_prompt(self) -> list[int]:
+        """The prompt's blocks another session computed (prefix caching), unless its scores or the
+        heads need its forward; the tokens left to prefill (as `Row(prefill=True)`s of one or
+        more forwards): all but the last, which the first `score` feeds."""
+        reusable = self.prompt_parts is None and self.heads_kind is None
+        self.committed_len = self.cache.reuse(pool_of(self.model.model), self.cached_ids) if reusable else 0
+        self.prefix_cache_queries = len(self.prompt_ids) - 1 if reusable else 0
+        self.prefix_cache_hits = self.committed_len
+        return self.prompt_ids[self.committed_len : -1]
 
     def reset(
         self,
@@ -104,7 +106,7 @@ class TargetScorer:
         return self.prefilled()
 
     def prefill(self, tokens: Sequence[int]) -> None:
-        """Feed `tokens` after the committed positions (a prompt's, or a recompute's), a chunk per forward."""
+        """Feed `tokens` after the committed positions (a prompt's or a recompute's), a chunk a forward."""
         for begin in range(0, len(tokens), PREFILL_CHUNK):
             forward_rows([Row(self, tokens[begin : begin + PREFILL_CHUNK], prefill=True)])
 
@@ -113,8 +115,8 @@ class TargetScorer:
         return Prefilled(self.prompt_scores, self.prefix_cache_queries, self.prefix_cache_hits)
 
     def within_min_tokens(self) -> bool:
-        """Whether the rows last scored decide any of the request's first `min_tokens` tokens,
-        where the loop masks the stop tokens (output.py) and so needs the rows whole."""
+        """Whether the rows last scored decide any of its first `min_tokens` tokens (whose stop
+        tokens the loop masks, output.py: it needs the rows whole)."""
         return self.committed_len - (len(self.prompt_ids) - 1) < self.sampling.min_tokens
 
     def score_prefill(self, hidden: torch.Tensor) -> None:
@@ -125,20 +127,17 @@ class TargetScorer:
             next_tokens = torch.tensor(self.prompt_ids[start : start + hidden.shape[1]], device=hidden.device)
             logits = self.model.lm_head(hidden)[0]  # [T, V]
             self.prompt_parts.append(score_prompt_tokens(logits, next_tokens, self.sampling.prompt_logprobs))
-            if start + hidden.shape[1] == len(self.prompt_ids):  # the last chunk: whole, kept through a preemption
-                self.prompt_scores, self.prompt_parts = (
-                    PromptScores.concat(self.prompt_parts, self.sampling.prompt_logprobs),
-                    None,
-                )
+            if start + hidden.shape[1] == len(self.prompt_ids):  # the last chunk: kept through a preemption
+                self.prompt_scores = PromptScores.concat(self.prompt_parts, self.sampling.prompt_logprobs)
+                self.prompt_parts = None
 
     def score(self, tokens: Sequence[int]) -> TargetBlock:
-        """Logits `[len(tokens), V]` (fp32) for the tokens appended after the committed prefix,
-        plus the policy's target-side features for the `len(tokens) - 1` draft positions."""
+        """Logits `[T, V]` (fp32) of the T tokens after the committed prefix, with the policy's features."""
         return forward_rows([Row(self, tokens)])[0]
 
     def score_tree(self, tokens: Sequence[int], tree: Topology) -> TargetBlock:
-        """Logits `[N + 1, V]` (fp32) of a candidate tree in one forward: `tokens` are its root (the
-        last committed token) and then its N nodes in the tree's order."""
+        """Logits `[N + 1, V]` (fp32) of a candidate tree: `tokens` are its root (the last committed
+        token), then its N nodes in the tree's order."""
         if len(tokens) != tree.num_nodes + 1:
             raise ValueError(f"tree {tree.name!r} has {tree.num_nodes} nodes; got {len(tokens) - 1} node tokens")
         return forward_rows([Row(self, tokens, tree=tree)])[0]
@@ -245,8 +244,7 @@ PREFILL_CHUNK = 512  # prompt tokens per forward: a long prompt never holds a st
 
 @dataclass
 class Row:
-    """One session's part of a forward: a verify block `[last committed, d_1..d_K]` to score, or
-    a chunk of its prompt to prefill (committed as it goes; no logits)."""
+    """A session's part of a forward: a verify block `[last committed, d_1..d_K]`, or a prompt chunk."""
 
     scorer: TargetScorer
     tokens: Sequence[int]
@@ -256,8 +254,7 @@ class Row:
 
 @torch.inference_mode()
 def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
-    """One forward over every row (sessions of one model); each verify row's block, None for
-    prefill rows."""
+    """One forward over every row (sessions of one model): each verify row's block, None for a prefill row."""
     for row in rows:
         row.scorer.cache.crop(row.scorer.committed_len)
         if not row.prefill:

@@ -103,6 +103,7 @@ def service(checkpoints):
         "defaults": {"num_draft_tokens": 6},
         "session_idle_timeout_s": 4.0,
         "rpc_deadline_s": 10.0,
+        "max_tokens_limit": 2048,  # a deployment's cap (none by default): bad input tests ask past it
         "torch_threads": 1,
         # each worker on its node type, so that the tensor-parallel app's ranks fit beside them
         # wherever Serve restarts them
