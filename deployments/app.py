@@ -15,6 +15,7 @@ from .ingress.server import SpecdecServer
 from .workers.worker import WorkerGroup, deployment_name, worker_config, worker_grace_s
 
 API_KEY_ENV = "SPECDEC_API_KEY"
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's, on the head node only
 
 # Serve's proxy readiness/health checks default to 5-10 s; on a busy 2-core machine starting
 # two model workers they time out and Serve kills a healthy proxy. Set before Ray starts.
@@ -44,7 +45,9 @@ def build_app(args: Optional[dict] = None):
     arguments = config.model_dump()
     target = worker_deployment("target", config).bind("target", arguments)
     draft = worker_deployment("draft", config).bind("draft", arguments, target)
+    head = {"resources": {HEAD_NODE_RESOURCE: 0.001}} if config.server_on_head_node else {}
     return SpecdecServer.options(
+        ray_actor_options={"num_cpus": 0, **head},
         num_replicas=config.replicas,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,

@@ -97,7 +97,8 @@ def serve(
     ray.init(address=cluster.address if cluster else address, namespace=NAMESPACE, log_to_driver=False)
     clear_drain(app_config.model_name)
     # no Serve gRPC proxy: it would listen on every interface; the replicas serve gRPC (grpc_ingress.py)
-    ray_serve.start(http_options={"host": app_config.host, "port": app_config.http_port})
+    # one HTTP proxy, on the head (the cluster YAMLs' proxy_location): simulated nodes share the port
+    ray_serve.start(proxy_location="HeadOnly", http_options={"host": app_config.host, "port": app_config.http_port})
     console.print("starting the workers and the server (Ray Serve)")
     application = build_app(app_config.model_dump())
     start_with_notes(lambda: ray_serve.run(application, name="specdec", route_prefix="/"), console.print)

@@ -140,6 +140,11 @@ class AppConfig(BaseModel):
     )
     max_body_bytes: int = Field(1 << 20, ge=1024)
     replicas: int = Field(1, ge=1)
+    server_on_head_node: bool = Field(
+        True,
+        description="the server replicas run on the head node, beside Serve's HTTP proxy: a lost worker node "
+        "never takes one, and the streams in it, along (its own streams end with an error event)",
+    )
     graceful_shutdown_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -86,16 +86,26 @@ def start_cluster(attempts: int = 3):
 
 
 @pytest.fixture(scope="module")
-def service(checkpoints):
-    from ray import serve
+def ray_cluster():
+    from deployments.app import apply_serve_env_defaults
 
-    from deployments.app import apply_serve_env_defaults, build_app
-
-    target_dir, draft_dir = checkpoints
     apply_serve_env_defaults()
     cluster = start_cluster()
-    ray.init(address=cluster.address, namespace="specdec")
-    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def service(checkpoints, ray_cluster):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    target_dir, draft_dir = checkpoints
+    ray.init(address=ray_cluster.address, namespace="specdec")
+    # one HTTP proxy, on the head (as the cluster YAMLs): the simulated nodes share this machine's
+    # port, and a proxy on a node that a test removes would take its connections with it
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": HTTP_PORT})
     config = {
         "model_name": MODEL,
         "target": {"source": target_dir},
@@ -116,7 +126,6 @@ def service(checkpoints):
     yield config
     serve.shutdown()
     ray.shutdown()
-    cluster.shutdown()
 
 
 def completion(body: dict, path: str = "/v1/completions") -> httpx.Response:
@@ -735,3 +744,156 @@ def test_a_redeploy_serves_throughout_whether_its_target_cannot_start_or_replace
         print(f"{answered} requests served while the update failed; {len(seen)} while the next replaced it")
     finally:
         serve.delete(name)
+
+
+# ---------------------------------------------------------------- node loss
+
+LOSS_APP, LOSS_ROUTE = "tiny-loss", "/loss"
+
+
+def held_by_workers() -> tuple[int, int]:
+    """What a fault may leak: the worker ranks alive, and the placement groups in place."""
+    ranks = sum(
+        1
+        for actor in ray._private.state.actors().values()
+        if actor["ActorClassName"].endswith("WorkerRank") and actor["State"] == "ALIVE"
+    )
+    groups = sum(1 for group in ray.util.placement_group_table().values() if group["state"] == "CREATED")
+    return ranks, groups
+
+
+@pytest.fixture(scope="module")
+def loss_nodes(ray_cluster) -> dict:
+    """Four more nodes, by id, for the apps whose nodes are removed: a target's, two that may hold
+    a draft, and three (two of those among them) that may hold a pipeline stage: after the draft's
+    node is gone, two stages and a spare."""
+    resources = [
+        {"loss_target": 1, "loss_stage": 1},
+        {"loss_draft": 1, "loss_stage": 1},
+        {"loss_draft": 1, "loss_stage": 1},
+        {"loss_stage": 1},
+    ]
+    nodes = {node.node_id: node for node in (ray_cluster.add_node(num_cpus=1, resources=each) for each in resources)}
+    ray_cluster.wait_for_nodes()
+    return nodes
+
+
+def test_losing_the_draft_workers_node_falls_back_then_speculation_resumes_on_another(
+    service, ray_cluster, loss_nodes, checkpoints, local_engine
+):
+    """The node of a fourth app's draft is removed (`cluster.remove_node`) while a stream runs: the
+    stream finishes target-only with its own tokens, requests meanwhile are answered target-only,
+    the draft's group is rebuilt on the other node that may hold it and speculation resumes; the
+    ranks alive, the placement groups and the target's sessions come back to their counts before."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    config = tp_config(
+        checkpoints,
+        target_worker={"num_cpus": 0.5, "resources": {"loss_target": 1}},
+        draft_worker={"num_cpus": 0.5, "resources": {"loss_draft": 1}},
+    )
+    serve.run(build_app(config), name=LOSS_APP, route_prefix=LOSS_ROUTE)
+    url = URL + LOSS_ROUTE
+    try:
+        probe = tp_body("greedy")
+        assert (
+            httpx.post(url + "/v1/completions", json=probe, timeout=120).json()["speculative"]["draft_fallback"]
+            is False
+        )
+        before = held_by_workers()
+        draft_rank = worker_handle("draft", LOSS_APP).rank_handles.remote().result()[0]
+        draft_node = loss_nodes.pop(ray.get(draft_rank.node_id.remote()))
+        # a draft token a step: the stream outlasts the node's removal
+        body = {**tp_body("greedy"), "max_tokens": 900, "num_draft_tokens": 1, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[len("data: ") :]))
+                    if len(events) == 1:
+                        ray_cluster.remove_node(draft_node)
+                        removed_at = time.perf_counter()
+        assert all("choices" in event for event in events) and events[-1]["speculative"]["draft_fallback"] is True
+        tokens = [token for event in events for token in event["choices"][0]["token_ids"]]
+        assert tokens == local_tokens(local_engine, {**body, "stream": False})
+        statuses = []
+        while time.perf_counter() - removed_at < 180:
+            reply = httpx.post(url + "/v1/completions", json=probe, timeout=120)
+            statuses.append(reply.status_code)
+            if reply.status_code == 200 and reply.json()["speculative"]["draft_fallback"] is False:
+                break
+            time.sleep(0.5)
+        recovered_s = time.perf_counter() - removed_at
+        assert set(statuses) == {200} and reply.json()["speculative"]["spec_decode_num_drafts"] > 0
+        ranks = worker_handle("draft", LOSS_APP).rank_handles.remote().result()
+        assert ray.get(ranks[0].node_id.remote()) != draft_node.node_id
+        deadline = time.perf_counter() + 60
+        while held_by_workers() != before and time.perf_counter() < deadline:
+            time.sleep(1)
+        assert held_by_workers() == before
+        sessions = httpx.get(url + "/health", timeout=30).json()["sessions"]
+        assert sessions["target"] == 0
+        print(f"draft node lost: speculation again after {recovered_s:.1f} s; {len(statuses)} requests, all 200")
+    finally:
+        serve.delete(LOSS_APP)
+
+
+def test_losing_a_pipeline_stages_node_ends_its_stream_then_the_group_is_rebuilt(
+    service, ray_cluster, loss_nodes, checkpoints
+):
+    """A fifth app's target in two stages, each on a node of its own (STRICT_SPREAD). A stage's
+    node is removed while a stream runs: the stream ends with an error event and [DONE],
+    requests get 503 with Retry-After until Serve has rebuilt the group on the nodes left, then
+    200; the ranks alive, the placement groups and the sessions come back to their counts."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    stages = {"pp_size": 2, "num_cpus": 0.01, "placement_strategy": "STRICT_SPREAD", "resources": {"loss_stage": 1}}
+    # pld only (no draft model); the lookup's draft worker on the target's node of the fourth app
+    lookup = {"num_cpus": 0.01, "resources": {"loss_target": 1}}
+    config = tp_config(checkpoints, target_worker=stages, draft=None, draft_worker=lookup)
+    serve.run(build_app(config), name=LOSS_APP, route_prefix=LOSS_ROUTE)
+    url = URL + LOSS_ROUTE
+    try:
+        probe = tp_body("greedy", drafter="pld")
+        assert httpx.post(url + "/v1/completions", json=probe, timeout=120).status_code == 200
+        before = held_by_workers()
+        draft_rank = worker_handle("draft", LOSS_APP).rank_handles.remote().result()[0]
+        stage_nodes = [
+            ray.get(rank.node_id.remote()) for rank in worker_handle("target", LOSS_APP).rank_handles.remote().result()
+        ]
+        # a stage's node that holds no draft rank
+        stage_node = loss_nodes.pop(next(node for node in stage_nodes if node != ray.get(draft_rank.node_id.remote())))
+        body = {**probe, "max_tokens": 900, "num_draft_tokens": 1, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    if len(events) == 1:
+                        ray_cluster.remove_node(stage_node)
+                        removed_at = time.perf_counter()
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "worker_unavailable"
+        statuses = []
+        while time.perf_counter() - removed_at < 240:
+            reply = httpx.post(url + "/v1/completions", json=probe, timeout=120)
+            statuses.append(reply.status_code)
+            if reply.status_code == 200:
+                break
+            assert reply.status_code == 503 and reply.headers["Retry-After"]
+            time.sleep(0.5)
+        recovered_s = time.perf_counter() - removed_at
+        assert statuses[-1] == 200
+        ranks = worker_handle("target", LOSS_APP).rank_handles.remote().result()
+        assert stage_node.node_id not in {ray.get(rank.node_id.remote()) for rank in ranks}
+        deadline = time.perf_counter() + 60
+        while held_by_workers() != before and time.perf_counter() < deadline:
+            time.sleep(1)
+        assert held_by_workers() == before
+        assert httpx.get(url + "/health", timeout=30).json()["sessions"]["target"] == 0
+        print(f"stage node lost: served again after {recovered_s:.1f} s; {statuses.count(503)} x 503 before")
+    finally:
+        serve.delete(LOSS_APP)
