@@ -22,6 +22,7 @@ from .cli_checks import SERVE  # importing it adds the commands that check a run
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "data" / "local.yaml"
 # a SIGTERM's drain waits this much past the grace period: the replicas end their last streams first
 DRAIN_SLACK_S = 5.0
+APP_NAME = "specdec"  # the Serve application `specdec serve` runs
 
 
 def load_serve_config(path: Path) -> dict:
@@ -95,13 +96,13 @@ def serve(
     apply_serve_env_defaults()
     cluster = simulated_cluster(simulate_nodes) if simulate_nodes else None
     ray.init(address=cluster.address if cluster else address, namespace=NAMESPACE, log_to_driver=False)
-    clear_drain(app_config.model_name)
+    clear_drain(APP_NAME)
     # no Serve gRPC proxy: it would listen on every interface; the replicas serve gRPC (grpc_ingress.py)
     # one HTTP proxy, on the head (the cluster YAMLs' proxy_location): simulated nodes share the port
     ray_serve.start(proxy_location="HeadOnly", http_options={"host": app_config.host, "port": app_config.http_port})
     console.print("starting the workers and the server (Ray Serve)")
     application = build_app(app_config.model_dump())
-    start_with_notes(lambda: ray_serve.run(application, name="specdec", route_prefix="/"), console.print)
+    start_with_notes(lambda: ray_serve.run(application, name=APP_NAME, route_prefix="/"), console.print)
     url = f"http://{app_config.host}:{app_config.http_port}"
     grpc_url = f"{app_config.host}:{app_config.grpc_port}"
     console.print(f"[green]specdec ready[/green] in {time.perf_counter() - start:.1f}s: {url} (gRPC {grpc_url})")
@@ -128,24 +129,27 @@ def serve(
         pass
     finally:
         ray_serve.shutdown()
+        clear_drain(APP_NAME)  # the cluster may serve the app again (`--address`)
         ray.shutdown()
 
 
 def drain(config, url: str) -> Optional[float]:
-    """Drain the server replicas (deployments/ingress/drain.py) and wait until the workers hold no
-    session, at most the grace period: seconds it took, or None where streams were still running."""
+    """Drain the server replicas (deployments/ingress/drain.py) and wait until they say so and the
+    workers hold no session, at most the grace period and DRAIN_SLACK_S: seconds it took, or None
+    where streams were still running (they end with an error event at the grace period)."""
     import httpx
 
     from .ingress.drain import begin_drain
 
-    begin_drain(config.model_name, config.graceful_shutdown_timeout_s)
+    begin_drain(APP_NAME, config.graceful_shutdown_timeout_s)
     began = time.perf_counter()
     while time.perf_counter() - began < config.graceful_shutdown_timeout_s + DRAIN_SLACK_S:
         try:
-            sessions = httpx.get(f"{url}/health", timeout=5).json().get("sessions", {})
-        except (httpx.HTTPError, ValueError):
-            return None
-        if not any(sessions.values()):
+            health = httpx.get(f"{url}/health", timeout=30).json()
+        except (httpx.HTTPError, ValueError):  # busy or momentarily gone: look again
+            health = {}
+        # sessions of a worker that did not answer (None) are not known to be over
+        if health.get("status") == "draining" and all(count == 0 for count in health["sessions"].values()):
             return time.perf_counter() - began
         time.sleep(0.5)
     return None

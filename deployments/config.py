@@ -149,8 +149,9 @@ class AppConfig(BaseModel):
         30.0,
         gt=0,
         description="a stopping server replica (a redeploy, a scale-down, SIGTERM to specdec serve) lets its "
-        "streams run this long while new requests go to other replicas (or get 503 + Retry-After); streams "
-        "still running then end with an error event. The workers wait for their sessions as long",
+        "streams run this long while new requests go to other replicas (or, on SIGTERM, get 503 + Retry-After); "
+        "then Serve cuts the streams still running, or a SIGTERM's drain ends them with an error event. The "
+        "workers wait for their sessions as long",
     )
     max_ongoing_requests: int = Field(16, ge=1)
     max_queued_requests: int = Field(

@@ -64,19 +64,23 @@ async def send(http: httpx.AsyncClient, body: dict) -> tuple[str, Optional[str]]
 async def ride_through(
     client: ProbeClient, streams: int, max_tokens: int, event: str, act: Callable[[], None], ended: Callable[[], bool]
 ) -> Drain:
-    """Start `streams` streams; once each has its first event, `act()`, and send a request every
-    SEND_EVERY_S until `ended()` and every stream has ended (or hung past the client's timeout)."""
+    """Start `streams` streams; once each has its first event (or has failed), `act()`, and send a
+    request every SEND_EVERY_S until `ended()` and every stream has ended, at most the client's
+    timeout (past it `after_s` stays None, and a stream still open counts as hung)."""
     firsts = [asyncio.Event() for _ in range(streams)]
     tasks = [
         asyncio.create_task(client.call(PATH, client.body(PATH, index, stream=True, max_tokens=max_tokens), first))
         for index, first in enumerate(firsts)
     ]
-    await asyncio.wait_for(asyncio.gather(*(first.wait() for first in firsts)), client.timeout_s)
+    for task, first in zip(tasks, firsts):  # a stream refused (a status) never has a first event
+        waiter = asyncio.ensure_future(first.wait())
+        await asyncio.wait([task, waiter], timeout=client.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
     probe = client.body(PATH, streams, max_tokens=8)
     _, before = await send(client.http, probe)
     loop, drain, began = asyncio.get_running_loop(), Drain(event), time.perf_counter()
     await loop.run_in_executor(None, act)
-    while True:
+    while time.perf_counter() - began < client.timeout_s:
         if drain.after_s is None and await loop.run_in_executor(None, ended):
             drain.after_s = round(time.perf_counter() - began, 1)
         if drain.after_s is not None and all(task.done() for task in tasks):
@@ -87,6 +91,10 @@ async def ride_through(
             drain.first_new_s = round(time.perf_counter() - began, 1)
         await asyncio.sleep(SEND_EVERY_S)
     for task in tasks:
+        if not task.done():  # still open past the timeout
+            task.cancel()
+            drain.streams["hung"] += 1
+            continue
         end = stream_end(task.result())
         drain.streams[end] += 1
         if end != "completed" and len(drain.failures) < 3:

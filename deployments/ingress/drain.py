@@ -2,19 +2,22 @@
 it begins, a new request gets 503 with Retry-After and /health says "draining" (a load balancer
 sends the client elsewhere), while the streams in flight go on; one still running when the grace
 period ends is ended with an error event, never cut. `specdec serve` begins it through the Ray
-cluster's KV store, which every server replica of the model watches, then waits for the
+cluster's KV store, which every server replica of the application watches, then waits for the
 sessions to end (at most the grace period) before it shuts Serve down."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from .error_replies import WorkerUnavailable
 
 NAMESPACE = "specdec"
 WATCH_EVERY_S = 0.5
+logger = logging.getLogger(__name__)
 
 
 class ShuttingDown(WorkerUnavailable):
@@ -39,35 +42,42 @@ class Drain:
             raise ShuttingDown("the server shut down before the request finished (its grace period ended)")
 
 
-def drain_key(model_name: str) -> str:
-    return f"drain:{model_name}"
+def drain_key(app_name: str) -> str:
+    return f"drain:{app_name}"
 
 
-def begin_drain(model_name: str, grace_s: float) -> None:
-    """(`specdec serve`, connected to the cluster.) Every server replica of the model drains, and
-    ends the streams still running `grace_s` from now."""
+def begin_drain(app_name: str, grace_s: float) -> None:
+    """(`specdec serve`, connected to the cluster.) Every server replica of the Serve application
+    drains, and ends the streams still running `grace_s` from now."""
     from ray.experimental.internal_kv import _internal_kv_put
 
-    _internal_kv_put(drain_key(model_name), str(time.time() + grace_s).encode(), overwrite=True, namespace=NAMESPACE)
+    _internal_kv_put(drain_key(app_name), str(time.time() + grace_s).encode(), overwrite=True, namespace=NAMESPACE)
 
 
-def clear_drain(model_name: str) -> None:
-    """A new start serves: no drain left over from an earlier stop on the same cluster."""
+def clear_drain(app_name: str) -> None:
+    """No drain left for the application's next replicas (after a stop, and before a start)."""
     from ray.experimental.internal_kv import _internal_kv_del
 
-    _internal_kv_del(drain_key(model_name), namespace=NAMESPACE)
+    _internal_kv_del(drain_key(app_name), namespace=NAMESPACE)
 
 
-async def watch_for_drain(drain: Drain, model_name: str, executor) -> None:
-    """(A server replica, on its coordinator loop.) Begin the drain once `begin_drain` asks."""
+async def watch_for_drain(drain: Drain, app_name: str) -> None:
+    """(A server replica, on its coordinator loop.) Begin the drain once `begin_drain` asks; a
+    failed look (the cluster's store briefly unreachable) is logged and tried again."""
     from ray.experimental.internal_kv import _internal_kv_get
 
-    loop = asyncio.get_running_loop()
-    while not drain.draining:
-        value = await loop.run_in_executor(
-            executor, lambda: _internal_kv_get(drain_key(model_name), namespace=NAMESPACE)
-        )
-        if value is not None:
-            drain.deadline = float(value)
-            return
-        await asyncio.sleep(WATCH_EVERY_S)
+    def look() -> Optional[bytes]:
+        return _internal_kv_get(drain_key(app_name), namespace=NAMESPACE)
+
+    loop, reader = asyncio.get_running_loop(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="drain-watch")
+    try:
+        while not drain.draining:
+            try:
+                value = await loop.run_in_executor(reader, look)
+                if value is not None:
+                    drain.deadline = float(value)
+            except Exception:  # noqa: BLE001 - logged; the next look may succeed
+                logger.exception("looking for a drain of %s failed", app_name)
+            await asyncio.sleep(WATCH_EVERY_S)
+    finally:
+        reader.shutdown(wait=False)

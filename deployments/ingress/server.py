@@ -54,9 +54,8 @@ class SpecdecServer:
         for directory in self.replicas.values():  # ask now: the first request finds them known
             self.engine.coordinator.loop.call_soon_threadsafe(directory.ask)
         self.grpc_ingress = GrpcIngress(self.engine, self.config)
-        asyncio.run_coroutine_threadsafe(
-            watch_for_drain(self.engine.drain, self.config.model_name, self.lookups), self.engine.coordinator.loop
-        )
+        app_name = serve.get_replica_context().app_name
+        asyncio.run_coroutine_threadsafe(watch_for_drain(self.engine.drain, app_name), self.engine.coordinator.loop)
 
     async def locate(self, role: str, wait: bool = True) -> str:
         """A replica of the worker `role` for one request: its gRPC address (replicas.py). With

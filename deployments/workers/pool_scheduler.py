@@ -98,7 +98,7 @@ class PoolScheduler:
         except TimeoutError:
             if on_torch_thread(self.withdraw, session_id):
                 raise Overloaded(f"no KV blocks freed within {self.wait_s:g} s") from None
-            return admitted.result()  # admitted meanwhile
+            return admitted.result(timeout=self.wait_s)  # admitted meanwhile: its Admit is under way
 
     def waits(self, session_id: str) -> bool:
         """Whether the session waits for KV blocks (preempted, or its recompute not done)."""
@@ -171,7 +171,11 @@ class PoolScheduler:
                 if not self.room.admit(oldest, arrival.num_prompt, queued):
                     return
                 del self.arrivals[session_id]
-                arrival.admitted.set_result(self.run(Admit(session_id=session_id)))
+                try:
+                    arrival.admitted.set_result(self.run(Admit(session_id=session_id)))
+                except Exception as error:  # its Reset fails (and releases it); the step's rows see it too
+                    arrival.admitted.set_exception(error)
+                    raise
                 queued.append(Need(oldest, arrival.num_prompt))
 
     @staticmethod

@@ -751,6 +751,19 @@ def test_a_redeploy_serves_throughout_whether_its_target_cannot_start_or_replace
 LOSS_APP, LOSS_ROUTE = "tiny-loss", "/loss"
 
 
+def settled(count, limit_s: float = 30.0):
+    """`count()` once two looks a second apart agree (an earlier app's ranks and groups may still
+    be going), at most `limit_s`."""
+    last = count()
+    for _ in range(int(limit_s)):
+        time.sleep(1)
+        now = count()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def held_by_workers() -> tuple[int, int]:
     """What a fault may leak: the worker ranks alive, and the placement groups in place."""
     ranks = sum(
@@ -802,7 +815,7 @@ def test_losing_the_draft_workers_node_falls_back_then_speculation_resumes_on_an
             httpx.post(url + "/v1/completions", json=probe, timeout=120).json()["speculative"]["draft_fallback"]
             is False
         )
-        before = held_by_workers()
+        before = settled(held_by_workers)
         draft_rank = worker_handle("draft", LOSS_APP).rank_handles.remote().result()[0]
         draft_node = loss_nodes.pop(ray.get(draft_rank.node_id.remote()))
         # a draft token a step: the stream outlasts the node's removal
@@ -860,7 +873,7 @@ def test_losing_a_pipeline_stages_node_ends_its_stream_then_the_group_is_rebuilt
     try:
         probe = tp_body("greedy", drafter="pld")
         assert httpx.post(url + "/v1/completions", json=probe, timeout=120).status_code == 200
-        before = held_by_workers()
+        before = settled(held_by_workers)
         draft_rank = worker_handle("draft", LOSS_APP).rank_handles.remote().result()[0]
         stage_nodes = [
             ray.get(rank.node_id.remote()) for rank in worker_handle("target", LOSS_APP).rank_handles.remote().result()

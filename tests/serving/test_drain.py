@@ -46,12 +46,12 @@ def test_a_draining_replica_refuses_new_requests_and_ends_late_streams_with_an_e
     workers, client = draining
     drain = workers.engine.drain
     with (
-        client.stream("POST", "/v1/completions", json=body(900)) as late,
+        client.stream("POST", "/v1/completions", json=body(990)) as late,
         client.stream("POST", "/v1/completions", json=body(4)) as short,
     ):
         late_lines = late.iter_lines()
         assert next(late_lines).startswith("data: ")
-        drain.deadline = time.time() + 0.3  # the grace period ends soon
+        drain.deadline = time.time() + 60  # draining, the grace period running
         refused = client.post("/v1/completions", json=body(8, stream=False))
         assert refused.status_code == 503 and refused.headers["Retry-After"]
         assert "shutting down" in refused.json()["error"]["message"]
@@ -59,10 +59,11 @@ def test_a_draining_replica_refuses_new_requests_and_ends_late_streams_with_an_e
         assert health.status_code == 503 and health.json()["status"] == "draining"
         finished = events(short.iter_lines())
         assert finished[-1] == "[DONE]" and finished[-2]["choices"][0]["finish_reason"] == "length"
+        drain.deadline = time.time() - 1  # the grace period is over
         ended = events(late_lines)
     assert ended[-1] == "[DONE]" and ended[-2]["error"]["code"] == "worker_unavailable"
     assert "grace period" in ended[-2]["error"]["message"]
-    assert sum(len(event["choices"][0]["token_ids"]) for event in ended[:-2] if "choices" in event) < 899
+    assert sum(len(event["choices"][0]["token_ids"]) for event in ended[:-2] if "choices" in event) < 989
 
 
 def test_drain_check_names_how_each_stream_ended():
