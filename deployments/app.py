@@ -11,6 +11,7 @@ from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
 from .config import AppConfig, refuse_unfit_heads
 from .coordination.placement import bundles
+from .coordination.startup_log import NAMESPACE
 from .ingress.server import SpecdecServer
 from .workers.worker import WorkerGroup, deployment_name, worker_config, worker_grace_s
 
@@ -63,7 +64,7 @@ def shared_worker_secret(model_name: str) -> str:
     rollout, call each other. Without a cluster (an app built to be inspected), drawn anew."""
     if not ray.is_initialized():
         return secrets.token_hex(16)
-    key, namespace = f"worker_secret:{model_name}", "specdec"
+    key, namespace = f"worker_secret:{model_name}", NAMESPACE
     _internal_kv_put(key, secrets.token_hex(16), overwrite=False, namespace=namespace)  # the first draw stays
     return _internal_kv_get(key, namespace=namespace).decode()
 

@@ -15,6 +15,11 @@ from specdec_core.tools.cli_app import app, console, fail
 SERVE = "Serve"  # the group of `specdec --help` the service's commands are in (cli.py's)
 
 
+def counted(counter) -> str:
+    """A Counter's counts, as "3 x 200, 1 x 503"."""
+    return ", ".join(f"{count} x {what}" for what, count in sorted(counter.items()))
+
+
 @app.command(rich_help_panel=SERVE)
 def probe(
     endpoint: str = typer.Option("http://127.0.0.1:8000", "--endpoint", help="the service's HTTP address (loopback)"),
@@ -170,8 +175,7 @@ def rollout_check(
     results = rollouts(configs, app_name, settle_s, limit_s, lambda line: console.print(f"[dim]{line}"))
     table = Table("config", "requests", "new output after s", "app", title="specdec rollout-check")
     for result in results:
-        statuses = ", ".join(f"{count} x {status}" for status, count in sorted(result.statuses.items()))
-        table.add_row(result.config, statuses, str(result.first_new_s), result.app_status)
+        table.add_row(result.config, counted(result.statuses), str(result.first_new_s), result.app_status)
     console.print(table)
     for result in results:
         for failure in result.failures:
@@ -207,12 +211,8 @@ def drain_check(
     else:
         drain = sigterm_drain(config, streams, max_tokens, timeout_s)
     table = Table("event", "streams", "requests after it", "after s", "new output after s", title="specdec drain-check")
-
-    def counts(counter) -> str:
-        return ", ".join(f"{count} x {what}" for what, count in sorted(counter.items()))
-
     table.add_row(
-        drain.event, counts(drain.streams), counts(drain.requests), str(drain.after_s), str(drain.first_new_s)
+        drain.event, counted(drain.streams), counted(drain.requests), str(drain.after_s), str(drain.first_new_s)
     )
     console.print(table)
     for failure in drain.failures:

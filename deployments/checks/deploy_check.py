@@ -92,8 +92,7 @@ def start_with_specdec_serve(config: Path, limit_s: float) -> Start:
     url, model = service_url(config)
     stopped(url)
     began = time.perf_counter()
-    command = [str(Path(sys.executable).parent / "specdec"), "serve", "--config", str(config)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = specdec_serve(config)
     try:
         return first_listing(url, model, began, limit_s)
     finally:
@@ -104,6 +103,12 @@ def start_with_specdec_serve(config: Path, limit_s: float) -> Start:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         stopped(url)
+
+
+def specdec_serve(config: Path) -> subprocess.Popen:
+    """`specdec serve --config CONFIG` from this environment, in a process group of its own."""
+    command = [str(Path(sys.executable).parent / "specdec"), "serve", "--config", str(config)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def start_with_serve_deploy(config: Path, limit_s: float) -> Start:

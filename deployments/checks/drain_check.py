@@ -11,7 +11,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Callable, Optional
 
 import httpx
 
-from .deploy_check import SERVE_COMMAND, app_status, first_listing, service_url, stopped
+from .deploy_check import SERVE_COMMAND, app_status, first_listing, service_url, specdec_serve, stopped
 from .probe_client import Outcome, ProbeClient
 
 PATH = "/v1/chat/completions"
@@ -42,10 +41,14 @@ def stream_end(outcome: Outcome) -> str:
     if outcome.problem:
         return "hung" if outcome.problem.startswith("hung") else "cut"
     if outcome.status != 200:
-        return f"status {outcome.status}{' + Retry-After' if outcome.retry_after else ''}"
+        return f"status {status_label(outcome.status, outcome.retry_after is not None)}"
     if outcome.error:
         return f"error event: {outcome.error.get('code')}"
     return "completed" if outcome.done and outcome.finish_reason else "cut"
+
+
+def status_label(status: int, retry_after: bool) -> str:
+    return f"{status}{' + Retry-After' if retry_after else ''}"
 
 
 async def send(http: httpx.AsyncClient, body: dict) -> tuple[str, Optional[str]]:
@@ -58,7 +61,7 @@ async def send(http: httpx.AsyncClient, body: dict) -> tuple[str, Optional[str]]
         return "cut", None
     if response.status_code == 200:
         return "200", response.json()["choices"][0]["message"]["content"]
-    return f"{response.status_code}{' + Retry-After' if 'retry-after' in response.headers else ''}", None
+    return status_label(response.status_code, "retry-after" in response.headers), None
 
 
 async def ride_through(
@@ -123,8 +126,7 @@ def sigterm_drain(config: Path, streams: int, max_tokens: int, timeout_s: float)
     """`specdec serve --config CONFIG` started here; SIGTERM to it while `streams` streams run."""
     url, model = service_url(config)
     stopped(url)
-    command = [str(Path(sys.executable).parent / "specdec"), "serve", "--config", str(config)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = specdec_serve(config)
     try:
         if first_listing(url, model, time.perf_counter(), timeout_s).chat_status != 200:
             raise RuntimeError(f"specdec serve --config {config} did not serve within {timeout_s:g} s")

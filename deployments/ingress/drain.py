@@ -15,7 +15,6 @@ from typing import Optional
 
 from .error_replies import WorkerUnavailable
 
-NAMESPACE = "specdec"
 WATCH_EVERY_S = 0.5
 logger = logging.getLogger(__name__)
 
@@ -46,28 +45,37 @@ def drain_key(app_name: str) -> str:
     return f"drain:{app_name}"
 
 
+def cluster_store():
+    """Ray's KV store and the project's namespace in it (imported only where a cluster is)."""
+    from ray.experimental import internal_kv
+
+    from ..coordination.startup_log import NAMESPACE
+
+    return internal_kv, NAMESPACE
+
+
 def begin_drain(app_name: str, grace_s: float) -> None:
     """(`specdec serve`, connected to the cluster.) Every server replica of the Serve application
     drains, and ends the streams still running `grace_s` from now."""
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    _internal_kv_put(drain_key(app_name), str(time.time() + grace_s).encode(), overwrite=True, namespace=NAMESPACE)
+    store, namespace = cluster_store()
+    store._internal_kv_put(
+        drain_key(app_name), str(time.time() + grace_s).encode(), overwrite=True, namespace=namespace
+    )
 
 
 def clear_drain(app_name: str) -> None:
     """No drain left for the application's next replicas (after a stop, and before a start)."""
-    from ray.experimental.internal_kv import _internal_kv_del
-
-    _internal_kv_del(drain_key(app_name), namespace=NAMESPACE)
+    store, namespace = cluster_store()
+    store._internal_kv_del(drain_key(app_name), namespace=namespace)
 
 
 async def watch_for_drain(drain: Drain, app_name: str) -> None:
     """(A server replica, on its coordinator loop.) Begin the drain once `begin_drain` asks; a
     failed look (the cluster's store briefly unreachable) is logged and tried again."""
-    from ray.experimental.internal_kv import _internal_kv_get
+    store, namespace = cluster_store()
 
     def look() -> Optional[bytes]:
-        return _internal_kv_get(drain_key(app_name), namespace=NAMESPACE)
+        return store._internal_kv_get(drain_key(app_name), namespace=namespace)
 
     loop, reader = asyncio.get_running_loop(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="drain-watch")
     try:

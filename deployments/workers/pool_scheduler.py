@@ -97,8 +97,11 @@ class PoolScheduler:
             return admitted.result(timeout=self.wait_s)
         except TimeoutError:
             if on_torch_thread(self.withdraw, session_id):
-                raise Overloaded(f"no KV blocks freed within {self.wait_s:g} s") from None
+                raise self.waited_too_long() from None
             return admitted.result(timeout=self.wait_s)  # admitted meanwhile: its Admit is under way
+
+    def waited_too_long(self) -> Overloaded:
+        return Overloaded(f"no KV blocks freed within {self.wait_s:g} s")
 
     def waits(self, session_id: str) -> bool:
         """Whether the session waits for KV blocks (preempted, or its recompute not done)."""
@@ -123,11 +126,10 @@ class PoolScheduler:
         return running
 
     def need(self, row: PendingRow) -> Need:
-        scorer, step_row = self.scorers[row.session_id], row.row
-        if row.prefill:
-            return Need(scorer, scorer.committed_len + min(len(step_row.tokens), self.chunk))
-        commit = step_row.commit_keep + len(step_row.commit_path)
-        return Need(scorer, scorer.committed_len + commit + len(step_row.tokens))
+        scorer = self.scorers[row.session_id]
+        if row.prefill:  # this step's chunk of it
+            return Need(scorer, scorer.committed_len + min(len(row.row.tokens), self.chunk))
+        return Need(scorer, scorer.committed_len + self.added_positions(row))
 
     def park_if_preempted(self, row: PendingRow) -> bool:
         session_id = row.session_id
@@ -150,7 +152,7 @@ class PoolScheduler:
         queued = [self.need(row) for row in queued_rows]
         now = time.monotonic()
         for session_id in [sid for sid, arrival in self.arrivals.items() if now - arrival.since > self.wait_s]:
-            self.arrivals[session_id].admitted.set_exception(Overloaded(f"no KV blocks freed within {self.wait_s:g} s"))
+            self.arrivals[session_id].admitted.set_exception(self.waited_too_long())
             self.withdraw(session_id)
         while True:
             waiting = [*self.room.preempted, *(self.scorers[sid] for sid in self.arrivals)]
@@ -180,8 +182,8 @@ class PoolScheduler:
 
     @staticmethod
     def added_positions(row: PendingRow) -> int:
-        """The positions a parked row adds to its session's committed ones (a prompt chunk's are
-        among them already: its recompute feeds them)."""
+        """The positions a verify row adds to its session's committed ones: the commit it brings
+        and its tokens (a parked prompt chunk adds none: its recompute feeds them)."""
         if row.prefill:
             return 0
         return row.row.commit_keep + len(row.row.commit_path) + len(row.row.tokens)
@@ -224,7 +226,7 @@ class PoolScheduler:
         self.recomputing.discard(row.session_id)
         error = prefill.exception()
         if error is None and self.scorers.get(row.session_id) is None:
-            error = SessionMissing(f"no session {row.session_id!r} (released or expired)")
+            error = SessionMissing(row.session_id)
         if error is not None:
             row.future.set_exception(error)
         else:
@@ -236,7 +238,7 @@ class PoolScheduler:
         scorer = self.scorers.get(session_id)
         if scorer is None:
             return
-        gone = SessionMissing(f"no session {session_id!r} (released or expired)")
+        gone = SessionMissing(session_id)
         arrival = self.arrivals.pop(session_id, None)
         if arrival is not None and not arrival.admitted.done():
             arrival.admitted.set_exception(gone)

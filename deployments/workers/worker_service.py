@@ -43,6 +43,9 @@ def on_torch_thread(call: Callable[..., Any], *args: Any) -> Any:
 class SessionMissing(LookupError):
     """A call on a session that was released or expired (or died with a restarted worker)."""
 
+    def __init__(self, session_id: str):
+        super().__init__(f"no session {session_id!r} (released or expired)")
+
 
 class WorkerService:
     """What both workers share: the session table, input checks, admission, release and stats.
@@ -145,7 +148,7 @@ class WorkerService:
     def session(self, session_id: str) -> Any:
         session = self.table.get(session_id)
         if session is None:
-            raise SessionMissing(f"no session {session_id!r} (released or expired)")
+            raise SessionMissing(session_id)
         return session
 
     def check_tokens(self, tokens: Sequence[int], param: str, min_count: int, max_count: int) -> list[int]:

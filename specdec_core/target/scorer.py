@@ -62,9 +62,7 @@ class TargetScorer:
         the request's drafter reads (`guess`); only those run beside it, only then."""
         if len(prompt_ids) == 0:
             raise ValueError("prompt must contain at least one token")
-        self.policy = policy
-        self.sampling = sampling
-        self.prompt_ids = list(prompt_ids)
+        self.policy, self.sampling, self.prompt_ids = policy, sampling, list(prompt_ids)
         self.cached_ids, self.preemptions, self.heads_kind = self.prompt_ids[:-1], 0, heads_kind
         asks, top = sampling.prompt_logprobs is not None, sampling.prompt_logprobs
         self.prompt_parts = [] if asks and len(prompt_ids) > 1 else None
@@ -85,13 +83,11 @@ class TargetScorer:
         return self.take_prompt() if admitted else []
 
     def take_prompt(self) -> list[int]:
-        """The prompt's blocks another session computed (prefix caching), unless its scores or the
-        heads need its forward; the tokens left to prefill (as `Row(prefill=True)`s of one or
-        more forwards): all but the last, which the first `score` feeds."""
-        reusable = self.prompt_parts is None and self.heads_kind is None
-        self.committed_len = self.cache.reuse(pool_of(self.model.model), self.cached_ids) if reusable else 0
-        self.prefix_cache_queries = len(self.prompt_ids) - 1 if reusable else 0
-        self.prefix_cache_hits = self.committed_len
+        """The prompt's blocks another session computed (`reuse_cached`); the tokens left to prefill
+        (`Row(prefill=True)`s): all but the last, which the first `score` feeds."""
+        reused = self.reuse_cached()
+        self.committed_len = self.prefix_cache_hits = reused or 0
+        self.prefix_cache_queries = len(self.prompt_ids) - 1 if reused is not None else 0
         return self.prompt_ids[self.committed_len : -1]
 
     def reset(
@@ -219,17 +215,20 @@ class TargetScorer:
         self.preemptions += 1
 
     def recompute(self) -> list[int]:
-        """After `preempt`: a new cache, the committed positions the prefix cache still holds,
-        and the tokens to prefill for the rest (the heads, which need every position, see them
-        all again, as do a prompt's scores not all taken). The request's random streams go on."""
-        self.cache, restart = PagedKV(), self.prompt_parts is not None
-        self.prompt_parts = [] if restart else None
-        if self.heads_kind is None and not restart:
-            self.committed_len = self.cache.reuse(pool_of(self.model.model), self.cached_ids)
-        else:
-            self.committed_len = 0
-            self.heads_session = self.heads[self.heads_kind].session(self.model) if self.heads_kind else None
+        """After `preempt`: a new cache, what the prefix cache still holds, and the tokens to prefill
+        for the rest (all again for the heads, and for a prompt's scores not all taken)."""
+        self.cache = PagedKV()
+        self.prompt_parts = [] if self.prompt_parts is not None else None
+        if self.heads_kind is not None:
+            self.heads_session = self.heads[self.heads_kind].session(self.model)
+        self.committed_len = self.reuse_cached() or 0
         return self.cached_ids[self.committed_len :]
+
+    def reuse_cached(self) -> Optional[int]:
+        """The committed positions' cached blocks, taken: how many (None: scores or heads need every forward)."""
+        if self.prompt_parts is not None or self.heads_kind is not None:
+            return None
+        return self.cache.reuse(pool_of(self.model.model), self.cached_ids)
 
     def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
         """The heads' node tokens of tree `tree` after `root_token` (the last committed token,
