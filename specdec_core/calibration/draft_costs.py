@@ -111,9 +111,13 @@ def draft_costs_path(target: ModelSpec, draft: ModelSpec, threads: Optional[tupl
 
 
 def fields_outside_key(spec: ModelSpec) -> set[str]:
-    """cuda_graphs has no bearing on a CPU pair; compile_layers counts where set (a pair that sets
-    neither keeps the key it had before these fields)."""
-    return {"source", "cuda_graphs", *(() if spec.compile_layers else ("compile_layers",))}
+    """cuda_graphs has no bearing on a CPU pair; compile_layers and attention count where set (a
+    pair that sets neither keeps the key it had before these fields)."""
+    unset = (
+        *(() if spec.compile_layers else ("compile_layers",)),
+        *(("attention",) if spec.attention == "auto" else ()),
+    )
+    return {"source", "cuda_graphs", *unset}
 
 
 def cpu_pair(target: ModelSpec, draft: Optional[ModelSpec]) -> bool:

@@ -84,7 +84,7 @@ def profile_path(spec: ModelSpec, settings: CalibrationSettings) -> Path:
     measurement depends on, so a changed checkpoint is measured anew and a copy of it (another
     clone, another directory) is not."""
     name, content = source_identity(spec.source)
-    ignored = {"source", "device", "compile", "compile_layers", "cuda_graphs"}
+    ignored = {"source", "device", "compile", "compile_layers", "cuda_graphs", "attention"}
     if spec.kv_cache_dtype == "auto":  # the key as before the field existed: shipped profiles stand
         ignored.add("kv_cache_dtype")
     key = json.dumps(

@@ -26,6 +26,7 @@ from ..planning.memory import load_model_config
 from ..runtime.batching import set_kv_cache_dtype
 from ..runtime.compiled_layers import compile_layers
 from ..runtime.compiled_step import compile_step
+from ..runtime.ragged_attention import use_paged_attention
 from ..runtime.step_graphs import use_step_graphs
 from .fp8_checkpoint import checkpoint_fp8_scheme
 from .kernels import prepare_model
@@ -72,6 +73,12 @@ class ModelSpec(BaseModel):
         description="on CUDA, each decoding step replays a CUDA graph recorded at its first use (step_graphs.py); "
         "false: every step eager (vLLM's enforce_eager)",
     )
+    attention: Literal["auto", "paged", "sdpa"] = Field(
+        "auto",
+        description="a step's short rows (verify blocks, trees, single tokens): paged, the Triton kernel that reads "
+        "the KV pool through the block tables (kernels/paged_attention.py); sdpa, each row's keys gathered for "
+        "PyTorch's SDPA; auto: paged on CUDA (not under compile), sdpa on the CPU. Prompt chunks take SDPA",
+    )
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         "auto", description="the KV cache's: auto, the activations'; fp8: e4m3, half of bf16's bytes (kv_pool.py)"
     )
@@ -92,7 +99,17 @@ class ModelSpec(BaseModel):
             raise ValueError("int4 runs eager: its chunk kernels (oneDNN, torch's int4 op) are not compiled")
         if self.compile and self.compile_layers:
             raise ValueError("compile (the whole step) or compile_layers (each layer), not both")
+        if self.compile and self.attention == "paged":
+            raise ValueError("the paged attention kernel runs beside compiled layers, not inside a compiled step")
         return self
+
+    @property
+    def paged_attention(self) -> bool:
+        """Whether the model's short rows take the paged kernel (`attention`, resolved)."""
+        if self.attention != "auto":
+            return self.attention == "paged"
+        on_cuda = self.torch_device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        return on_cuda and not self.compile
 
     @property
     def torch_device(self) -> torch.device:
@@ -259,6 +276,8 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
         return model
     if spec.compile_layers:
         compile_layers(model, cache_dir())
+    if spec.paged_attention:
+        use_paged_attention(model)
     if spec.cuda_graphs and device.type == "cuda":
         use_step_graphs(model)
     return model

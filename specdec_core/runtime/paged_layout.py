@@ -53,6 +53,5 @@ def paged_rows(
         block_tables.to(device, int32),
         seq_lens.to(device, int32),
         query_start.to(device, int32),
-        token_row.to(device, int32),
         new_mask.to(device, torch.int8),
     )

@@ -42,7 +42,6 @@ class PagedRows:
     block_tables: torch.Tensor  # [B, blocks] each row's blocks
     seq_lens: torch.Tensor  # [B] each row's keys, its history and new tokens
     query_start: torch.Tensor  # [B + 1] where each row's new tokens start among the N
-    token_row: torch.Tensor  # [N] each new token's row
     new_mask: torch.Tensor  # [N, Q] int8: which of its row's new tokens each sees
 
 

@@ -21,12 +21,32 @@ from helpers.paged_rows import causal, random_paged_arguments, sdpa_reference, t
         ([1], [causal(1)], 4, 4, 2),  # a first token: its own key only; a split left empty
         ([300], [causal(1)], 8, 2, 16),  # one token over a long history, split 16 ways
         ([40, 7, 129], [causal(5), tree_mask(), causal(1)], 6, 2, 3),  # ragged rows, a tree, G = 3
+        ([90, 41], [causal(40), causal(1)], 4, 2, 2),  # a row of 40 new tokens: two programs' worth
     ],
 )
 def test_the_kernel_equals_sdpa_over_the_gathered_keys(seq_lens, masks, heads, kv_heads, splits):
     arguments = random_paged_arguments(seq_lens, masks, heads, kv_heads, head_dim=16, seed=len(seq_lens) + heads)
     output = paged_attention(**arguments, num_splits=splits)  # [N, H, D]
     torch.testing.assert_close(output, sdpa_reference(arguments), atol=2e-5, rtol=2e-5)
+
+
+def test_a_graphed_steps_padding_row_comes_out_zero_and_leaves_the_rows_alone():
+    """paged_layout.py pads a graphed step with one row of no keys holding the padding tokens,
+    more of them than the widest real row: the kernel covers every token without the rows'
+    lengths, gives the padding 0 and the real rows what it gives them alone."""
+    arguments = random_paged_arguments([37], [causal(5)], 4, 2, head_dim=16, seed=3)
+    alone = paged_attention(**arguments)
+    padding = 11
+    padded = {
+        **arguments,
+        "query": torch.cat([arguments["query"], torch.randn(padding, 4, 16)]),
+        "block_tables": torch.cat([arguments["block_tables"], torch.zeros_like(arguments["block_tables"])]),
+        "seq_lens": torch.cat([arguments["seq_lens"], torch.zeros(1, dtype=torch.int32)]),
+        "query_start": torch.tensor([0, 5, 5 + padding], dtype=torch.int32),
+        "new_mask": torch.cat([arguments["new_mask"], torch.zeros(padding, 5, dtype=torch.int8)]),
+    }
+    output = paged_attention(**padded)
+    assert torch.equal(output[:5], alone) and torch.equal(output[5:], torch.zeros(padding, 4, 16))
 
 
 def test_a_model_on_the_paged_kernel_decodes_as_on_sdpa(tiny_engine):
@@ -66,3 +86,22 @@ def test_a_model_on_the_paged_kernel_decodes_as_on_sdpa(tiny_engine):
             if drafter == "none":
                 target_only = tokens
             assert tokens == target_only, (graphs, drafter)
+
+
+def test_a_model_spec_chooses_the_paged_kernel_on_cuda_and_sdpa_on_the_cpu(tmp_path):
+    """`attention: auto` (the default) is the paged kernel on CUDA and SDPA on the CPU; `paged`
+    loads a model on it (here under the interpreter); a compiled step cannot hold it."""
+    from specdec_core.models.loader import ModelSpec, load_model
+
+    from helpers.tiny_models import tiny_llama
+
+    tiny_llama(num_layers=1).config.save_pretrained(tmp_path)
+    source = f"random:{tmp_path / 'config.json'}"
+    assert not ModelSpec(source=source, device="cpu").paged_attention
+    assert ModelSpec(source=source, device="cuda").paged_attention
+    assert not ModelSpec(source=source, device="cuda", compile=True).paged_attention
+    assert not ModelSpec(source=source, device="cuda", attention="sdpa").paged_attention
+    assert load_model(ModelSpec(source=source, device="cpu", attention="paged")).model.paged_attention
+    assert not getattr(load_model(ModelSpec(source=source, device="cpu")).model, "paged_attention", False)
+    with pytest.raises(ValueError, match="not inside a compiled step"):
+        ModelSpec(source=source, device="cuda", compile=True, attention="paged")

@@ -54,7 +54,6 @@ def random_paged_arguments(
         "block_tables": torch.tensor(tables, dtype=int32),
         "seq_lens": torch.tensor(seq_lens, dtype=int32),
         "query_start": torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], dtype=int32),
-        "token_row": torch.repeat_interleave(torch.arange(len(news)), torch.tensor(news)).to(int32),
         "new_mask": new_mask,
     }
     return {name: tensor.to(device) for name, tensor in arguments.items()}

@@ -81,7 +81,6 @@ def paged_call(rows: int, tokens: int, history: int, device: str = "cuda") -> in
         "block_tables": torch.arange(rows * per_row, device=device, dtype=int32).view(rows, per_row),
         "seq_lens": torch.full((rows,), total, device=device, dtype=int32),
         "query_start": torch.arange(0, rows * tokens + 1, tokens, device=device, dtype=int32),
-        "token_row": torch.arange(rows, device=device, dtype=int32).repeat_interleave(tokens),
         "new_mask": torch.ones(tokens, tokens, device=device).tril().to(torch.int8).repeat(rows, 1),
     }
     return round(microseconds(lambda: paged_attention(**arguments)))

@@ -59,21 +59,19 @@ def requests(method: str, count: int, prompt_tokens: int, max_tokens: int, num_d
 
 def measure(engine: SpeculativeEngine, method: str, sessions: int, args: dict, copy_bytes_s: float, recorded: dict):
     """One method at one concurrency: its row (tokens/s over the decode, prefills excluded, and
-    per step) and each request's token ids, after an unmeasured short run of the same requests
-    (it records the CUDA graphs of their shapes). `recorded`: each prompt's output in the
+    per step) and each request's token ids, after an unmeasured run of the same requests: greedy
+    steps repeat, so it records the CUDA graph of every shape the measured run visits (a shorter
+    run missed the last steps' shapes, and the measured run paid ~0.5 s to record each one on an
+    H100). `recorded`: each prompt's output in the
     RECORDING run, which a method of fixed acceptance proposes: its verify rows are K + 1 tokens,
     as theirs are, so that bf16 rounding decides the target's argmax the same way in both."""
     batch = requests(method, sessions, args["prompt_tokens"], args["max_tokens"], args["num_draft"], args["vocab"])
-    # the same prompts (seeded), a few steps each
-    warm_up = requests(
-        method, sessions, args["prompt_tokens"], 2 * args["num_draft"] + 2, args["num_draft"], args["vocab"]
-    )
     times = StepTimes()
     accept_length = method_parts(method)[1]
     if accept_length is not None:
         engine.make_drafter = recorded_drafters(engine.draft_model, recorded, accept_length)
     try:
-        complete_together(engine, warm_up)
+        complete_together(engine, batch)
         completions = complete_together(engine, batch, times)
     finally:
         engine.make_drafter = make_drafter

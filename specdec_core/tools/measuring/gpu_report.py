@@ -24,7 +24,6 @@ from ...models.loader import ModelSpec, load_model
 from ...planning.kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION, kv_budget
 from ...planning.memory import GIB, kv_bytes_per_token
 from ...policies import make_policy
-from ...runtime.ragged_attention import use_paged_attention
 from ...target.scorer import PREFILL_CHUNK, TargetScorer
 from .attention_calls import attention_calls
 from .device_clock import seconds_per_call
@@ -40,7 +39,7 @@ DraftShapeOpt = typer.Option("random:llama-3.2-1b-instruct", help="draft model")
 DtypeOpt = typer.Option("bfloat16", help="both models' dtype")
 DeviceOpt = typer.Option("auto", help="auto: CUDA when present; cpu runs here (small models!)")
 CompileLayersOpt = typer.Option(False, help="both models' layers compiled (compiled_layers.py)")
-PagedAttentionOpt = typer.Option(False, help="both models' short rows on the paged kernel (Triton)")
+AttentionOpt = typer.Option("auto", help="both models' short rows: paged (Triton), sdpa, or auto (paged on CUDA)")
 
 
 def device_facts(device: torch.device) -> dict:
@@ -119,10 +118,7 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
     engine = SpeculativeEngine(load_model(target), None, load_model(draft), profile=lambda *_: None)
     loaded_s = time.perf_counter() - clock
     compiled = ", steps compiled" if target.compile else ", layers compiled" if target.compile_layers else ""
-    if args["paged_attention"]:
-        for model in (engine.target_model, engine.draft_model):
-            use_paged_attention(model)
-        compiled += ", paged attention"
+    compiled += ", paged attention" if target.paged_attention else ", SDPA"
     models = f"models: target {target.source}, draft {draft.source}, {target.dtype}{compiled}"
     out += [f"{models}, loaded in {loaded_s:.1f} s", ""]
     args = {**args, "vocab": engine.target_model.config.vocab_size}
@@ -179,13 +175,20 @@ def gpu_report(
     tests: bool = typer.Option(True, help="run tests/core/test_gpu.py first"),
     compiled: bool = typer.Option(False, "--compile", help="both models' steps compiled (CUDA graphs on CUDA)"),
     compile_layers: bool = CompileLayersOpt,
-    paged_attention: bool = PagedAttentionOpt,
+    attention: str = AttentionOpt,
     out: Optional[Path] = typer.Option(None, help="also write the markdown here"),
 ):
     """Device facts, GPU tests and the engine at real shapes on random weights, as markdown."""
     try:
         target_spec, draft_spec = (
-            ModelSpec(source=source, dtype=dtype, device=device, compile=compiled, compile_layers=compile_layers)
+            ModelSpec(
+                source=source,
+                dtype=dtype,
+                device=device,
+                compile=compiled,
+                compile_layers=compile_layers,
+                attention=attention,
+            )
             for source in (target, draft)
         )
     except ValidationError as error:  # --compile with --compile-layers, an unknown device, ...
@@ -199,7 +202,6 @@ def gpu_report(
         print(f"skipped: {skipped} runs the engine here)")
         return
     args = {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "num_draft": num_draft_tokens, "tests": tests}
-    args["paged_attention"] = paged_attention
     levels = [int(level) for level in concurrency.split(",")]
     method_list = methods.split(",")
     fixed = [method for method in method_list if method_parts(method)[1] is not None]

@@ -19,11 +19,10 @@ import typer
 
 from ...models.loader import ModelSpec, load_model
 from ...runtime.compiled_layers import layers_compiled
-from ...runtime.ragged_attention import use_paged_attention
 from ...target.scorer import forward_rows
 from .device_clock import seconds_per_call, synchronize
 from .gpu_decode import graphed, steps_as, table
-from .gpu_report import CompileLayersOpt, DeviceOpt, DraftShapeOpt, DtypeOpt, PagedAttentionOpt, TargetShapeOpt
+from .gpu_report import AttentionOpt, CompileLayersOpt, DeviceOpt, DraftShapeOpt, DtypeOpt, TargetShapeOpt
 from .step_ops import OpCounter, verify_rows
 
 # a kernel's kind, by the first pattern its name matches (the SDPA kernels, cuBLAS's and CUTLASS's
@@ -140,15 +139,12 @@ def step_profile(
     num_draft: int,
     history: int,
     top: int = 12,
-    paged_attention: bool = False,
 ) -> str:
     """The profile's markdown: each model's step at each row count, eager and graphed where the
     models have graphs; then the top kernels of each model's graphed (else eager) one-row step."""
     lines, tables = [], []
     for role, spec, tokens in (("target", target, num_draft + 1), ("draft", draft, 1)):
         model = load_model(spec)
-        if paged_attention:
-            use_paged_attention(model)
         modes = ("eager", "graphs") if graphed(model) is not None else ("eager",)
         profiled = {}
         for mode in modes:
@@ -169,7 +165,7 @@ def step_profile(
     heading = (
         f"One step after {history} tokens ({target.source} verifying {num_draft + 1} tokens a row, {draft.source} "
         f"drafting one; {target.dtype}{', layers compiled' if target.compile_layers else ''}"
-        f"{', paged attention' if paged_attention else ''}); wall: the call "
+        f"{', paged attention' if target.paged_attention else ', SDPA'}); wall: the call "
         "with its layout and LM head; replay: its CUDA graph alone; busy: the device's kernel time:"
     )
     return "\n".join([heading, "", table(filled, columns), *lines])
@@ -185,16 +181,23 @@ def step_profile_command(
     history: int = typer.Option(256, min=1, help="tokens each session holds before the step"),
     compile_layers: bool = CompileLayersOpt,
     num_layers: Optional[int] = typer.Option(None, help="keep each model's first N layers"),
-    paged_attention: bool = PagedAttentionOpt,
+    attention: str = AttentionOpt,
 ):
     """Where one target verify step's and one draft step's time goes: wall, graph replay, device
     busy, kernels by kind, and the top kernels (CUDA; on the CPU the wall and the operations)."""
     target_spec, draft_spec = (
-        ModelSpec(source=source, dtype=dtype, device=device, compile_layers=compile_layers, num_layers=num_layers)
+        ModelSpec(
+            source=source,
+            dtype=dtype,
+            device=device,
+            compile_layers=compile_layers,
+            num_layers=num_layers,
+            attention=attention,
+        )
         for source in (target, draft)
     )
     counts = [int(count) for count in rows.split(",")]
-    print(step_profile(target_spec, draft_spec, counts, num_draft_tokens, history, paged_attention=paged_attention))
+    print(step_profile(target_spec, draft_spec, counts, num_draft_tokens, history))
 
 
 if __name__ == "__main__":  # the device machine runs it as a module: no console script installed there
