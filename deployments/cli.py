@@ -23,6 +23,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "data" / "local.yaml"
 # a SIGTERM's drain waits this much past the grace period: the replicas end their last streams first
 DRAIN_SLACK_S = 5.0
 APP_NAME = "specdec"  # the Serve application `specdec serve` runs
+SIMULATED_NODE = "simulated_node"  # the resource each of --simulate-nodes' nodes past the head offers
 
 
 def load_serve_config(path: Path) -> dict:
@@ -57,7 +58,8 @@ def serve(
         0,
         "--simulate-nodes",
         min=0,
-        help="start a local cluster of N simulated nodes: a multi-node layout on one machine",
+        help="start a local cluster of N simulated nodes: a multi-node layout on one machine (each node past "
+        f"the head offers the resource {SIMULATED_NODE!r})",
     ),
 ):
     """Start the specdec Ray Serve app (OpenAI HTTP + gRPC) and block until Ctrl-C. --tp and --pp
@@ -173,8 +175,10 @@ def with_measured_draft(config):
 def simulated_cluster(nodes: int):
     """A Ray cluster of `nodes` raylets on this machine (Ray's `cluster_utils`, as the cluster tests
     use), each offering every core: placement groups spread over them as over real nodes
-    (cluster/local-pp2.yaml's stages, a node each), while all share the machine's cores. Its
-    processes stop when this one exits."""
+    (cluster/local-pp2.yaml's stages, a node each), while all share the machine's cores. Each node
+    past the head offers one SIMULATED_NODE, which a worker's `resources` may ask for to stay off
+    the head (where the servers run: `specdec probe --phases node-loss` loses the workers' nodes).
+    Its processes stop when this one exits."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -182,7 +186,7 @@ def simulated_cluster(nodes: int):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cores, "include_dashboard": False})
     atexit.register(lambda: (ray.shutdown(), cluster.shutdown()))  # the driver first: Ray refuses the reverse
     for _ in range(nodes - 1):
-        cluster.add_node(num_cpus=cores)
+        cluster.add_node(num_cpus=cores, resources={SIMULATED_NODE: 1})
     return cluster
 
 

@@ -15,11 +15,6 @@ from specdec_core.tools.cli_app import app, console, fail
 SERVE = "Serve"  # the group of `specdec --help` the service's commands are in (cli.py's)
 
 
-def counted(counter) -> str:
-    """A Counter's counts, as "3 x 200, 1 x 503"."""
-    return ", ".join(f"{count} x {what}" for what, count in sorted(counter.items()))
-
-
 @app.command(rich_help_panel=SERVE)
 def probe(
     endpoint: str = typer.Option("http://127.0.0.1:8000", "--endpoint", help="the service's HTTP address (loopback)"),
@@ -27,33 +22,47 @@ def probe(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDEC_API_KEY"),
     ray_address: str = typer.Option("auto", "--ray-address", help="the service's Ray cluster (kills, memory)"),
     app_name: str = typer.Option("specdec", "--app", help="the service's Serve application"),
-    kills: bool = typer.Option(True, help="kill each worker mid-stream and read process memory (needs Ray)"),
+    kills: bool = typer.Option(
+        True, help="through Ray: kill each worker mid-stream, fill the target's KV pool, read process memory"
+    ),
+    phases: str = typer.Option(
+        "inputs,streams,disconnects,kills,kv-pressure,redeploy,soak",
+        help="the phases to run; node-loss (a simulated cluster's nodes of the workers, lost for good) is asked for",
+    ),
     streams: int = typer.Option(64, "--streams", min=1, help="concurrent streams"),
     disconnects: int = typer.Option(16, "--disconnects", min=1, help="streams dropped after their first event"),
+    kv_chats: int = typer.Option(4, "--kv-chats", min=2, help="chats of half the target's KV pool each, at once"),
+    redeploy: Optional[Path] = typer.Option(
+        None, "--redeploy", help="a changed Serve config of the app, deployed while streams run (else no redeploy)"
+    ),
+    redeploy_streams: int = typer.Option(16, "--redeploy-streams", min=1, help="streams in flight through it"),
     soak: int = typer.Option(1000, "--soak", min=1, help="requests in the soak"),
     soak_concurrency: int = typer.Option(8, "--soak-concurrency", min=1),
     timeout_s: float = typer.Option(120.0, "--timeout", help="a request unanswered this long counts as hung"),
 ):
     """The reliability suite against a running service on this machine: hostile inputs, concurrent
-    streams, disconnects, worker kills mid-stream, a soak with memory before and after. Prints a
-    table; exits 1 on a lost or hung request, an unexpected status or a leaked session."""
+    streams, disconnects, worker kills mid-stream, KV pressure that preempts, a redeploy under
+    streams, a soak with memory before and after. Prints a table; exits 1 on a lost or hung
+    request, an unexpected status, a leaked session or block."""
     import asyncio
 
     from rich.markup import escape
     from rich.table import Table
 
-    from .checks.probe import Probe
+    from .checks.probe import PHASES, Probe, ProbeCounts
     from .checks.probe_cluster import LocalCluster
 
+    chosen = tuple(phase.strip() for phase in phases.split(","))
+    if unknown := set(chosen) - set(PHASES):
+        fail(f"--phases: {', '.join(sorted(unknown))} unknown; of {', '.join(PHASES)}")
     try:
         suite = Probe(endpoint, grpc_address or None, api_key, timeout_s)
     except ValueError as error:
         fail(str(error))
     cluster = LocalCluster(ray_address, app_name) if kills else None
+    counts = ProbeCounts(streams, disconnects, kv_chats, redeploy_streams, soak, soak_concurrency)
     report = asyncio.run(
-        suite.run(
-            streams, disconnects, soak, soak_concurrency, cluster, lambda phase: console.print(f"[dim]probe: {phase}")
-        )
+        suite.run(counts, chosen, cluster, redeploy, lambda phase: console.print(f"[dim]probe: {phase}"))
     )
     inputs = Table("input", "expected", "got", title="hostile inputs (status, param)")
     for row in report.inputs:
@@ -61,7 +70,7 @@ def probe(
     checks = Table("check", "result", "", title="specdec probe")
     for name, result, passed in report.checks:
         checks.add_row(escape(name), escape(result), "[green]ok[/green]" if passed else "[red]FAIL[/red]")
-    console.print(inputs, checks)
+    console.print(*([inputs] if report.inputs else []), checks)
     for failure in report.failures:
         console.print(escape(failure), style="red", highlight=False)
     if report.failures:
@@ -171,6 +180,7 @@ def rollout_check(
     from rich.table import Table
 
     from .checks.deploy_check import rollouts
+    from .checks.drain_check import counted
 
     results = rollouts(configs, app_name, settle_s, limit_s, lambda line: console.print(f"[dim]{line}"))
     table = Table("config", "requests", "new output after s", "app", title="specdec rollout-check")
@@ -202,7 +212,7 @@ def drain_check(
     the process had exited (sigterm). Exits 1 if a stream was cut or hung."""
     from rich.table import Table
 
-    from .checks.drain_check import deploy_drain, sigterm_drain
+    from .checks.drain_check import counted, deploy_drain, sigterm_drain
 
     if via not in ("deploy", "sigterm"):
         fail("--via is deploy or sigterm")

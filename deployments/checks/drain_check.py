@@ -36,6 +36,11 @@ class Drain:
     failures: list[str] = field(default_factory=list)  # the first few streams that did not complete
 
 
+def counted(counter: Counter) -> str:
+    """A Counter's counts, as "3 x 200, 1 x 503"."""
+    return ", ".join(f"{count} x {what}" for what, count in sorted(counter.items()))
+
+
 def stream_end(outcome: Outcome) -> str:
     """How a stream ended: completed, `error event: CODE`, `status N`, cut, or hung."""
     if outcome.problem:
@@ -105,20 +110,25 @@ async def ride_through(
     return drain
 
 
-def deploy_drain(config: Path, app: str, streams: int, max_tokens: int, timeout_s: float) -> Drain:
-    """`serve deploy CONFIG` onto the running app while `streams` streams run."""
-    url, model = service_url(config)
-    deploy = [*SERVE_COMMAND, "deploy", str(config)]
+def redeploy(config: Path, app: str) -> tuple[Callable[[], None], Callable[[], bool]]:
+    """`serve deploy CONFIG` onto the running `app`, and whether its update has begun and ended."""
     deployed = {"began": False}
 
     def act() -> None:
-        subprocess.run(deploy, check=True, capture_output=True)
+        subprocess.run([*SERVE_COMMAND, "deploy", str(config)], check=True, capture_output=True)
 
-    def running() -> bool:  # the update has begun (DEPLOYING) and ended
+    def running() -> bool:  # DEPLOYING, then RUNNING (or DEPLOY_FAILED)
         status = app_status(app)
         deployed["began"] = deployed["began"] or status != "RUNNING"
         return deployed["began"] and status in ("RUNNING", "DEPLOY_FAILED")
 
+    return act, running
+
+
+def deploy_drain(config: Path, app: str, streams: int, max_tokens: int, timeout_s: float) -> Drain:
+    """`serve deploy CONFIG` onto the running app while `streams` streams run."""
+    url, model = service_url(config)
+    act, running = redeploy(config, app)
     return asyncio.run(measured(url, model, streams, max_tokens, timeout_s, f"serve deploy {config}", act, running))
 
 

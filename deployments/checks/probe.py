@@ -1,10 +1,13 @@
 """`specdec probe`: the reliability suite, run against a service on this machine. In order:
 hostile inputs (HTTP both endpoints, gRPC), concurrent streams, client disconnects, a draft
-worker and a target worker killed mid-stream (through Ray), and a soak with each Ray process's
-RSS before and after. Every request has a deadline. A failure is a lost or hung request, a
-status other than the expected one (a 503 with Retry-After, or a stream's worker_unavailable
-error event, only while the target is down), a session left open, or a request slowed by the
-draft loss beyond target-only + 1 s."""
+worker and a target worker killed mid-stream, then the simulated nodes that hold them lost
+(probe_faults.py, through Ray), chats that need twice the target's KV pool (probe_pressure.py), a
+`serve deploy` of a changed config while streams run (drain_check.py), and a soak with each Ray
+process's RSS before and after. Every request has a deadline. A failure is a lost or hung
+request, a status other than the expected one (a 503 with Retry-After, or a stream's
+worker_unavailable error event, only while the target is down or the config changes), a session
+or a rank, placement group or KV block left held, or a request slowed by the draft's loss beyond
+target-only + 1 s."""
 
 from __future__ import annotations
 
@@ -13,17 +16,23 @@ import collections
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import urlparse
 
 from protos import specdec_pb2 as pb
 
 from ..workers.worker import LOOPBACK, ROLES
+from .deploy_check import app_status
+from .drain_check import counted, redeploy, ride_through
 from .hostile_inputs import GRPC_CASES, http_cases
 from .probe_client import Outcome, ProbeClient
 from .probe_cluster import LocalCluster
+from .probe_faults import node_loss, worker_kill
+from .probe_pressure import kv_pressure
 
-DRAFT_LOSS_BOUND_S = 1.0  # a request during a draft outage may take target-only + this
+PHASES = ("inputs", "streams", "disconnects", "kills", "node-loss", "kv-pressure", "redeploy", "soak")  # in order
+REDEPLOY_TOKENS = 200  # each stream's, through a redeploy
 SOAK_VARIANTS = [  # (path, stream, fields): the soak cycles through them
     ("/v1/chat/completions", True, {"policy": {"name": "greedy"}, "drafter": "pld"}),
     ("/v1/completions", False, {"policy": {"name": "typical"}, "drafter": "mla"}),
@@ -31,6 +40,18 @@ SOAK_VARIANTS = [  # (path, stream, fields): the soak cycles through them
     ("/v1/completions", True, {"policy": {"name": "rejection"}, "drafter": "model", "temperature": 0.8}),
     ("/v1/chat/completions", False, {"policy": {"name": "ears"}, "drafter": "none", "temperature": 0.8}),
 ]
+
+
+@dataclass
+class ProbeCounts:
+    """How much each phase sends."""
+
+    streams: int = 64
+    disconnects: int = 16
+    kv_chats: int = 4
+    redeploy_streams: int = 16
+    soak: int = 1000
+    soak_concurrency: int = 8
 
 
 @dataclass
@@ -115,72 +136,29 @@ class Probe:
             problems,
         )
 
-    async def draft_kill(self, cluster: LocalCluster) -> None:
-        path = "/v1/completions"
-        probe_body = self.client.body(path, drafter="model")
-        target_only_s = max(
-            [(await self.client.call(path, dict(probe_body, drafter="none"))).latency_s for _ in range(3)]
-        )
-        first_event = asyncio.Event()
-        streams = self.client.start_streams(4, path, first_event, drafter="model")
-        await first_event.wait()
-        killed_at = await cluster.kill("draft")
-        outcomes = await asyncio.gather(*streams)
-        problems = [outcome.failure() for outcome in outcomes if outcome.failure()]
-        fallbacks = sum(bool(outcome.speculative.get("draft_fallback")) for outcome in outcomes)
-        latencies, resumed_s = [], None
-        while time.perf_counter() - killed_at < 120:
-            outcome = await self.client.call(path, probe_body)
-            latencies.append(outcome.latency_s)
-            if outcome.failure():
-                problems.append(outcome.failure())
-            elif not outcome.speculative.get("draft_fallback"):
-                resumed_s = time.perf_counter() - killed_at
-                break
-            await asyncio.sleep(0.25)
-        worst = max(latencies)
-        if worst > target_only_s + DRAFT_LOSS_BOUND_S:
-            problems.append(f"a request took {worst:.2f} s, target-only {target_only_s:.2f} s")
-        if resumed_s is None:
-            problems.append("speculation did not resume within 120 s")
-        self.report.check(
-            "draft worker killed mid-stream",
-            f"{len(outcomes)} streams finished ({fallbacks} target-only); {len(latencies)} requests while it "
-            f"restarted: worst {worst:.2f} s (target-only {target_only_s:.2f} s); speculation back "
-            f"{resumed_s or float('nan'):.1f} s after the kill",
-            problems,
-        )
+    async def kv_pressure(self, cluster: LocalCluster, count: int) -> None:
+        self.report.check(*await kv_pressure(self.client, cluster, count))
 
-    async def target_kill(self, cluster: LocalCluster) -> None:
-        path = "/v1/chat/completions"
-        first_event = asyncio.Event()
-        streams = self.client.start_streams(4, path, first_event, drafter="pld", max_tokens=400)
-        await first_event.wait()
-        killed_at = await cluster.kill("target")
-        restarted = asyncio.create_task(cluster.back("target"))
-        outcomes = await asyncio.gather(*streams)
-        problems = [outcome.failure(target_down=True) for outcome in outcomes if outcome.failure(target_down=True)]
-        ended_with_error = sum(outcome.unavailable for outcome in outcomes)
-        statuses, health, answered_s = [], set(), None
-        while time.perf_counter() - killed_at < 180:
-            outcome = await self.client.call(path, self.client.body(path, max_tokens=4))
-            statuses.append(outcome.status)
-            if outcome.failure(target_down=True):
-                problems.append(outcome.failure(target_down=True))
-            elif outcome.status == 200:
-                answered_s = time.perf_counter() - killed_at
-                break
-            health.add((await self.client.http.get("/health")).status_code)
-            await asyncio.sleep(0.25)
-        restarted_s = await restarted - killed_at if restarted.done() else None
-        if answered_s is None:
-            problems.append("the service did not answer 200 within 180 s")
+    async def redeploy(self, config: Path, app: str, streams: int) -> None:
+        """Streams through `serve deploy CONFIG`: each completes or ends with an error event; the
+        requests meanwhile get 200 or 503 + Retry-After; the app runs the new config after."""
+        act, running = redeploy(config, app)
+        drain = await ride_through(self.client, streams, REDEPLOY_TOKENS, f"serve deploy {config}", act, running)
+        problems = [f"{drain.streams[end]} streams {end}" for end in ("cut", "hung") if drain.streams[end]]
+        problems += [
+            f"{count} requests got {status}"
+            for status, count in drain.requests.items()
+            if status not in ("200", "503 + Retry-After")
+        ]
+        if drain.after_s is None or await asyncio.to_thread(app_status, app) != "RUNNING":
+            problems.append(f"the app was not RUNNING on the new config within {self.client.timeout_s:.0f} s")
         self.report.check(
-            "target worker killed mid-stream",
-            f"{ended_with_error}/{len(outcomes)} streams ended with an error event + [DONE]; "
-            f"{statuses.count(503)} requests got 503 + Retry-After (/health {sorted(health)}); actor back "
-            f"{restarted_s or float('nan'):.1f} s after the kill, service 200 at {answered_s or float('nan'):.1f} s "
-            f"({(answered_s or 0) - (restarted_s or 0):.1f} s after the actor)",
+            f"serve deploy while {streams} streams run",
+            f"streams: {counted(drain.streams)}; requests meanwhile: {counted(drain.requests)}; RUNNING again "
+            f"after {drain.after_s} s; "
+            + (
+                "the same output throughout" if drain.first_new_s is None else f"new output after {drain.first_new_s} s"
+            ),
             problems,
         )
 
@@ -218,31 +196,41 @@ class Probe:
 
     async def run(
         self,
-        streams: int,
-        disconnects: int,
-        soak: int,
-        soak_concurrency: int,
+        counts: ProbeCounts,
+        phases: tuple[str, ...],
         cluster: Optional[LocalCluster],
+        redeploy_config: Optional[Path] = None,
         announce: Callable[[str], None] = lambda phase: None,
     ) -> Report:
-        """All phases (`announce`d as they start); the kills and the memory table need `cluster`."""
+        """The `phases` asked for (`announce`d as they start); kills, KV pressure, the redeploy and
+        the memory table need `cluster`, the redeploy a changed config too."""
         models = (await self.client.http.get("/v1/models")).json()
         self.client.model = models["data"][0]["id"]
-        phases = [
-            ("hostile inputs", self.hostile_inputs()),
-            (f"{streams} concurrent streams", self.concurrent_streams(streams)),
-            (f"{disconnects} client disconnects", self.disconnects(disconnects)),
-        ]
+        memory = cluster.memory if cluster else dict
+        runs = {
+            "inputs": ("hostile inputs", self.hostile_inputs),
+            "streams": (f"{counts.streams} concurrent streams", lambda: self.concurrent_streams(counts.streams)),
+            "disconnects": (f"{counts.disconnects} client disconnects", lambda: self.disconnects(counts.disconnects)),
+            "soak": (
+                f"soak of {counts.soak} requests",
+                lambda: self.soak(counts.soak, counts.soak_concurrency, memory),
+            ),
+        }
         if cluster is not None:
-            phases += [
-                ("draft worker kill", self.draft_kill(cluster)),
-                ("target worker kill", self.target_kill(cluster)),
-            ]
-        phases.append(
-            (f"soak of {soak} requests", self.soak(soak, soak_concurrency, cluster.memory if cluster else dict))
-        )
-        for name, phase in phases:
+            runs["kills"] = ("worker kills", lambda: self.faults(worker_kill, cluster))
+            runs["node-loss"] = ("node loss", lambda: self.faults(node_loss, cluster))
+            runs["kv-pressure"] = ("KV pressure", lambda: self.kv_pressure(cluster, counts.kv_chats))
+            if redeploy_config is not None:
+                streams = counts.redeploy_streams
+                runs["redeploy"] = ("serve deploy", lambda: self.redeploy(redeploy_config, cluster.app_name, streams))
+        for phase in (phase for phase in PHASES if phase in phases and phase in runs):
+            name, run = runs[phase]
             announce(name)
-            await phase
+            await run()
         await self.client.http.aclose()
         return self.report
+
+    async def faults(self, check, cluster: LocalCluster) -> None:
+        """`check` (probe_faults.py) on the draft worker, then on the target worker."""
+        for role in ("draft", "target"):
+            self.report.check(*await check(self.client, cluster, role))

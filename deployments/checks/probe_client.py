@@ -33,6 +33,7 @@ class Outcome:
     retry_after: Optional[str] = None
     speculative: dict = field(default_factory=dict)
     problem: Optional[str] = None  # hung, or the connection failed
+    text: str = ""  # the output, a stream's deltas joined
 
     @property
     def unavailable(self) -> bool:
@@ -91,7 +92,9 @@ class ProbeClient:
                 self._read_status(response, outcome)
                 payload = response.json()
                 if response.status_code == 200:
-                    outcome.finish_reason = payload["choices"][0]["finish_reason"]
+                    choice = payload["choices"][0]
+                    outcome.finish_reason = choice["finish_reason"]
+                    outcome.text = choice.get("text") or choice.get("message", {}).get("content") or ""
                     outcome.speculative = payload.get("speculative") or {}
         except httpx.TimeoutException:
             outcome.problem = f"hung: no answer within {self.timeout_s:.0f} s"
@@ -130,7 +133,9 @@ class ProbeClient:
                 if "error" in event:
                     outcome.error = event["error"]
                     continue
-                outcome.finish_reason = event["choices"][0].get("finish_reason") or outcome.finish_reason
+                choice = event["choices"][0]
+                outcome.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
                 outcome.speculative = event.get("speculative") or outcome.speculative
 
     async def sessions(self) -> dict:

@@ -209,6 +209,7 @@ class TargetService(WorkerService):
         if self.scheduler is not None:  # on demand: what the sessions hold now
             pool = self.scheduler.room.pool
             stats["kv_reserved_bytes"] = pool.num_used * pool.block_size * self.kv_bytes_per_token
+            stats["kv_pool_positions"] = pool.num_blocks * pool.block_size
             stats["preemptions"] = self.scheduler.room.preemptions
         return stats
 

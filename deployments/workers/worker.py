@@ -193,8 +193,9 @@ class WorkerRank:
     def ping(self) -> int:
         return os.getpid()
 
-    def open_sessions(self) -> int:
-        return self.service.stats()["sessions"]
+    def stats(self) -> dict:
+        """The service's counts (WorkerStats' fields)."""
+        return self.service.stats()
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
@@ -248,9 +249,9 @@ class WorkerGroup:
         """Rank 0's gRPC service, host:port."""
         return self.address
 
-    async def open_sessions(self) -> int:
-        """Rank 0's (the ranks follow its sessions)."""
-        return await asyncio.wait_for(self.ranks[0].open_sessions.remote(), RANK_PING_TIMEOUT_S)
+    async def stats(self) -> dict:
+        """Rank 0's counts (the ranks follow its sessions): WorkerStats' fields."""
+        return await asyncio.wait_for(self.ranks[0].stats.remote(), RANK_PING_TIMEOUT_S)
 
     async def pids(self) -> list[int]:
         """The ranks' process ids, rank 0 first."""
@@ -273,7 +274,7 @@ class WorkerGroup:
             if getattr(self, "address", None) is not None:  # it started, and servers may know it
                 await self.check_health()
                 await asyncio.sleep(FORGET_S)
-                while await self.open_sessions() and time.monotonic() < deadline:
+                while (await self.stats())["sessions"] and time.monotonic() < deadline:
                     await asyncio.sleep(DRAIN_POLL_S)
         except Exception as error:  # noqa: BLE001 - a rank is gone: nothing left to serve
             logger.warning("%s worker replica stops at once: %r", self.role, error)

@@ -528,6 +528,22 @@ def test_a_two_rank_target_preempts_on_demand_and_serves_what_one_process_does(t
     assert scrape("ray_specdec_preemptions_total") >= preemptions
 
 
+def test_the_probe_fills_the_two_rank_targets_pool_and_each_preempted_chat_serves_as_alone(tp_app):
+    """`specdec probe --phases kv-pressure` against the two-rank target's pool of two contexts:
+    four chats of half the pool each at once; every one completes, some are preempted, each
+    preempted chat's output equals it sent alone, and every block comes back."""
+    from typer.testing import CliRunner
+
+    from deployments.cli import app
+
+    args = ["probe", "--endpoint", tp_app, "--grpc", "", "--app", TP_APP, "--phases", "kv-pressure"]
+    wide = {"COLUMNS": "400", "TERMINAL_WIDTH": "400"}  # the result on one line
+    result = CliRunner().invoke(app, [*args, "--timeout", "300"], env=wide)
+    assert result.exit_code == 0, result.output
+    assert "4/4 completed" in result.output and "KV held after: 0 bytes" in result.output
+    assert "skipped" not in result.output and " 0 preempted" not in result.output
+
+
 def test_the_layout_puts_target_ranks_and_draft_on_their_node_types(tp_app):
     nodes = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
     for role, node_type in (("target", "target_node"), ("draft", "draft_node")):
@@ -908,5 +924,46 @@ def test_losing_a_pipeline_stages_node_ends_its_stream_then_the_group_is_rebuilt
         assert held_by_workers() == before
         assert httpx.get(url + "/health", timeout=30).json()["sessions"]["target"] == 0
         print(f"stage node lost: served again after {recovered_s:.1f} s; {statuses.count(503)} x 503 before")
+    finally:
+        serve.delete(LOSS_APP)
+
+
+@pytest.fixture(scope="module")
+def probe_nodes(ray_cluster):
+    """Four more nodes for the probe's node losses: the draft's and the target's (0.6 of a node's
+    `probe_node` each: never together), and two to rebuild them on."""
+    nodes = [ray_cluster.add_node(num_cpus=1, resources={"probe_node": 1}) for _ in range(4)]
+    ray_cluster.wait_for_nodes()
+    yield nodes
+    for node in nodes:
+        if not node.remaining_processes_alive():  # lost by the probe: out of the cluster's list too
+            ray_cluster.remove_node(node, allow_graceful=False)
+
+
+def test_the_probe_loses_the_workers_nodes_and_the_service_recovers_without_leaks(service, probe_nodes, checkpoints):
+    """`specdec probe --phases node-loss`: the node of the draft worker, then of the target worker,
+    lost mid-stream (their raylets and agents killed, found by node id on this machine): the draft's
+    streams finish target-only and speculation resumes, the target's end with an error event and
+    503s follow until 200, and ranks alive and placement groups come back to their counts."""
+    from ray import serve
+    from typer.testing import CliRunner
+
+    from deployments.app import build_app
+    from deployments.cli import app
+
+    apart = {"num_cpus": 0.5, "resources": {"probe_node": 0.6}}
+    serve.run(
+        build_app(tp_config(checkpoints, target_worker=apart, draft_worker=apart)),
+        name=LOSS_APP,
+        route_prefix=LOSS_ROUTE,
+    )
+    try:
+        args = ["probe", "--endpoint", URL + LOSS_ROUTE, "--grpc", "", "--app", LOSS_APP, "--phases", "node-loss"]
+        wide = {"COLUMNS": "400", "TERMINAL_WIDTH": "400"}
+        result = CliRunner().invoke(app, [*args, "--timeout", "120"], env=wide)
+        assert result.exit_code == 0, result.output
+        assert "skipped" not in result.output
+        assert "draft worker's node lost" in result.output and "target worker's node lost" in result.output
+        print(result.output)
     finally:
         serve.delete(LOSS_APP)
