@@ -31,7 +31,7 @@ def probe(
     ),
     streams: int = typer.Option(64, "--streams", min=1, help="concurrent streams"),
     disconnects: int = typer.Option(16, "--disconnects", min=1, help="streams dropped after their first event"),
-    kv_chats: int = typer.Option(4, "--kv-chats", min=2, help="chats of half the target's KV pool each, at once"),
+    kv_chats: int = typer.Option(4, "--kv-chats", min=3, help="chats of half the target's KV pool each, at once"),
     redeploy: Optional[Path] = typer.Option(
         None, "--redeploy", help="a changed Serve config of the app, deployed while streams run (else no redeploy)"
     ),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,18 +143,28 @@ class Probe:
     async def redeploy(self, config: Path, app: str, streams: int) -> None:
         """Streams through `serve deploy CONFIG`: each completes or ends with an error event; the
         requests meanwhile get 200 or 503 + Retry-After; the app runs the new config after."""
-        act, running = redeploy(config, app)
-        drain = await ride_through(self.client, streams, REDEPLOY_TOKENS, f"serve deploy {config}", act, running)
-        problems = [f"{drain.streams[end]} streams {end}" for end in ("cut", "hung") if drain.streams[end]]
+        name, (act, running) = f"serve deploy while {streams} streams run", redeploy(config, app)
+        try:
+            drain = await ride_through(self.client, streams, REDEPLOY_TOKENS, f"serve deploy {config}", act, running)
+            running_after = await asyncio.to_thread(app_status, app) == "RUNNING"
+        except subprocess.CalledProcessError as error:  # serve deploy or serve status failed
+            stderr = error.stderr.decode() if isinstance(error.stderr, bytes) else error.stderr or ""
+            self.report.check(name, "not run", [f"{' '.join(error.cmd)}: {stderr[-300:]}"])
+            return
+        problems = [
+            f"{count} streams {end}"
+            for end, count in drain.streams.items()
+            if end != "completed" and not end.startswith("error event")
+        ]
         problems += [
             f"{count} requests got {status}"
             for status, count in drain.requests.items()
             if status not in ("200", "503 + Retry-After")
         ]
-        if drain.after_s is None or await asyncio.to_thread(app_status, app) != "RUNNING":
+        if drain.after_s is None or not running_after:
             problems.append(f"the app was not RUNNING on the new config within {self.client.timeout_s:.0f} s")
         self.report.check(
-            f"serve deploy while {streams} streams run",
+            name,
             f"streams: {counted(drain.streams)}; requests meanwhile: {counted(drain.requests)}; RUNNING again "
             f"after {drain.after_s} s; "
             + (
@@ -223,7 +234,11 @@ class Probe:
             if redeploy_config is not None:
                 streams = counts.redeploy_streams
                 runs["redeploy"] = ("serve deploy", lambda: self.redeploy(redeploy_config, cluster.app_name, streams))
-        for phase in (phase for phase in PHASES if phase in phases and phase in runs):
+        for phase in (phase for phase in PHASES if phase in phases):
+            if phase not in runs:  # asked for, but what it needs is missing
+                needs = "--redeploy CONFIG" if cluster is not None else "Ray (not --no-kills)"
+                self.report.checks.append((phase, f"not run: it needs {needs}", True))
+                continue
             name, run = runs[phase]
             announce(name)
             await run()

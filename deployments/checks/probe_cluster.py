@@ -14,7 +14,7 @@ import time
 
 from ..workers.worker import ROLES, Role, deployment_name, worker_handle
 
-STATS_TIMEOUT_S = 30.0
+STATS_TIMEOUT_S = 30.0  # a call to a worker's replica, answered or given up
 
 
 class NodeNotLosable(Exception):
@@ -48,8 +48,8 @@ class LocalCluster:
         for replica in sorted(actors, key=lambda actor: actor["StartTime"]):
             address = replica["Address"]["IPAddress"], replica["Address"]["Port"]
             owned = [rank for rank in ranks if owner(rank) == address]
-            if replica["ActorClassName"] == replica_class and owned:
-                return replica["Name"], sorted(owned, key=lambda rank: rank["StartTime"])
+            if replica["ActorClassName"] == replica_class and owned:  # ranks named "...rank N" (worker.py)
+                return replica["Name"], sorted(owned, key=lambda rank: int(rank["Name"].rpartition("rank ")[2]))
         raise LookupError(f"no replica of the {role} worker has ranks alive")
 
     async def kill(self, role: Role) -> float:
@@ -60,15 +60,11 @@ class LocalCluster:
         import ray
 
         self.faulted[role], ranks = await asyncio.to_thread(self.worker, role)
-        try:
-            process = psutil.Process(ranks[0]["Pid"])
-            local = (process.cmdline() or [""])[0].startswith("ray::WorkerRank")
-        except psutil.NoSuchProcess:
-            local = False
-        if local:
-            process.kill()
+        if node_processes(ranks[0]["Address"]["NodeID"]):  # its node runs here: so does its process
+            psutil.Process(ranks[0]["Pid"]).kill()
         else:
-            rank = (await worker_handle(role, self.app_name).rank_handles.remote())[0]
+            handle = worker_handle(role, self.app_name).rank_handles.remote()
+            rank = (await asyncio.wait_for(handle, STATS_TIMEOUT_S))[0]
             await asyncio.to_thread(ray.kill, rank, no_restart=True)
         return time.perf_counter()
 
@@ -77,7 +73,9 @@ class LocalCluster:
         import ray
 
         node_id = (await asyncio.to_thread(self.worker, role))[1][0]["Address"]["NodeID"]
-        node = next(node for node in ray.nodes() if node["NodeID"] == node_id)
+        node = next((node for node in ray.nodes() if node["NodeID"] == node_id), None)
+        if node is None or not node["Alive"]:
+            raise NodeNotLosable("its node is already gone")
         if "node:__internal_head__" in node["Resources"]:
             raise NodeNotLosable("it runs on the head node, with the server")
         if not node_processes(node_id):
@@ -159,4 +157,10 @@ def node_processes(node_id: str) -> list:
         for process in psutil.process_iter(["cmdline"])
         if any(flag in (process.info["cmdline"] or ()) for flag in flags)
     ]
-    return named + [child for process in named for child in process.children(recursive=True)]
+    workers = []
+    for process in named:
+        try:
+            workers += process.children(recursive=True)
+        except psutil.NoSuchProcess:  # gone meanwhile
+            pass
+    return named + workers

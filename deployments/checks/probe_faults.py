@@ -21,13 +21,23 @@ Fault = Callable[[], Awaitable[float]]  # does it; returns when, on the probe's 
 Check = tuple[str, str, list[str]]  # a check's name, its result, its problems
 
 
+async def streams_under_way(client: ProbeClient, path: str, **fields) -> list[asyncio.Task]:
+    """4 streams, once one has its first event (or all have ended: refused, failed)."""
+    first_event = asyncio.Event()
+    streams = client.start_streams(4, path, first_event, **fields)
+    waiter = asyncio.ensure_future(first_event.wait())
+    await asyncio.wait(
+        [waiter, asyncio.gather(*streams)], timeout=client.timeout_s, return_when=asyncio.FIRST_COMPLETED
+    )
+    waiter.cancel()
+    return streams
+
+
 async def draft_fault(client: ProbeClient, cluster: LocalCluster, fault: Fault, name: str) -> Check:
     path = "/v1/completions"
     probe_body = client.body(path, drafter="model")
     target_only_s = max([(await client.call(path, dict(probe_body, drafter="none"))).latency_s for _ in range(3)])
-    first_event = asyncio.Event()
-    streams = client.start_streams(4, path, first_event, drafter="model")
-    await first_event.wait()
+    streams = await streams_under_way(client, path, drafter="model")
     fault_at = await fault()
     outcomes = await asyncio.gather(*streams)
     problems = [outcome.failure() for outcome in outcomes if outcome.failure()]
@@ -42,7 +52,7 @@ async def draft_fault(client: ProbeClient, cluster: LocalCluster, fault: Fault, 
             resumed_s = time.perf_counter() - fault_at
             break
         await asyncio.sleep(0.25)
-    worst = max(latencies)
+    worst = max(latencies, default=float("nan"))
     if worst > target_only_s + DRAFT_LOSS_BOUND_S:
         problems.append(f"a request took {worst:.2f} s, target-only {target_only_s:.2f} s")
     if resumed_s is None:
@@ -57,9 +67,7 @@ async def draft_fault(client: ProbeClient, cluster: LocalCluster, fault: Fault, 
 
 async def target_fault(client: ProbeClient, cluster: LocalCluster, fault: Fault, name: str) -> Check:
     path = "/v1/chat/completions"
-    first_event = asyncio.Event()
-    streams = client.start_streams(4, path, first_event, drafter="pld", max_tokens=400)
-    await first_event.wait()
+    streams = await streams_under_way(client, path, drafter="pld", max_tokens=400)
     fault_at = await fault()
     restarted = asyncio.create_task(cluster.back("target"))
     outcomes = await asyncio.gather(*streams)
@@ -77,6 +85,7 @@ async def target_fault(client: ProbeClient, cluster: LocalCluster, fault: Fault,
         health.add((await client.http.get("/health")).status_code)
         await asyncio.sleep(0.25)
     restarted_s = await restarted - fault_at if restarted.done() else None
+    restarted.cancel()  # still looking: the service answered first, or never
     if answered_s is None:
         problems.append("the service did not answer 200 within 180 s")
     result = (
@@ -102,8 +111,8 @@ async def node_loss(client: ProbeClient, cluster: LocalCluster, role: Role) -> C
     name = f"{role} worker's node lost mid-stream"
     try:
         node_id = await cluster.node_of(role)
-    except NodeNotLosable as reason:
-        return name, f"skipped: {reason}", []
+    except NodeNotLosable as reason:  # asked for (never by default): not losing it fails the check
+        return name, f"not run: {reason}", [f"the {role} worker's node cannot be lost: {reason}"]
     before, lost = await cluster.held(), {}
 
     async def lose() -> float:

@@ -26,6 +26,8 @@ async def kv_pressure(client: ProbeClient, cluster: LocalCluster, count: int) ->
         return name, "skipped: the target's KV pool has no fixed size (kv_budget_mb; kv_admission reach)", []
     # each chat reaches half the pool: `count` of them need count / 2 pools
     max_tokens = positions // 2 - PROMPT_ROOM
+    if max_tokens < PROMPT_ROOM:
+        return name, "not run", [f"a pool of {positions} positions is too small to fill with chats"]
     bodies = [
         client.body(PATH, index, stream=True, max_tokens=max_tokens, ignore_eos=True, drafter="pld")
         for index in range(count)
@@ -38,7 +40,10 @@ async def kv_pressure(client: ProbeClient, cluster: LocalCluster, count: int) ->
         if alone.failure() or alone.text != outcome.text:
             problems.append(f"a preempted chat's output differs from it alone ({alone.failure() or 'other text'})")
     await client.wait_for_no_sessions()
-    after = await cluster.stats("target")
+    try:
+        after = await cluster.stats("target")
+    except asyncio.TimeoutError:
+        return name, "no stats after", [f"the target worker's stats did not come back within {STATS_TIMEOUT_S:.0f} s"]
     if not preempted:
         problems.append(f"no chat was preempted: {count} of {max_tokens} tokens in a pool of {positions} positions")
     if after.get("kv_reserved_bytes"):

@@ -217,17 +217,19 @@ class WorkerGroup:
         self.role, self.config = role, AppConfig(**config)
         worker = worker_config(role, self.config)
         placement = ray.util.get_current_placement_group()
+        replica = serve.get_replica_context().replica_id.unique_id
         self.own_placement = None
         if role == "draft" and self.config.draft_on_target_node:
             node_ip = await target.node_ip.remote()
             worker = worker.model_copy(update={"resources": {**worker.resources, f"node:{node_ip}": 0.001}})
             # one a replica: a rollout's new replica reserves its own beside the old one's
-            name = f"{self.config.model_name}-draft-{serve.get_replica_context().replica_id.unique_id}"
+            name = f"{self.config.model_name}-draft-{replica}"
             placement = self.own_placement = await asyncio.to_thread(
                 reserve, name, worker, self.config.placement_timeout_s
             )
         self.ranks = [
             WorkerRank.options(
+                name=f"{role} worker {replica} rank {rank}",  # the probe finds a rank by it (GCS actor table)
                 num_cpus=worker.num_cpus,
                 num_gpus=worker.num_gpus,
                 resources=dict(worker.resources),

@@ -26,7 +26,7 @@ from ..planning.memory import load_model_config
 from ..runtime.batching import set_kv_cache_dtype
 from ..runtime.compiled_layers import compile_layers
 from ..runtime.compiled_step import compile_step
-from ..runtime.ragged_attention import use_paged_attention
+from ..runtime.ragged_attention import paged_kernel_misfit, use_paged_attention
 from ..runtime.step_graphs import use_step_graphs
 from .fp8_checkpoint import checkpoint_fp8_scheme
 from .kernels import prepare_model
@@ -277,7 +277,11 @@ def load_model(spec: ModelSpec) -> torch.nn.Module:
     if spec.compile_layers:
         compile_layers(model, cache_dir())
     if spec.paged_attention:
-        use_paged_attention(model)
+        misfit = paged_kernel_misfit(model, spec.kv_cache_dtype)
+        if misfit is None:
+            use_paged_attention(model)
+        elif spec.attention == "paged":  # asked for; auto keeps SDPA
+            raise ValueError(f"attention: paged cannot run {spec.source}: {misfit}")
     if spec.cuda_graphs and device.type == "cuda":
         use_step_graphs(model)
     return model

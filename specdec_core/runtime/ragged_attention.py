@@ -137,6 +137,22 @@ def register_ragged_attention() -> None:
         AttentionMaskInterface.register(name, sdpa_mask)
 
 
+def paged_kernel_misfit(model: torch.nn.Module, kv_cache_dtype: str = "auto") -> Optional[str]:
+    """Why the paged kernel cannot run `model` (None: it can): its matrix products need a head
+    size that is a power of two of at least 16, and on CUDA bf16 products (compute capability
+    8.0) and, for an FP8 cache, FP8 loads (8.9)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"its head size {head_dim} is not a power of two of at least 16"
+    if model.device.type == "cuda":
+        capability = torch.cuda.get_device_capability(model.device)
+        needed = (8, 9) if kv_cache_dtype == "fp8" else (8, 0)
+        if capability < needed:
+            return f"compute capability {capability[0]}.{capability[1]} (it needs {needed[0]}.{needed[1]})"
+    return None
+
+
 def use_paged_attention(model: torch.nn.Module) -> None:
     """`model`'s steps of short rows (verify blocks, trees, single tokens: every step a CUDA graph
     covers) attend with the paged kernel; prompt chunks keep SDPA."""

@@ -105,3 +105,9 @@ def test_a_model_spec_chooses_the_paged_kernel_on_cuda_and_sdpa_on_the_cpu(tmp_p
     assert not getattr(load_model(ModelSpec(source=source, device="cpu")).model, "paged_attention", False)
     with pytest.raises(ValueError, match="not inside a compiled step"):
         ModelSpec(source=source, device="cuda", compile=True, attention="paged")
+    # a head size the kernel's matrix products cannot take: paged refuses it, auto would keep SDPA
+    config = tiny_llama(num_layers=1).config
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim = 72, 3, 3, 24
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="head size 24 is not a power of two"):
+        load_model(ModelSpec(source=source, device="cpu", attention="paged"))

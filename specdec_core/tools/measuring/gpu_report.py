@@ -118,7 +118,7 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
     engine = SpeculativeEngine(load_model(target), None, load_model(draft), profile=lambda *_: None)
     loaded_s = time.perf_counter() - clock
     compiled = ", steps compiled" if target.compile else ", layers compiled" if target.compile_layers else ""
-    compiled += ", paged attention" if target.paged_attention else ", SDPA"
+    compiled += ", paged attention" if getattr(engine.target_model.model, "paged_attention", False) else ", SDPA"
     models = f"models: target {target.source}, draft {draft.source}, {target.dtype}{compiled}"
     out += [f"{models}, loaded in {loaded_s:.1f} s", ""]
     args = {**args, "vocab": engine.target_model.config.vocab_size}
