@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import httpx
 
 from .deploy_check import SERVE_COMMAND, app_status, first_listing, service_url, specdec_serve, stopped
-from .probe_client import Outcome, ProbeClient
+from .probe_client import Outcome, ProbeClient, first_event_or_end
 
 PATH = "/v1/chat/completions"
 SEND_EVERY_S = 0.5
@@ -80,10 +80,8 @@ async def ride_through(
         asyncio.create_task(client.call(PATH, client.body(PATH, index, stream=True, max_tokens=max_tokens), first))
         for index, first in enumerate(firsts)
     ]
-    for task, first in zip(tasks, firsts):  # a stream refused (a status) never has a first event
-        waiter = asyncio.ensure_future(first.wait())
-        await asyncio.wait([task, waiter], timeout=client.timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
+    for task, first in zip(tasks, firsts):
+        await first_event_or_end(first, [task], client.timeout_s)
     probe = client.body(PATH, streams, max_tokens=8)
     _, before = await send(client.http, probe)
     loop, drain, began = asyncio.get_running_loop(), Drain(event), time.perf_counter()

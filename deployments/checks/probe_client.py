@@ -55,6 +55,14 @@ class Outcome:
         return None
 
 
+async def first_event_or_end(first_event: asyncio.Event, streams: list[asyncio.Task], timeout_s: float) -> None:
+    """Until `first_event` (a stream's first event) or every one of `streams` has ended (a refused
+    stream never has one), at most `timeout_s`."""
+    waiter = asyncio.ensure_future(first_event.wait())
+    await asyncio.wait([waiter, asyncio.gather(*streams)], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+
+
 class ProbeClient:
     """The probe's connections to the service: an HTTP client without a connection limit (the
     suite opens many streams at once) and the gRPC address, both with the API key."""

@@ -14,7 +14,7 @@ import time
 
 from ..workers.worker import ROLES, Role, deployment_name, worker_handle
 
-STATS_TIMEOUT_S = 30.0  # a call to a worker's replica, answered or given up
+HANDLE_TIMEOUT_S = 30.0  # a call through a worker's deployment handle, answered or given up
 
 
 class NodeNotLosable(Exception):
@@ -22,8 +22,19 @@ class NodeNotLosable(Exception):
     there), or not a simulated node of this machine (a real node is not the probe's to remove)."""
 
 
-def owner(actor: dict) -> tuple:
-    return actor["OwnerAddress"]["IPAddress"], actor["OwnerAddress"]["Port"]
+def at(address: dict) -> tuple:
+    """An actor table's address (of an actor, or of its owner) as (ip, port)."""
+    return address["IPAddress"], address["Port"]
+
+
+def held_by_workers() -> tuple[int, int]:
+    """What a fault may leak: the worker ranks alive, and the placement groups in place."""
+    import ray
+
+    actors = ray._private.state.actors().values()  # from the GCS: no dashboard needed
+    ranks = sum(1 for actor in actors if actor["ActorClassName"].endswith("WorkerRank") and actor["State"] == "ALIVE")
+    groups = ray.util.placement_group_table().values()
+    return ranks, sum(1 for group in groups if group["state"] == "CREATED")
 
 
 class LocalCluster:
@@ -46,8 +57,7 @@ class LocalCluster:
         replica_class = f"ServeReplica:{self.app_name}:{deployment_name(role)}"
         ranks = [actor for actor in actors if actor["ActorClassName"].endswith("WorkerRank")]
         for replica in sorted(actors, key=lambda actor: actor["StartTime"]):
-            address = replica["Address"]["IPAddress"], replica["Address"]["Port"]
-            owned = [rank for rank in ranks if owner(rank) == address]
+            owned = [rank for rank in ranks if at(rank["OwnerAddress"]) == at(replica["Address"])]
             if replica["ActorClassName"] == replica_class and owned:  # ranks named "...rank N" (worker.py)
                 return replica["Name"], sorted(owned, key=lambda rank: int(rank["Name"].rpartition("rank ")[2]))
         raise LookupError(f"no replica of the {role} worker has ranks alive")
@@ -64,7 +74,7 @@ class LocalCluster:
             psutil.Process(ranks[0]["Pid"]).kill()
         else:
             handle = worker_handle(role, self.app_name).rank_handles.remote()
-            rank = (await asyncio.wait_for(handle, STATS_TIMEOUT_S))[0]
+            rank = (await asyncio.wait_for(handle, HANDLE_TIMEOUT_S))[0]
             await asyncio.to_thread(ray.kill, rank, no_restart=True)
         return time.perf_counter()
 
@@ -106,19 +116,11 @@ class LocalCluster:
             await asyncio.sleep(0.25)
 
     async def held(self) -> tuple[int, int]:
-        """What a fault may leak: the worker ranks alive, and the placement groups in place."""
-        import ray
-
-        actors = (await asyncio.to_thread(ray._private.state.actors)).values()
-        ranks = sum(
-            1 for actor in actors if actor["ActorClassName"].endswith("WorkerRank") and actor["State"] == "ALIVE"
-        )
-        groups = await asyncio.to_thread(ray.util.placement_group_table)
-        return ranks, sum(1 for group in groups.values() if group["state"] == "CREATED")
+        return await asyncio.to_thread(held_by_workers)
 
     async def stats(self, role: Role) -> dict:
         """The worker's counts, its rank 0's (WorkerStats' fields)."""
-        return await asyncio.wait_for(worker_handle(role, self.app_name).stats.remote(), STATS_TIMEOUT_S)
+        return await asyncio.wait_for(worker_handle(role, self.app_name).stats.remote(), HANDLE_TIMEOUT_S)
 
     def memory(self) -> dict[str, float]:
         """RSS in MiB per Ray actor process on this machine, keyed by role or process title."""

@@ -12,7 +12,7 @@ import time
 from typing import Awaitable, Callable
 
 from ..workers.worker import Role
-from .probe_client import ProbeClient
+from .probe_client import ProbeClient, first_event_or_end
 from .probe_cluster import LocalCluster, NodeNotLosable
 
 DRAFT_LOSS_BOUND_S = 1.0  # a request during a draft outage may take target-only + this
@@ -25,11 +25,7 @@ async def streams_under_way(client: ProbeClient, path: str, **fields) -> list[as
     """4 streams, once one has its first event (or all have ended: refused, failed)."""
     first_event = asyncio.Event()
     streams = client.start_streams(4, path, first_event, **fields)
-    waiter = asyncio.ensure_future(first_event.wait())
-    await asyncio.wait(
-        [waiter, asyncio.gather(*streams)], timeout=client.timeout_s, return_when=asyncio.FIRST_COMPLETED
-    )
-    waiter.cancel()
+    await first_event_or_end(first_event, streams, client.timeout_s)
     return streams
 
 

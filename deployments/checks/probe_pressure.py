@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from .probe_client import ProbeClient
-from .probe_cluster import STATS_TIMEOUT_S, LocalCluster
+from .probe_cluster import HANDLE_TIMEOUT_S, LocalCluster
 
 PATH = "/v1/chat/completions"
 PROMPT_ROOM = 64  # positions a probe chat's prompt takes, its chat template included, at most
@@ -20,7 +20,7 @@ async def kv_pressure(client: ProbeClient, cluster: LocalCluster, count: int) ->
     try:
         before = await cluster.stats("target")
     except asyncio.TimeoutError:  # a simulated cluster's replies to another driver (probe_cluster.py)
-        return name, "not run", [f"the target worker's stats did not come back within {STATS_TIMEOUT_S:.0f} s"]
+        return name, "not run", [f"the target worker's stats did not come back within {HANDLE_TIMEOUT_S:.0f} s"]
     positions = before.get("kv_pool_positions", 0)
     if not positions:
         return name, "skipped: the target's KV pool has no fixed size (kv_budget_mb; kv_admission reach)", []
@@ -43,7 +43,7 @@ async def kv_pressure(client: ProbeClient, cluster: LocalCluster, count: int) ->
     try:
         after = await cluster.stats("target")
     except asyncio.TimeoutError:
-        return name, "no stats after", [f"the target worker's stats did not come back within {STATS_TIMEOUT_S:.0f} s"]
+        return name, "no stats after", [f"the target worker's stats did not come back within {HANDLE_TIMEOUT_S:.0f} s"]
     if not preempted:
         problems.append(f"no chat was preempted: {count} of {max_tokens} tokens in a pool of {positions} positions")
     if after.get("kv_reserved_bytes"):

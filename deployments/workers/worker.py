@@ -47,7 +47,7 @@ def deployment_name(role: Role) -> str:
 
 
 def worker_handle(role: Role, app_name: str):
-    """The worker's deployment handle in app `app_name` (its replicas' `get_address`, `pids`,
+    """The worker's deployment handle in app `app_name` (its replicas' `get_address`, `stats`,
     `rank_handles`), from outside the app: the probe, tests."""
     return serve.get_deployment_handle(deployment_name(role), app_name=app_name)
 
@@ -254,10 +254,6 @@ class WorkerGroup:
     async def stats(self) -> dict:
         """Rank 0's counts (the ranks follow its sessions): WorkerStats' fields."""
         return await asyncio.wait_for(self.ranks[0].stats.remote(), RANK_PING_TIMEOUT_S)
-
-    async def pids(self) -> list[int]:
-        """The ranks' process ids, rank 0 first."""
-        return list(await asyncio.gather(*(rank.ping.remote() for rank in self.ranks)))
 
     async def node_ip(self) -> str:
         """The node of rank 0."""

@@ -16,6 +16,7 @@ httpx = pytest.importorskip("httpx")
 
 pytestmark = [pytest.mark.needs_smollm2, pytest.mark.ray]  # SmolLM2's tokenizer; a local Ray cluster
 
+from deployments.checks.probe_cluster import held_by_workers  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
 from deployments.workers.worker import ROLES, worker_handle  # noqa: E402
 from specdec_core import GenerationRequest, ModelSpec, SpeculativeEngine  # noqa: E402
@@ -778,17 +779,6 @@ def settled(count, limit_s: float = 30.0):
             return now
         last = now
     return last
-
-
-def held_by_workers() -> tuple[int, int]:
-    """What a fault may leak: the worker ranks alive, and the placement groups in place."""
-    ranks = sum(
-        1
-        for actor in ray._private.state.actors().values()
-        if actor["ActorClassName"].endswith("WorkerRank") and actor["State"] == "ALIVE"
-    )
-    groups = sum(1 for group in ray.util.placement_group_table().values() if group["state"] == "CREATED")
-    return ranks, groups
 
 
 @pytest.fixture(scope="module")
