@@ -11,6 +11,7 @@ API key, UNAVAILABLE for a target worker that is gone or late, INTERNAL with the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -103,8 +104,10 @@ class SpecdecGrpcService(pb_grpc.SpecdecServicer):
             message = "invalid or missing API key (authorization: Bearer ...)"
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         try:
-            async for chunk in await self.engine.open(request_from_message(message), request_id):
-                yield chunk_message(chunk)
+            # closed here when the client leaves, not when collected: closing releases its sessions
+            async with contextlib.aclosing(await self.engine.open(request_from_message(message), request_id)) as chunks:
+                async for chunk in chunks:
+                    yield chunk_message(chunk)
         except Exception as error:  # noqa: BLE001 - mapped to a status by `describe` (bugs logged there)
             failure = describe(error, request_id)
             self.engine.metrics.failed("grpc", STATUS[failure.kind].name)

@@ -187,7 +187,10 @@ async def merged(streams: list[AsyncIterator[StreamChunk]], limit: int) -> Async
     decoding = asyncio.Semaphore(limit)
 
     async def pump(index: int, stream: AsyncIterator[StreamChunk]) -> None:
-        async with decoding:  # a stream opens its sessions at its first step
+        # aclosing: a task cancelled while it waits on the queue leaves its stream suspended at a
+        # yield, and only an explicit close (not the garbage collector, some time later) releases
+        # the sessions the stream holds
+        async with decoding, contextlib.aclosing(stream):  # a stream opens its sessions at its first step
             try:
                 async for chunk in stream:
                     await queue.put((index, chunk, None))
