@@ -85,7 +85,7 @@ def serve(
         app_config = AppConfig(**args)
     except ValidationError as error:
         fail(f"bad config {config}: {error}")
-    from specdec_core.models.loader import resolve_source
+    from specdec_core.models.sources import resolve_source
 
     for spec in filter(None, (app_config.target, app_config.draft)):
         resolve_source(spec.source)  # convert GGUF checkpoints once, here, with a progress bar

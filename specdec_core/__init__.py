@@ -4,7 +4,8 @@ from .api.errors import SpecdecError
 from .api.request import Completion, ComponentSpec, GenerationRequest, RequestDefaults, StreamChunk
 from .api.sampling import SamplingParams
 from .loop.engine import SpeculativeEngine
-from .models.loader import DEFAULT_DRAFT, EMBEDDED, ModelSpec
+from .models.loader import DEFAULT_DRAFT, ModelSpec
+from .models.sources import EMBEDDED
 
 __all__ = [
     "Completion",

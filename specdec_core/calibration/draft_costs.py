@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..models.kernels.chunked import kernel_summary
 from ..models.kernels.kernel_choice import machine
-from ..models.loader import ModelSpec, cache_dir, load_model, source_identity
+from ..models.loader import ModelSpec, load_model
+from ..models.sources import cache_dir, source_identity
 from ..runtime.batching import forward_ragged
 from ..runtime.kv_pool import PagedKV
 from .cache_files import write_atomically

@@ -24,7 +24,8 @@ import torch
 from ..api.request import GenerationRequest
 from ..api.sampling import entropy_of_logits
 from ..loop.frontend import Frontend
-from ..models.loader import ModelSpec, cache_dir, source_identity
+from ..models.loader import ModelSpec
+from ..models.sources import cache_dir, source_identity
 from ..policies.easd import calibrate_tau_h
 from .cache_files import write_atomically
 from .profile_types import CalibrationSettings, TargetProfile

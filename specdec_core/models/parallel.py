@@ -33,9 +33,10 @@ from ..planning.memory import shard_problem
 from ..runtime.batching import set_kv_cache_dtype
 from ..runtime.compiled_step import compile_step
 from .fp8_checkpoint import checkpoint_fp8_scheme
-from .loader import DTYPES, ModelSpec, resolve_source, truncate_layers
+from .loader import DTYPES, ModelSpec, truncate_layers
 from .pipeline import make_stage, stage_layers
 from .shard_loader import load_shard
+from .sources import resolve_source
 
 TpBackend = Literal["transformers", "deepspeed"]
 

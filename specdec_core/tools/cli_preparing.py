@@ -224,7 +224,8 @@ def plan(
 
 def convert(target: str = TargetOpt):
     """Convert (once) and cache a GGUF checkpoint; prints cold/warm load times."""
-    from ..models.loader import load_model, resolve_source
+    from ..models.loader import load_model
+    from ..models.sources import resolve_source
 
     start = time.perf_counter()
     path = resolve_source(target)

@@ -10,7 +10,8 @@ import pytest
 import specdec_core.calibration.target_profile as profile_module
 from specdec_core.calibration.profile_types import CalibrationSettings, TargetProfile
 from specdec_core.calibration.target_profile import SHIPPED_PROFILES, cached_profile, load_profile, profile_path
-from specdec_core.models.loader import EMBEDDED, ModelSpec, converted_gguf_dir, embedded_gguf_path, file_digest
+from specdec_core.models.loader import ModelSpec
+from specdec_core.models.sources import EMBEDDED, converted_gguf_dir, embedded_gguf_path, file_digest
 
 EMBEDDED_CPU = ModelSpec(device="cpu")  # how the shipped profile was measured (with the default settings)
 

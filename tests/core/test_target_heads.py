@@ -11,7 +11,8 @@ import pytest
 
 from specdec_core.heads.loading import TargetShape, heads_shape, load_heads, refusal, shipped_heads
 from specdec_core.heads.medusa import MedusaHeads
-from specdec_core.models.loader import EMBEDDED, ModelSpec, load_configs, load_model
+from specdec_core.models.loader import ModelSpec, load_configs, load_model
+from specdec_core.models.sources import EMBEDDED
 
 from helpers.eagle3_heads import write_eagle3
 from helpers.published_hydra import PublishedHydra

@@ -13,7 +13,8 @@ import typer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...api.sampling import SamplingParams
-from ...models.loader import EMBEDDED, ModelSpec, load_model
+from ...models.loader import ModelSpec, load_model
+from ...models.sources import EMBEDDED
 from ...policies import make_policy
 from ...target.scorer import Row, TargetScorer, forward_rows
 from .device_clock import seconds_per_call
