@@ -1,38 +1,73 @@
 """A draft worker's round: the next forward of every drafting session (each proposal written as a
 generator of the forwards it needs, drafters/model.py) in one ragged forward and one LM head
 call, so that sessions draft in lockstep and each session's proposal comes out as it would
-alone."""
+alone.
+
+A forward may ask for `follow` more forwards, each of one token: the argmax of its previous
+forward's last row, fed back on the device. A greedy chain of K drafts is then one request, and
+its tokens come back to the host once, when its last forward is done, not once a forward: the
+host lays out the next round while the device still runs this one."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from typing import Generator, NamedTuple, Optional, Sequence
 
 import torch
 
-from ..api.sampling import argmax_lists
+from ..api.sampling import argmax
 from ..loop.stage_types import DraftBlock
 from ..models.kernels.chunked import kernels_by_chunk
-from ..runtime.batching import forward_ragged
+from ..runtime.batching import forward_ids
 from ..runtime.kv_pool import PagedKV
+from ..runtime.ragged_attention import on_device
 
 
 class ScoredForward(NamedTuple):
-    """What a `DraftForward` gets back: the logits of its last `keep` tokens `[keep, V]`, and
-    their argmax, read back once for the whole round."""
+    """What a `DraftForward` gets back: the logits of its last `keep` tokens and of each followed
+    forward's token `[keep + follow, V]`, and their argmax, read back once."""
 
     logits: torch.Tensor
-    argmax_ids: Optional[list[int]]  # None where no proposal of the round takes the argmax
+    argmax_ids: Optional[list[int]]  # None where the forward does not take the argmax
 
 
 @dataclass
 class DraftForward:
-    """One forward a proposal needs: `tokens` after the cached ones; the logits of the last `keep`."""
+    """One forward a proposal needs: `tokens` after the cached ones; the logits of the last `keep`;
+    then `follow` forwards of one token each, the argmax of the previous one's last row."""
 
     cache: PagedKV
     tokens: list[int]
     keep: int
     by_argmax: bool = True  # its tokens are the argmax of the logits (not sampled)
+    follow: int = 0
+
+    def __post_init__(self) -> None:
+        if self.follow and not self.by_argmax:
+            raise ValueError("a followed forward's token is the argmax of the one before")
+
+
+@dataclass
+class Chain:
+    """A `DraftForward` in progress: `done` of its 1 + follow forwards run, their outputs so far."""
+
+    forward: DraftForward
+    done: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)  # [keep, V], then [1, V] a followed forward
+    argmax_ids: list[torch.Tensor] = field(default_factory=list)  # the same rows' argmax, on the device
+
+    @property
+    def length(self) -> int:
+        return len(self.forward.tokens) if self.done == 0 else 1
+
+    @property
+    def keep(self) -> int:
+        return self.forward.keep if self.done == 0 else 1
+
+    @property
+    def finishing(self) -> bool:
+        return self.done == self.forward.follow
 
 
 @torch.inference_mode()
@@ -41,11 +76,11 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
     one ragged forward over the next forward of every proposal still drafting, and one LM head
     call over the rows they keep. Returns each proposal's block."""
     blocks: list[Optional[DraftBlock]] = [None] * len(proposals)
-    waiting: dict[int, DraftForward] = {}
+    waiting: dict[int, Chain] = {}
 
     def advance(index: int, scored: Optional[ScoredForward]) -> None:
         try:
-            waiting[index] = proposals[index].send(scored)
+            waiting[index] = Chain(proposals[index].send(scored))
         except StopIteration as done:
             blocks[index] = done.value
             waiting.pop(index, None)
@@ -53,17 +88,44 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
     for index in range(len(proposals)):
         advance(index, None)
     while waiting:
-        order = list(waiting)
-        forwards = [waiting[index] for index in order]
-        hidden, offsets = forward_ragged(
-            model, [forward.cache for forward in forwards], [forward.tokens for forward in forwards]
-        )
-        kept = torch.cat([torch.arange(end - forward.keep, end) for forward, end in zip(forwards, offsets[1:])])
-        keeps = [forward.keep for forward in forwards]
-        with kernels_by_chunk(keeps):
-            logits = model.lm_head(hidden[0, kept.to(hidden.device)]).float()  # [sum(keep), V]
-        # one read back for the round, where a proposal takes its tokens by argmax
-        top = argmax_lists(logits, keeps) if any(forward.by_argmax for forward in forwards) else [None] * len(keeps)
-        for index, forward_logits, forward_top in zip(order, logits.split(keeps), top):
-            advance(index, ScoredForward(forward_logits, forward_top))
+        chains = list(waiting.values())
+        logits, top = draft_round(model, chains)
+        keeps = [chain.keep for chain in chains]
+        for chain, chain_logits, chain_top in zip(chains, logits.split(keeps), top.split(keeps)):
+            chain.logits.append(chain_logits)
+            chain.argmax_ids.append(chain_top)
+        # one read back for the round, of every chain it ends that takes its tokens by argmax
+        ending = [index for index, chain in waiting.items() if chain.finishing]
+        taking = [index for index in ending if waiting[index].forward.by_argmax]
+        read = torch.cat([row for index in taking for row in waiting[index].argmax_ids]).tolist() if taking else []
+        for index in ending:
+            chain = waiting[index]
+            ids = None
+            if chain.forward.by_argmax:
+                count = sum(len(row) for row in chain.argmax_ids)
+                ids, read = read[:count], read[count:]
+            advance(index, ScoredForward(torch.cat(chain.logits), ids))
+        for chain in waiting.values():
+            if chain.argmax_ids and not chain.finishing:  # a chain that goes on: its next forward
+                chain.done += 1
     return blocks
+
+
+def draft_round(model: torch.nn.Module, chains: Sequence[Chain]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over every chain's next forward: the logits of the rows they keep
+    `[sum(keep), V]` and their argmax `[sum(keep)]`, both on the device."""
+    lengths = [chain.length for chain in chains]
+    # [1, N]; a followed forward's token is its chain's last argmax, already on the device
+    tokens = [token for chain in chains for token in (chain.forward.tokens if chain.done == 0 else [0])]
+    input_ids = on_device(torch.tensor([tokens]), model.device)
+    starts = itertools.accumulate(lengths, initial=0)  # where each row's tokens start among the N
+    followed = [(start, chain) for start, chain in zip(starts, chains) if chain.done]
+    if followed:
+        places = on_device(torch.tensor([start for start, _ in followed]), model.device)
+        input_ids[0, places] = torch.cat([chain.argmax_ids[-1][-1:] for _, chain in followed])
+    hidden, offsets = forward_ids(model, [chain.forward.cache for chain in chains], lengths, input_ids)
+    keeps = [chain.keep for chain in chains]
+    kept = torch.cat([torch.arange(end - keep, end) for keep, end in zip(keeps, offsets[1:])])
+    with kernels_by_chunk(keeps):
+        logits = model.lm_head(hidden[0, on_device(kept, hidden.device)]).float()  # [sum(keep), V]
+    return logits, argmax(logits)

@@ -53,6 +53,7 @@ class ModelDrafter(Drafter):
     drafts_from = DraftSource.DRAFT_MODEL
     deterministic: ClassVar[bool] = False  # True: proposals never sampled (one-hot p_d)
     drafts_ahead = True
+    guesses: ClassVar[bool] = False  # True: each forward checks a lookup's guess (`lookup`)
 
     def __init__(self, model: torch.nn.Module, params: Optional[ModelDrafterParams] = None):
         super().__init__(params)
@@ -157,12 +158,15 @@ class ModelDrafter(Drafter):
             sync_cache(self.cache, self.cached_tokens, sequence)
             pending = sequence[len(self.cached_tokens) :]
             guess = self.lookup(sequence, max_tokens - len(tokens) - 1)
-            scored = yield DraftForward(
-                self.cache, pending + guess, len(guess) + 1, not sampled and self.grammar is None
-            )
-            logits = scored.logits  # [len(guess) + 1, V]
-            self.forwards += 1
-            self.cached_tokens.extend(pending + guess)
+            by_argmax = not sampled and self.grammar is None
+            # a plain greedy chain drafts the rest of its block in one request: nothing between
+            # its forwards needs the host (no guess to check, no threshold to test)
+            thresholds = self.params.confidence_threshold or self.params.path_threshold
+            follow = max_tokens - len(tokens) - 1 if by_argmax and not self.guesses and not thresholds else 0
+            scored = yield DraftForward(self.cache, pending + guess, len(guess) + 1, by_argmax, follow)
+            logits = scored.logits  # [len(guess) + 1 + follow, V]
+            self.forwards += 1 + follow
+            self.cached_tokens.extend(pending + guess + (scored.argmax_ids[:follow] if follow else []))
             usable = len(logits)
             if self.grammar is not None:  # after the uncommitted context (run-ahead's) and this block
                 logits, usable = self.grammar.masked_chain(logits, sequence[self.grammar_start :], guess)
@@ -178,7 +182,7 @@ class ModelDrafter(Drafter):
             else:  # read back with every session's in the round: nothing per session on the device
                 predicted = scored.argmax_ids
             matched = common_prefix_length(guess, predicted, len(guess))
-            kept, gated = min(matched + 1, usable), False
+            kept, gated = min(matched + 1 + follow, usable), False
             if self.params.path_threshold > 0:  # keep up to the first token whose path value is <= tau
                 values = path_value * logits[:kept].softmax(-1).amax(-1).double().cumprod(0)
                 below = (values <= self.params.path_threshold).nonzero()
@@ -223,6 +227,7 @@ class MultiLevelDrafter(ModelDrafter):
     name = "mla"
     Params = MultiLevelParams
     deterministic = True
+    guesses = True
     reads_suffixes: ClassVar[bool] = True  # its first level may be suffix decoding (first_level.py)
 
     def __init__(

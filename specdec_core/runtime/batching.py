@@ -28,7 +28,7 @@ from ..models.shard_loader import activation_dtype
 from ..trees.tree import Topology
 from .kv_pool import BLOCK_SIZE, KV_CACHE_DTYPES, KVPool, PagedKV, blocks_for
 from .paged_layout import paged_rows
-from .ragged_attention import RowGroup, StepLayout, attention_backends, use_ragged_attention
+from .ragged_attention import RowGroup, StepLayout, attention_backends, on_device, use_ragged_attention
 
 # rows with more new tokens than this (prompt chunks) attend in a call of their own: padded to a
 # 512-token chunk's queries, a 5-token verify row's attention would cost 100 times its own
@@ -115,7 +115,7 @@ def step_layout(
     scratch = pool.scratch_slot + torch.arange(pad(num_tokens) - num_tokens) % size  # [padding]
     if paged:
         rows = paged_rows(history, new, tables, trees, pad, device)
-        return StepLayout(pool, torch.cat([write_slots, scratch]).to(device), [], None, rows)
+        return StepLayout(pool, on_device(torch.cat([write_slots, scratch]), device), [], None, rows)
     offsets = torch.cumsum(new, 0) - new  # [B]
     long = new > LONG_ROW
     parts = [members for members in (torch.nonzero(~long)[:, 0], torch.nonzero(long)[:, 0]) if members.numel()]
@@ -124,15 +124,15 @@ def step_layout(
         if all(block == table[0] + index for index, block in enumerate(table[:num_blocks])):
             read_slots = slice(table[0] * size, table[0] * size + int(total[0]))  # a view, not a gather
         group, _, _ = row_group(torch.tensor([0]), history, new, offsets, read_slots, trees, pad, device)
-        return StepLayout(pool, write_slots.to(device), [RowGroup(group.read, None, group.mask)], None)
+        return StepLayout(pool, on_device(write_slots, device), [RowGroup(group.read, None, group.mask)], None)
     groups, output_index, start = [], torch.zeros(pad(num_tokens), dtype=torch.long), 0  # [N]
     for members in parts:
         group, tokens, places = row_group(members, history, new, offsets, read_slots, trees, pad, device)
         output_index[tokens] = start + places  # where each token's output lies among the groups'
-        groups.append(RowGroup(group.read, group.query_index.to(device), group.mask))
+        groups.append(RowGroup(group.read, on_device(group.query_index, device), group.mask))
         start += group.query_index.numel()
     write_slots = torch.cat([write_slots, scratch])
-    return StepLayout(pool, write_slots.to(device), groups, output_index.to(device))
+    return StepLayout(pool, on_device(write_slots, device), groups, on_device(output_index, device))
 
 
 def row_group(members, history, new, offsets, read_slots, trees, pad, device):
@@ -153,7 +153,7 @@ def row_group(members, history, new, offsets, read_slots, trees, pad, device):
     read = read_slots
     if not isinstance(read_slots, slice):
         read = read_slots[members, : keys.numel()]
-        read = torch.cat([read, read.new_zeros(rows - len(members), keys.numel())]).to(device)
+        read = on_device(torch.cat([read, read.new_zeros(rows - len(members), keys.numel())]), device)
     mask = None
     row_trees = [trees[row] for row in members.tolist()]
     padded = pad is not int
@@ -165,7 +165,7 @@ def row_group(members, history, new, offsets, read_slots, trees, pad, device):
             if tree is not None:
                 start, width = int(history[index]), tree.num_nodes + 1
                 mask[index, :width, start : start + width] = tree.attention_mask
-        mask = torch.where(real[:, :, None], mask, keys[None, None] == 0)[:, None].to(device)  # [B_g, 1, Q, L]
+        mask = on_device(torch.where(real[:, :, None], mask, keys[None, None] == 0)[:, None], device)  # [B_g, 1, Q, L]
     return RowGroup(read, packed.clamp(max=num_tokens - 1), mask), packed[real], places[real]
 
 
@@ -180,9 +180,21 @@ def forward_ragged(
     `trees`: per row, the topology its tokens (root, then nodes) form, or None for a chain."""
     input_ids = torch.tensor([[token for tokens in token_lists for token in tokens]], dtype=torch.long)
     lengths = [len(tokens) for tokens in token_lists]
+    return forward_ids(model, caches, lengths, on_device(input_ids, model.device), trees)
+
+
+def forward_ids(
+    model: torch.nn.Module,
+    caches: Sequence[PagedKV],
+    lengths: Sequence[int],
+    input_ids: torch.Tensor,
+    trees: Optional[Sequence[Optional[Topology]]] = None,
+):
+    """`forward_ragged` over tokens already on the model's device, `input_ids` `[1, N]` (rows of
+    `lengths` tokens): a token the device chose is fed back without a read back."""
     use_ragged_attention(model)
     with kernels_by_chunk(lengths):
-        return run_ragged(model.model, caches, lengths, trees, input_ids=input_ids.to(model.device))
+        return run_ragged(model.model, caches, lengths, trees, input_ids=input_ids)
 
 
 def run_ragged(
@@ -253,7 +265,7 @@ def step_inputs(base_model, caches, lengths, trees, inputs: dict, padded: bool) 
     padding = layout.write_slots.numel() - len(positions)
     return {
         **{name: pad_tokens(tensor, padding) for name, tensor in inputs.items()},
-        "position_ids": pad_tokens(positions[None], padding).to(base_model.device),
+        "position_ids": on_device(pad_tokens(positions[None], padding), base_model.device),
         "use_cache": False,
         "ragged": layout,
     }

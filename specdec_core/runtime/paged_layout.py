@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..trees.tree import Topology
-from .ragged_attention import PagedRows
+from .ragged_attention import PagedRows, on_device
 
 
 def paged_rows(
@@ -50,8 +50,8 @@ def paged_rows(
             new_mask[start : start + width, :width] = tree.attention_mask
     int32 = torch.int32
     return PagedRows(
-        block_tables.to(device, int32),
-        seq_lens.to(device, int32),
-        query_start.to(device, int32),
-        new_mask.to(device, torch.int8),
+        on_device(block_tables, device, int32),
+        on_device(seq_lens, device, int32),
+        on_device(query_start, device, int32),
+        on_device(new_mask, device, torch.int8),
     )

@@ -60,6 +60,14 @@ class StepLayout:
     paged: Optional[PagedRows] = None
 
 
+def on_device(tensor: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A tensor the host laid out, copied to `device` without waiting for the work queued there
+    (a blocking copy synchronizes the stream): the host lays out the next step while the device
+    runs this one. From pageable memory the copy is staged before it returns, so the host tensor
+    may go at once."""
+    return tensor.to(device, dtype, non_blocking=True)
+
+
 def attention_backends(device: torch.device):
     """The SDPA kernels a forward may use. Not cuDNN's on CUDA: it builds a plan for every new
     sequence length, about 2.3 ms of host time per call on an H100, and a row's length grows

@@ -20,6 +20,7 @@ from ..loop.stage_types import Prefilled, PromptScores, TargetBlock
 from ..policies import AcceptancePolicy
 from ..runtime.batching import forward_ragged, pool_of
 from ..runtime.kv_pool import PagedKV
+from ..runtime.ragged_attention import on_device
 from ..trees.tree import Topology
 from .aux_states import aux_states
 
@@ -277,7 +278,7 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
         all_logits = model.lm_head(scored[None])[0].float()  # [M, V]
         logits = all_logits.split(sizes)  # [T_i, V] each
         tokens = [token for index in verifying for token in rows[index].tokens]
-        tokens = torch.tensor(tokens, dtype=torch.long, device=hidden.device).split(sizes)  # [T_i] each
+        tokens = on_device(torch.tensor(tokens), hidden.device).split(sizes)  # [T_i] each
         # every row's argmax in one op and one read back, for the greedy requests' verdicts
         greedy = any(rows[index].scorer.sampling.greedy for index in verifying)
         argmax_ids = argmax_lists(all_logits, sizes) if greedy else [None] * len(sizes)
