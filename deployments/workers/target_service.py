@@ -23,7 +23,7 @@ from specdec_core.loop.frontend import Frontend
 from specdec_core.loop.stage_types import Prefilled, TargetBlock
 from specdec_core.models.loader import ModelSpec
 from specdec_core.policies import make_policy
-from specdec_core.runtime.batching import pool_of
+from specdec_core.runtime.model_runner import runner_of
 from specdec_core.target.compact import compact_rows, wire_top_k
 from specdec_core.target.scorer import PREFILL_CHUNK, Row, TargetScorer, forward_rows
 from specdec_core.trees.dynamic_tree import check_guess_tree
@@ -79,7 +79,7 @@ class TargetService(WorkerService):
         self.held = HeldAnswers()  # Score answers not ready within their call's deadline
         self.scheduler: Optional[PoolScheduler] = None
         if rank == 0 and admission is not None and admission.on_demand and admission.budget_bytes is not None:
-            pool = pool_of(target_model.model)
+            pool = runner_of(target_model.model).kv_pool()
             self.scheduler = PoolScheduler(
                 pool, self.run, self.batcher, self.forwarded.pause, admission, self.max_positions
             )

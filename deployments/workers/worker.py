@@ -83,7 +83,7 @@ class WorkerRank:
         from specdec_core.models.loader import load_configs, load_model, load_tokenizer
         from specdec_core.models.parallel import join_group, load_sharded_model
         from specdec_core.planning.kv_budget import kv_budget
-        from specdec_core.runtime.batching import pool_of
+        from specdec_core.runtime.model_runner import runner_of
         from specdec_core.trees.topologies import load_tree_bank
 
         from .admission import Admission
@@ -153,7 +153,7 @@ class WorkerRank:
             )
             servicer, add = TargetServicer(service), pb_grpc.add_TargetServicer_to_server
         if model is not None:
-            pool_of(model.model).prefix_caching = config.prefix_caching
+            runner_of(model.model).kv_pool().prefix_caching = config.prefix_caching
         if self.prioritized:
             set_priority(SERVING_NICENESS)
         self.service = service

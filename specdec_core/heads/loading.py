@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..models.shard_loader import activation_dtype
+from ..runtime.model_runner import runner_of
 from ..target.aux_states import keep_aux_states
 from .contract import Heads
 from .eagle3_checkpoint import is_eagle3, load_eagle3, read_config, weight_files
@@ -53,7 +54,7 @@ class TargetShape:
     @classmethod
     def of_model(cls, model: nn.Module) -> "TargetShape":
         """A loaded target (a stage's layers are its own; heads that read layers refuse stages)."""
-        stage = getattr(model.model, "pipeline_stage", None)
+        stage = runner_of(model.model).stage
         return cls.of_config(model.config, stages=stage.num_stages if stage is not None else 1)
 
 

@@ -23,6 +23,7 @@ import torch
 from ..api.request import Completion, GenerationRequest
 from ..drafters.model import propose_step
 from ..runtime.batching import fix_pool
+from ..runtime.model_runner import runner_of
 from ..target.scorer import Row, TargetScorer, forward_rows
 from ..trees.tree import Topology
 from .engine import SpeculativeEngine, speculative_loop
@@ -200,8 +201,8 @@ def complete_together(
     for these requests only."""
     times = times if times is not None else StepTimes()
     prepared = [engine.frontend.prepare(request) for request in requests]  # bad input fails before any work
-    base = engine.target_model.model
-    kept_pool = getattr(base, "kv_pool", None)
+    runner = runner_of(engine.target_model.model)
+    kept_pool = runner.pool
     room = None
     if kv_positions:  # a budget of one "byte" a position: a pool of kv_positions positions
         room = KVRoom(fix_pool(engine.target_model, kv_positions, 1.0), admission)
@@ -236,6 +237,6 @@ def complete_together(
         completions = asyncio.run(all_of_them())
     finally:
         if room is not None:
-            base.kv_pool = kept_pool
+            runner.pool = kept_pool
     times.wall_s = time.perf_counter() - clock
     return completions

@@ -15,8 +15,8 @@ from ..planning.memory import load_model_config
 from ..runtime.batching import set_kv_cache_dtype
 from ..runtime.compiled_layers import compile_layers
 from ..runtime.compiled_step import compile_step
-from ..runtime.ragged_attention import paged_kernel_misfit, use_paged_attention
-from ..runtime.step_graphs import use_step_graphs
+from ..runtime.model_runner import use_paged_attention, use_step_graphs
+from ..runtime.ragged_attention import paged_kernel_misfit
 from .fp8_checkpoint import checkpoint_fp8_scheme
 from .kernels import prepare_model
 from .kernels.int4 import quantize_int4

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..api.errors import GroupBroken
+from ..runtime.model_runner import runner_of
 from .shard_loader import activation_dtype
 
 # the fewest tokens a micro-batch holds: a forward costs more than its tokens' work (on the Zen 4
@@ -59,9 +60,9 @@ def make_stage(model: torch.nn.Module, stage: int, num_stages: int, tp: int) -> 
     columns = [dist.new_group([s * tp + column for s in range(num_stages)]) for column in range(tp)]
     column = dist.get_rank() % tp
     dtype = activation_dtype(model)
-    base.pipeline_stage = PipelineStage(base.forward, stage, num_stages, tp, columns[column], dtype)
-    base.forward = base.pipeline_stage
-    model.lm_head = PipelineHead(model.lm_head, model.config.vocab_size, base.pipeline_stage)
+    pipeline_stage = PipelineStage(base.forward, stage, num_stages, tp, columns[column], dtype)
+    runner_of(base).stage = base.forward = pipeline_stage
+    model.lm_head = PipelineHead(model.lm_head, model.config.vocab_size, pipeline_stage)
     return model
 
 

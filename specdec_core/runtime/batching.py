@@ -27,12 +27,10 @@ from ..models.kernels.chunked import kernels_by_chunk
 from ..models.shard_loader import activation_dtype
 from ..trees.tree import Topology
 from .kv_pool import BLOCK_SIZE, KV_CACHE_DTYPES, KVPool, PagedKV, blocks_for
+from .model_runner import runner_of
 from .paged_layout import paged_rows
-from .ragged_attention import RowGroup, StepLayout, attention_backends, on_device, use_ragged_attention
+from .ragged_attention import LONG_ROW, RowGroup, StepLayout, attention_backends, on_device, use_ragged_attention
 
-# rows with more new tokens than this (prompt chunks) attend in a call of their own: padded to a
-# 512-token chunk's queries, a 5-token verify row's attention would cost 100 times its own
-LONG_ROW = 64
 # a compiled step's sizes round up to powers of two below this, to multiples of it above
 PAD_STEP = 1024
 
@@ -47,29 +45,15 @@ def padded_size(size: int) -> int:
     return blocks_for(size, PAD_STEP) * PAD_STEP
 
 
-def pool_of(base_model: torch.nn.Module) -> KVPool:
-    """The model's KV pool, made at its first ragged forward (one per model and process) unless
-    `fix_pool` sized it."""
-    pool = getattr(base_model, "kv_pool", None)
-    if pool is None:
-        pool = base_model.kv_pool = KVPool(num_layers=len(base_model.layers), dtype=spec_kv_dtype(base_model))
-    return pool
-
-
 def set_kv_cache_dtype(model: torch.nn.Module, name: str) -> None:
     """Keep `model`'s KV cache in the dtype a model spec names (`KV_CACHE_DTYPES`), from its
     pool's first allocation on."""
-    model.model.kv_cache_dtype = KV_CACHE_DTYPES[name]
-
-
-def spec_kv_dtype(base_model: torch.nn.Module) -> Optional[torch.dtype]:
-    """The KV dtype `set_kv_cache_dtype` gave a base model (None: its activations')."""
-    return getattr(base_model, "kv_cache_dtype", None)
+    runner_of(model.model).kv_dtype = KV_CACHE_DTYPES[name]
 
 
 def kv_cache_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype `model`'s KV pool holds: its spec's, or its activations'."""
-    return spec_kv_dtype(model.model) or activation_dtype(model)
+    return runner_of(model.model).kv_dtype or activation_dtype(model)
 
 
 def fix_pool(model: torch.nn.Module, budget_bytes: float, bytes_per_token: float) -> KVPool:
@@ -77,9 +61,9 @@ def fix_pool(model: torch.nn.Module, budget_bytes: float, bytes_per_token: float
     budget, within which its admission keeps every session's blocks (`bytes_per_token`: what a
     position costs in all layers of this rank; the pool's scratch block is one more)."""
     num_blocks = int(budget_bytes // (bytes_per_token * BLOCK_SIZE))
-    dtype = spec_kv_dtype(model.model)
-    model.model.kv_pool = KVPool(len(model.model.layers), num_blocks=num_blocks, growable=False, dtype=dtype)
-    return model.model.kv_pool
+    runner = runner_of(model.model)
+    runner.pool = KVPool(runner.num_layers, num_blocks=num_blocks, growable=False, dtype=runner.kv_dtype)
+    return runner.pool
 
 
 def step_layout(
@@ -210,12 +194,12 @@ def run_ragged(
     offsets = [0]
     for length in lengths:
         offsets.append(offsets[-1] + length)
-    stage = getattr(base_model, "pipeline_stage", None)
+    runner = runner_of(base_model)
+    stage, graphs = runner.stage, runner.graphs
     parts = stage.microbatches(lengths) if stage is not None else [range(len(caches))]
-    graphs = getattr(base_model, "step_graphs", None)
     graphed = graphs is not None and graphs.covers(lengths)
-    padded = getattr(base_model, "padded_step", False) or graphed
-    pool = pool_of(base_model)
+    padded = runner.padded or graphed
+    pool = runner.kv_pool()
     # a pool's storage is allocated by its first forward: that one runs eagerly, outside any
     # CUDA graph, and later ones find it in place (a static address)
     first = padded and pool.keys is None
@@ -260,8 +244,9 @@ def step_inputs(base_model, caches, lengths, trees, inputs: dict, padded: bool) 
         ]
     )
     # the paged kernel for short rows only: a prompt chunk's tokens would each read its keys again
-    paged = getattr(base_model, "paged_attention", False) and max(lengths) <= LONG_ROW
-    layout = step_layout(pool_of(base_model), caches, lengths, trees, base_model.device, padded=padded, paged=paged)
+    runner = runner_of(base_model)
+    paged = runner.paged and max(lengths) <= LONG_ROW
+    layout = step_layout(runner.kv_pool(), caches, lengths, trees, base_model.device, padded=padded, paged=paged)
     padding = layout.write_slots.numel() - len(positions)
     return {
         **{name: pad_tokens(tensor, padding) for name, tensor in inputs.items()},

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .model_runner import runner_of
 from .ragged_attention import use_ragged_attention
 
 
@@ -20,7 +21,7 @@ def compile_step(model: torch.nn.Module, backend: str = "inductor") -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     cuda_graphs = backend == "inductor" and model.device.type == "cuda"
     mode = "reduce-overhead" if cuda_graphs else None
-    stage = getattr(model.model, "pipeline_stage", None)
+    stage = runner_of(model.model).stage
     if stage is not None:  # a pipeline stage's layers, not its transfers between stages
         stage.forward = torch.compile(stage.forward, backend=backend, mode=mode)
     else:
@@ -30,4 +31,4 @@ def compile_step(model: torch.nn.Module, backend: str = "inductor") -> None:
 
 def pad_steps(model: torch.nn.Module) -> None:
     """From now on `model`'s steps pad every size to `padded_size` (a compiled step's few shapes)."""
-    model.model.padded_step = True
+    runner_of(model.model).padded = True

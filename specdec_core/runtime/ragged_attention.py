@@ -9,7 +9,6 @@ Vocabulary: B rows, N new tokens in all, Q the most new tokens of a row, L the l
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,6 +19,9 @@ from ..models.kernels.attention import grouped_low_precision_attention, grouped_
 from .kv_pool import KVPool, gather, write
 
 RAGGED_ATTENTION = "specdec_ragged"
+# rows with more new tokens than this (prompt chunks) attend in a call of their own: padded to a
+# 512-token chunk's queries, a 5-token verify row's attention would cost 100 times its own
+LONG_ROW = 64
 # the same attention, never traced by torch.compile: the layers compiled around it
 # (compiled_layers.py) break their graphs there and run it eagerly
 UNTRACED_RAGGED_ATTENTION = "specdec_ragged_untraced"
@@ -159,18 +161,6 @@ def paged_kernel_misfit(model: torch.nn.Module, kv_cache_dtype: str = "auto") ->
         if capability < needed:
             return f"compute capability {capability[0]}.{capability[1]} (it needs {needed[0]}.{needed[1]})"
     return None
-
-
-def use_paged_attention(model: torch.nn.Module) -> None:
-    """`model`'s steps of short rows (verify blocks, trees, single tokens: every step a CUDA graph
-    covers) attend with the paged kernel; prompt chunks keep SDPA."""
-    import triton  # noqa: F401 - a clear ImportError at load, not at the first step
-
-    if model.device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
-        raise ValueError(
-            "the paged attention kernel runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)"
-        )
-    model.model.paged_attention = True
 
 
 def use_ragged_attention(model: torch.nn.Module, traced: bool = True) -> None:

@@ -8,7 +8,7 @@ into the buffers of the graph that matches their shapes (batching.padded_size ro
 to a few buckets, so a bounded set of graphs covers decoding). The pool's storage is a static
 address; where it moves (a growable pool grew) every graph is dropped and recorded again.
 
-Steps that no graph covers run eagerly: a row of more than `batching.LONG_ROW` new tokens (a
+Steps that no graph covers run eagerly: a row of more than `ragged_attention.LONG_ROW` new tokens (a
 prompt chunk), a step of more than `GRAPH_MAX_TOKENS`, the first forward (it allocates the pool),
 pipeline stages and ranks of a tensor-parallel group (their collectives stay outside graphs for
 now). Graphs stay until the pool moves: a bucket of keys more per 1,024 tokens of context adds
@@ -23,8 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .batching import LONG_ROW
-from .ragged_attention import PagedRows, RowGroup, StepLayout
+from .ragged_attention import LONG_ROW, PagedRows, RowGroup, StepLayout
 
 # a step of more tokens than this (after padding) runs eagerly: 64 sessions' verify rows of up to
 # 16 tokens; a row of more than LONG_ROW new tokens (a prompt chunk) is never graphed
@@ -150,20 +149,3 @@ def map_tensors(inputs: dict, function: Callable, absent: Optional[list] = None)
             value = StepLayout(value.pool, apply(value.write_slots), groups, apply(value.output_index), paged)
         mapped[name] = apply(value)
     return mapped
-
-
-def use_step_graphs(model: torch.nn.Module, record: bool = True) -> StepGraphs:
-    """From now on `model`'s steps that a graph covers replay one (`record` False: over the static
-    buffers eagerly, the CPU's stand-in). One rank's whole model only: not a pipeline stage."""
-    base = model.model
-    if getattr(base, "pipeline_stage", None) is not None:
-        raise ValueError("a pipeline stage's step sends and receives between ranks: it runs eagerly")
-    base.step_graphs = StepGraphs(base.forward, lambda: getattr(base, "aux_states", {}), record)
-    return base.step_graphs
-
-
-def drop_step_graphs(model: torch.nn.Module) -> None:
-    """Forget `model`'s graphs (they no longer record what its forward does: hooks were added)."""
-    graphs = getattr(model.model, "step_graphs", None)
-    if graphs is not None:
-        graphs.drop()

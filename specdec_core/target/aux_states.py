@@ -8,36 +8,35 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..runtime.step_graphs import drop_step_graphs
+from ..runtime.model_runner import runner_of
 
 
 def keep_aux_states(model: torch.nn.Module, layers: Sequence[int]) -> None:
     """From now on every forward of `model` keeps the inputs of its decoder layers `layers`."""
-    base = model.model
-    if getattr(base, "pipeline_stage", None) is not None:
+    runner = runner_of(model.model)
+    if runner.stage is not None:
         raise ValueError("an EAGLE-3 layer reads layers of every stage: not over a pipeline (pp_size 1 only)")
-    if getattr(base, "aux_layers", None) == tuple(layers):
+    if runner.kept_layers == tuple(layers):
         return
-    if getattr(base, "aux_layers", None) is not None:
-        raise ValueError(f"this target already keeps the states of layers {list(base.aux_layers)}")
-    base.aux_layers, base.aux_states = tuple(layers), {}
+    if runner.kept_layers is not None:
+        raise ValueError(f"this target already keeps the states of layers {list(runner.kept_layers)}")
+    runner.kept_layers = tuple(layers)
 
     def keep(layer: int):
         def hook(module, args, kwargs):
-            base.aux_states[layer] = args[0] if args else kwargs["hidden_states"]
+            runner.kept_states[layer] = args[0] if args else kwargs["hidden_states"]
 
         return hook
 
     for layer in layers:
-        base.layers[layer].register_forward_pre_hook(keep(layer), with_kwargs=True)
-    drop_step_graphs(model)  # recorded without the hooks
+        model.model.layers[layer].register_forward_pre_hook(keep(layer), with_kwargs=True)
+    runner.drop_graphs()  # recorded without the hooks
 
 
 def aux_states(model: torch.nn.Module, num_positions: int) -> Optional[torch.Tensor]:
     """The kept states of the last forward's first `num_positions` positions, low to high
     `[1, N, A * H]`; None where the model keeps none."""
-    base = model.model
-    layers = getattr(base, "aux_layers", None)
-    if layers is None:
+    runner = runner_of(model.model)
+    if runner.kept_layers is None:
         return None
-    return torch.cat([base.aux_states[layer][:, :num_positions] for layer in layers], -1)
+    return torch.cat([runner.kept_states[layer][:, :num_positions] for layer in runner.kept_layers], -1)

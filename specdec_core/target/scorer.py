@@ -18,8 +18,9 @@ from ..api.sampling import SamplingParams, argmax_lists
 from ..heads.contract import HeadGuesses, Heads, HeadsSession
 from ..loop.stage_types import Prefilled, PromptScores, TargetBlock
 from ..policies import AcceptancePolicy
-from ..runtime.batching import forward_ragged, pool_of
+from ..runtime.batching import forward_ragged
 from ..runtime.kv_pool import PagedKV
+from ..runtime.model_runner import runner_of
 from ..runtime.ragged_attention import on_device
 from ..trees.tree import Topology
 from .aux_states import aux_states
@@ -229,7 +230,7 @@ class TargetScorer:
         """The committed positions' cached blocks, taken: how many (None: scores or heads need every forward)."""
         if self.prompt_parts is not None or self.heads_kind is not None:
             return None
-        return self.cache.reuse(pool_of(self.model.model), self.cached_ids)
+        return self.cache.reuse(runner_of(self.model.model).kv_pool(), self.cached_ids)
 
     def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
         """The heads' node tokens of tree `tree` after `root_token` (the last committed token,

@@ -85,7 +85,7 @@ def test_a_long_prompt_chunk_attends_apart_and_every_row_scores_as_alone(padded:
     attention calls per layer (the short rows are not padded to the chunk); each verify row's
     logits are those of its step alone, and the chunk's prompt continues as unbatched; the same
     with the step's sizes padded (its calls then have 8 and 128 queries)."""
-    from specdec_core.runtime.batching import LONG_ROW
+    from specdec_core.runtime.ragged_attention import LONG_ROW
 
     model = tiny_llama(seed=4)
     if padded:
@@ -186,8 +186,8 @@ def test_a_compiled_step_captures_without_breaks_and_decodes_as_eager(monkeypatc
     from specdec_core import GenerationRequest, SpeculativeEngine
     from specdec_core.loop.lockstep import complete_together
     from specdec_core.runtime import batching
-    from specdec_core.runtime.batching import LONG_ROW
     from specdec_core.runtime.compiled_step import compile_step
+    from specdec_core.runtime.ragged_attention import LONG_ROW
 
     shapes = {False: [], True: []}  # padded or not: each step's tensor sizes
 

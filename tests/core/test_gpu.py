@@ -8,6 +8,7 @@ import torch
 
 from specdec_core import GenerationRequest, SpeculativeEngine
 from specdec_core.policies import POLICIES
+from specdec_core.runtime.model_runner import runner_of
 from specdec_core.target.scorer import TargetScorer
 
 from helpers.tiny_models import repeating_prompt, tiny_llama, tiny_profile
@@ -111,8 +112,7 @@ def graphed_pair(compiled_layers_in=None, paged: bool = False) -> SpeculativeEng
     graphed too; with a cache folder, both compiled by layer first (compiled_layers.py); `paged`:
     both on the paged attention kernel."""
     from specdec_core.runtime.compiled_layers import compile_layers
-    from specdec_core.runtime.ragged_attention import use_paged_attention
-    from specdec_core.runtime.step_graphs import use_step_graphs
+    from specdec_core.runtime.model_runner import use_paged_attention, use_step_graphs
 
     target = tiny_llama(seed=0, prepared=False).to("cuda")
     draft = tiny_llama(seed=0, prepared=False)
@@ -142,7 +142,7 @@ def test_greedy_speculation_with_compiled_layers_and_graphs_equals_its_target_on
     target_only = engine.complete(request("greedy", "none")).token_ids
     for _ in range(2):  # the first request compiles and records, the second replays
         assert engine.complete(request("greedy", drafter)).token_ids == target_only
-    assert engine.target_model.model.step_graphs.recorded > 0
+    assert runner_of(engine.target_model.model).graphs.recorded > 0
 
 
 @pytest.mark.parametrize("drafter", ["pld", "model", "mla", "model_tree"])
@@ -153,7 +153,7 @@ def test_greedy_speculation_on_the_paged_kernel_and_graphs_equals_its_target_onl
     target_only = engine.complete(request("greedy", "none")).token_ids
     for _ in range(2):  # the first request records, the second replays
         assert engine.complete(request("greedy", drafter)).token_ids == target_only
-    assert engine.target_model.model.step_graphs.recorded > 0
+    assert runner_of(engine.target_model.model).graphs.recorded > 0
 
 
 @pytest.mark.parametrize("drafter", ["none", "pld", "model", "mla"])
@@ -161,7 +161,7 @@ def test_greedy_speculation_with_cuda_graphs_equals_eager_target_only(cuda_engin
     target_only = cuda_engine.complete(request("greedy", "none")).token_ids
     for _ in range(2):  # the first request records, the second replays
         assert graphed_engine.complete(request("greedy", drafter)).token_ids == target_only
-    assert graphed_engine.target_model.model.step_graphs.recorded > 0
+    assert runner_of(graphed_engine.target_model.model).graphs.recorded > 0
 
 
 @torch.inference_mode()
@@ -171,7 +171,7 @@ def test_a_replayed_step_keeps_the_states_eagle3_reads():
     them drops the graphs recorded before (and their memory pool); the next step records anew."""
     from specdec_core.runtime.batching import forward_ragged
     from specdec_core.runtime.kv_pool import PagedKV
-    from specdec_core.runtime.step_graphs import use_step_graphs
+    from specdec_core.runtime.model_runner import use_step_graphs
     from specdec_core.target.aux_states import aux_states, keep_aux_states
 
     graphed, eager = (tiny_llama(seed=2, prepared=False).to("cuda") for _ in range(2))
@@ -182,14 +182,14 @@ def test_a_replayed_step_keeps_the_states_eagle3_reads():
         forward_ragged(model, [caches[-1]], [repeating_prompt(4)])  # allocates the pool: eager
         forward_ragged(model, [caches[-1]], [[1, 2, 3]])  # recorded
         keep_aux_states(model, [0, 1])
-    assert graphed.model.step_graphs.recorded == 1 and not graphed.model.step_graphs.graphs
+    assert runner_of(graphed.model).graphs.recorded == 1 and not runner_of(graphed.model).graphs.graphs
     for tokens in ([5, 6], [9, 10]):  # after 27 positions: both steps pad to 2 tokens over 32 keys
         states = []
         for model, cache in zip((graphed, eager), caches):
             forward_ragged(model, [cache], [tokens])
             states.append(aux_states(model, len(tokens)))
         torch.testing.assert_close(states[0], states[1], atol=1e-4, rtol=0)
-    assert graphed.model.step_graphs.recorded == 2
+    assert runner_of(graphed.model).graphs.recorded == 2
 
 
 @pytest.mark.parametrize("rows, tokens, history", [(64, 5, 352), (1, 1, 2000), (3, 5, 40)])

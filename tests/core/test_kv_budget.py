@@ -11,7 +11,7 @@ from deployments.config import WorkerConfig
 from specdec_core.api.errors import SpecdecError
 from specdec_core.planning.kv_budget import kv_budget, kv_budget_from_fraction, profile_step
 from specdec_core.planning.memory import GIB
-from specdec_core.runtime.batching import pool_of
+from specdec_core.runtime.model_runner import runner_of
 
 from helpers.tiny_models import tiny_llama
 
@@ -35,7 +35,7 @@ def test_the_profiled_step_gives_its_blocks_back():
     model = tiny_llama(seed=0)
     profile_step(model, 40)
     gc.collect()
-    assert pool_of(model.model).num_used == 0
+    assert runner_of(model.model).kv_pool().num_used == 0
 
 
 @pytest.mark.parametrize(

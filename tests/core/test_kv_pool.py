@@ -9,8 +9,9 @@ import gc
 import pytest
 import torch
 
-from specdec_core.runtime.batching import forward_ragged, kv_cache_dtype, pool_of, set_kv_cache_dtype
+from specdec_core.runtime.batching import forward_ragged, kv_cache_dtype, set_kv_cache_dtype
 from specdec_core.runtime.kv_pool import KVPool, KVPoolExhausted, PagedKV, write
+from specdec_core.runtime.model_runner import runner_of
 
 from helpers.tiny_models import tiny_llama
 
@@ -49,13 +50,13 @@ def test_steps_over_a_pool_that_grows_score_as_over_a_large_one():
     sequences = [list(range(3, 40)), list(range(50, 61))]
     outputs = []
     for initial_blocks in (1, 64):
-        model.model.kv_pool = KVPool(num_layers=len(model.model.layers), num_blocks=initial_blocks)
+        runner_of(model.model).pool = KVPool(num_layers=len(model.model.layers), num_blocks=initial_blocks)
         caches = [PagedKV(), PagedKV()]
         with torch.inference_mode():
             forward_ragged(model, caches, [sequence[:-4] for sequence in sequences])
             hidden, _ = forward_ragged(model, caches, [sequence[-4:] for sequence in sequences])
         outputs.append(hidden)
-        assert pool_of(model.model).num_blocks >= initial_blocks
+        assert runner_of(model.model).kv_pool().num_blocks >= initial_blocks
     torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
 
 
@@ -101,7 +102,7 @@ def test_sessions_sharing_a_prefix_take_its_blocks_and_each_continue_as_alone():
     shared = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     prompts = [shared + [5, 6, 7], shared + [9, 8]]
     cached, alone = tiny_llama(seed=7), tiny_llama(seed=7)
-    alone.model.kv_pool = KVPool(len(alone.model.layers), prefix_caching=False)
+    runner_of(alone.model).pool = KVPool(len(alone.model.layers), prefix_caching=False)
     expected = []
     for prompt in prompts:
         scorer = TargetScorer(alone)
@@ -116,7 +117,7 @@ def test_sessions_sharing_a_prefix_take_its_blocks_and_each_continue_as_alone():
     assert second.cache.table[:2] == first.cache.table[:2]  # the same blocks, held twice
     second.reset(prompts[1], make_policy("greedy"), SamplingParams())
     assert greedy_steps([first, second], prompts, 12) == expected
-    pool = pool_of(cached.model)
+    pool = runner_of(cached.model).kv_pool()
     del first, second
     gc.collect()
     assert pool.num_used == 0 and len(pool.idle) >= 2
@@ -175,8 +176,8 @@ def test_an_fp8_cache_holds_a_quarter_of_fp32s_bytes_and_scores_close_to_it():
         scorer.reset(head, make_policy("greedy"), SamplingParams())
     both = forward_rows([Row(scorer, [head[-1], *blocks[0]]) for scorer, head in zip(together, (prompt, prompt[::-1]))])
     torch.testing.assert_close(both[0].logits, logits["fp8"][:6], rtol=0, atol=1e-5)
-    assert pool_of(fp8.model).keys.dtype == torch.float8_e4m3fn
-    assert pool_of(exact.model).keys.element_size() == 4 * pool_of(fp8.model).keys.element_size()
+    fp8_keys, exact_keys = runner_of(fp8.model).kv_pool().keys, runner_of(exact.model).kv_pool().keys
+    assert fp8_keys.dtype == torch.float8_e4m3fn and exact_keys.element_size() == 4 * fp8_keys.element_size()
     error = (logits["fp8"] - logits["exact"]).norm() / logits["exact"].norm()
     agreement = (logits["fp8"].argmax(-1) == logits["exact"].argmax(-1)).float().mean()
     assert error < 0.05 and agreement >= 0.9, (error, agreement)

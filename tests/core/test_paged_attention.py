@@ -55,8 +55,7 @@ def test_a_model_on_the_paged_kernel_decodes_as_on_sdpa(tiny_engine):
     chains and trees, eager and over static buffers (a graphed step's padding: use_step_graphs
     without recording, the CPU's stand-in)."""
     from specdec_core import GenerationRequest, SpeculativeEngine
-    from specdec_core.runtime.ragged_attention import use_paged_attention
-    from specdec_core.runtime.step_graphs import use_step_graphs
+    from specdec_core.runtime.model_runner import use_paged_attention, use_step_graphs
     from specdec_core.target.scorer import forward_rows
     from specdec_core.tools.measuring.step_ops import verify_rows
 
@@ -92,6 +91,7 @@ def test_a_model_spec_chooses_the_paged_kernel_on_cuda_and_sdpa_on_the_cpu(tmp_p
     """`attention: auto` (the default) is the paged kernel on CUDA and SDPA on the CPU; `paged`
     loads a model on it (here under the interpreter); a compiled step cannot hold it."""
     from specdec_core.models.loader import ModelSpec, load_model
+    from specdec_core.runtime.model_runner import runner_of
 
     from helpers.tiny_models import tiny_llama
 
@@ -101,8 +101,8 @@ def test_a_model_spec_chooses_the_paged_kernel_on_cuda_and_sdpa_on_the_cpu(tmp_p
     assert ModelSpec(source=source, device="cuda").paged_attention
     assert not ModelSpec(source=source, device="cuda", compile=True).paged_attention
     assert not ModelSpec(source=source, device="cuda", attention="sdpa").paged_attention
-    assert load_model(ModelSpec(source=source, device="cpu", attention="paged")).model.paged_attention
-    assert not getattr(load_model(ModelSpec(source=source, device="cpu")).model, "paged_attention", False)
+    assert runner_of(load_model(ModelSpec(source=source, device="cpu", attention="paged")).model).paged
+    assert not runner_of(load_model(ModelSpec(source=source, device="cpu")).model).paged
     with pytest.raises(ValueError, match="not inside a compiled step"):
         ModelSpec(source=source, device="cuda", compile=True, attention="paged")
     # a head size the kernel's matrix products cannot take: paged refuses it, auto would keep SDPA

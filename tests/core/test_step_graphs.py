@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specdec_core import GenerationRequest, SpeculativeEngine
-from specdec_core.runtime.batching import LONG_ROW
 from specdec_core.runtime.kv_pool import KVPool
-from specdec_core.runtime.step_graphs import use_step_graphs
+from specdec_core.runtime.model_runner import runner_of, use_step_graphs
+from specdec_core.runtime.ragged_attention import LONG_ROW
 
 from helpers.tiny_models import perturbed_copy, repeating_prompt, tiny_llama, tiny_profile
 
@@ -32,7 +32,7 @@ def engines(initial_blocks: int = 64):
     draft = perturbed_copy(target, 0.002)
     eager = SpeculativeEngine(target, None, draft, profile=lambda *_: tiny_profile())
     graphed_target, graphed_draft = tiny_llama(seed=5), perturbed_copy(target, 0.002)
-    graphed_target.model.kv_pool = KVPool(len(graphed_target.model.layers), num_blocks=initial_blocks)
+    runner_of(graphed_target.model).pool = KVPool(len(graphed_target.model.layers), num_blocks=initial_blocks)
     graphs = [use_step_graphs(model, record=False) for model in (graphed_target, graphed_draft)]
     graphed = SpeculativeEngine(graphed_target, None, graphed_draft, profile=lambda *_: tiny_profile())
     return eager, graphed, graphs
@@ -58,7 +58,7 @@ def test_a_pool_that_grows_drops_its_graphs_and_records_again():
     than the first): the graphs written for the old storage are dropped, and decoding goes on
     right."""
     eager, graphed, graphs = engines(initial_blocks=3)
-    pool = graphed.target_model.model.kv_pool
+    pool = runner_of(graphed.target_model.model).pool
     for max_tokens in (16, 80):
         target_only = eager.complete(request("none", max_tokens)).token_ids
         assert graphed.complete(request("pld", max_tokens)).token_ids == target_only

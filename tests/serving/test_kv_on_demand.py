@@ -19,7 +19,7 @@ from deployments.workers.held_answers import HeldAnswers  # noqa: E402
 from deployments.workers.target_service import TargetService  # noqa: E402
 from protos import specdec_pb2 as pb  # noqa: E402
 from specdec_core import GenerationRequest  # noqa: E402
-from specdec_core.runtime.batching import pool_of  # noqa: E402
+from specdec_core.runtime.model_runner import runner_of  # noqa: E402
 
 CONTEXT = 1024  # the tiny models' max_position_embeddings
 
@@ -45,7 +45,7 @@ def on_demand(tiny_engine):
     """Workers whose target pool holds `positions` positions, shared on demand; each test's pool
     is its own, and the engine's pool comes back after."""
     model = tiny_engine.target_model
-    kept = pool_of(model.model)
+    kept = runner_of(model.model).kv_pool()
     made = []
 
     def workers(positions: int, deadline_s: float = 30.0, max_waiting: int = 64, wait_s: float = 60.0) -> Workers:
@@ -58,7 +58,7 @@ def on_demand(tiny_engine):
     yield workers
     for each in made:
         each.stop()
-    model.model.kv_pool = kept
+    runner_of(model.model).pool = kept
 
 
 def run_together(workers: Workers, requests) -> list[tuple[list[int], dict]]:
@@ -81,7 +81,7 @@ def test_six_chats_without_max_tokens_run_to_the_context_end_in_a_pool_of_two(ti
     assert stats.preemptions > 0 and sum(metrics["preemptions"] for _, metrics in together) == stats.preemptions
     assert not any(metrics["draft_fallback"] for _, metrics in together)
     assert None in held  # some Score calls came back held (the session waited past the deadline)
-    target_pool = pool_of(tiny_engine.target_model.model)
+    target_pool = runner_of(tiny_engine.target_model.model).kv_pool()
     assert stats.sessions == 0 and target_pool.num_used == 0 and target_pool.available == target_pool.num_blocks
 
 

@@ -486,17 +486,17 @@ def test_past_the_kv_budget_requests_get_503_and_the_admitted_ones_finish(tiny_e
     import gc
 
     from deployments.workers.admission import Admission
-    from specdec_core.runtime.batching import pool_of
     from specdec_core.runtime.kv_pool import BLOCK_SIZE
+    from specdec_core.runtime.model_runner import runner_of
 
     req = request("greedy", "pld")
     model = tiny_engine.target_model
-    growable_pool = pool_of(model.model)
+    growable_pool = runner_of(model.model).kv_pool()
     probe = TargetService(model, 60.0)  # what a session reserves, in whole blocks of the pool
     session_bytes = probe.max_len(req.prompt_ids, req.sampling) * probe.kv_bytes_per_token
     admission = Admission(2.5 * session_bytes, max_waiting=0, wait_s=0.0)
     target = TargetService(model, 60.0, tiny_engine.frontend.profile(), admission=admission)
-    pool = pool_of(model.model)  # the budget's, allocated once
+    pool = runner_of(model.model).kv_pool()  # the budget's, allocated once
     assert (
         pool is not growable_pool
         and not pool.growable
@@ -531,7 +531,7 @@ def test_past_the_kv_budget_requests_get_503_and_the_admitted_ones_finish(tiny_e
         assert pool.num_used == 0  # every block back: nothing leaks
     finally:
         workers.stop()
-        model.model.kv_pool = growable_pool  # the other tests' engine
+        runner_of(model.model).pool = growable_pool  # the other tests' engine
 
 
 class ResetRaises(DraftServicer):

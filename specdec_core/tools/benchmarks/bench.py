@@ -23,7 +23,7 @@ from ...calibration.questions import load_questions, question_messages
 from ...drafters import DRAFTERS
 from ...drafters.pld import PromptLookupParams
 from ...loop.engine import SpeculativeEngine
-from ...runtime.batching import pool_of
+from ...runtime.model_runner import runner_of
 from ..params import parse_params, split_top_level
 from .bench_records import BenchConfig, MethodResult, MethodRun
 from .grading import Grader
@@ -201,7 +201,7 @@ def run_bench(
     if not questions:
         raise ValueError("no questions selected")
     # every method prefills its prompts cold: prompts cached by the methods before would favor the later ones
-    pool_of(engine.target_model.model).prefix_caching = False
+    runner_of(engine.target_model.model).kv_pool().prefix_caching = False
     runner = Runner(engine, config, endpoint_client)
     grade = Grader()
     tokenizer = engine.frontend.tokenizer

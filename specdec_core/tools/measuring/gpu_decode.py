@@ -19,6 +19,7 @@ from ...loop.engine import SpeculativeEngine
 from ...loop.lockstep import StepTimes, complete_together
 from ...planning.memory import kv_bytes_per_token
 from ...runtime.compiled_layers import layers_compiled
+from ...runtime.model_runner import runner_of
 from .recorded_drafter import recorded_drafters
 
 DRAFTERS = {"target": "none", "greedy+model": "model", "greedy+pld": "pld"}
@@ -145,7 +146,7 @@ def steps_name(engine) -> str:
 
 def graphed(model: Optional[torch.nn.Module]):
     """`model`'s StepGraphs (step_graphs.py), None where it runs eagerly."""
-    return getattr(model.model, "step_graphs", None) if model is not None else None
+    return runner_of(model.model).graphs if model is not None else None
 
 
 @contextlib.contextmanager
@@ -155,13 +156,13 @@ def steps_as(models, steps: str):
     if steps == "eager":
         for model, graphs in zip(models, kept):
             if graphs is not None:
-                model.model.step_graphs = None
+                runner_of(model.model).graphs = None
     try:
         yield
     finally:
         for model, graphs in zip(models, kept):
             if graphs is not None:
-                model.model.step_graphs = graphs
+                runner_of(model.model).graphs = graphs
 
 
 def table(rows: list[dict], columns: list[str]) -> str:

@@ -24,6 +24,7 @@ from ...models.loader import ModelSpec, load_model
 from ...planning.kv_budget import DEFAULT_GPU_MEMORY_UTILIZATION, kv_budget
 from ...planning.memory import GIB, kv_bytes_per_token
 from ...policies import make_policy
+from ...runtime.model_runner import runner_of
 from ...target.scorer import PREFILL_CHUNK, TargetScorer
 from .attention_calls import attention_calls
 from .device_clock import seconds_per_call
@@ -118,7 +119,7 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
     engine = SpeculativeEngine(load_model(target), None, load_model(draft), profile=lambda *_: None)
     loaded_s = time.perf_counter() - clock
     compiled = ", steps compiled" if target.compile else ", layers compiled" if target.compile_layers else ""
-    compiled += ", paged attention" if getattr(engine.target_model.model, "paged_attention", False) else ", SDPA"
+    compiled += ", paged attention" if runner_of(engine.target_model.model).paged else ", SDPA"
     models = f"models: target {target.source}, draft {draft.source}, {target.dtype}{compiled}"
     out += [f"{models}, loaded in {loaded_s:.1f} s", ""]
     args = {**args, "vocab": engine.target_model.config.vocab_size}

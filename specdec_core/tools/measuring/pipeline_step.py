@@ -18,6 +18,7 @@ import typer
 from ...models.kernels.cpu import configure_cpu
 from ...models.loader import ModelSpec, load_model
 from ...models.parallel import join_group, load_sharded_model, run_local_ranks
+from ...runtime.model_runner import runner_of
 from ...target.scorer import forward_rows
 from ..cli_common import TargetDtypeOpt, TargetOpt, fail, print_table
 from .device_clock import seconds_per_call
@@ -40,7 +41,7 @@ def step_shapes(text: str) -> list[tuple[int, int]]:
 def time_steps(model: torch.nn.Module, shapes: list[tuple[int, int]], repeats: int, history: int) -> list[dict]:
     """Median ms of each step shape, whole and (in a pipeline) split a micro-batch a stage. Every
     rank of the group runs it alike: the same steps in the same order."""
-    stage = getattr(model.model, "pipeline_stage", None)
+    stage = runner_of(model.model).stage
     splits = {"whole": sys.maxsize, "a micro-batch a stage": 1} if stage else {"whole": 0}
     timings = []
     with torch.inference_mode():
