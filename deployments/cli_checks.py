@@ -39,6 +39,9 @@ def probe(
     soak: int = typer.Option(1000, "--soak", min=1, help="requests in the soak"),
     soak_concurrency: int = typer.Option(8, "--soak-concurrency", min=1),
     timeout_s: float = typer.Option(120.0, "--timeout", help="a request unanswered this long counts as hung"),
+    draft_slack_s: Optional[float] = typer.Option(
+        None, "--draft-slack", min=0, help="seconds a request may take over target-only while the draft is out [1]"
+    ),
 ):
     """The reliability suite against a running service on this machine: hostile inputs, concurrent
     streams, disconnects, worker kills mid-stream, KV pressure that preempts, a redeploy under
@@ -56,7 +59,8 @@ def probe(
     if unknown := set(chosen) - set(PHASES):
         fail(f"--phases: {', '.join(sorted(unknown))} unknown; of {', '.join(PHASES)}")
     try:
-        suite = Probe(endpoint, grpc_address or None, api_key, timeout_s)
+        slack = {} if draft_slack_s is None else {"draft_slack_s": draft_slack_s}
+        suite = Probe(endpoint, grpc_address or None, api_key, timeout_s, **slack)
     except ValueError as error:
         fail(str(error))
     cluster = LocalCluster(ray_address, app_name) if kills else None

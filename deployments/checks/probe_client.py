@@ -18,6 +18,9 @@ from protos import specdec_pb2_grpc as pb_grpc
 
 from ..workers.worker import ROLES
 
+# a request during a draft worker's outage may take target-only + this (`specdec probe --draft-slack`)
+DRAFT_SLACK_S = 1.0
+
 
 @dataclass
 class Outcome:
@@ -65,9 +68,18 @@ async def first_event_or_end(first_event: asyncio.Event, streams: list[asyncio.T
 
 class ProbeClient:
     """The probe's connections to the service: an HTTP client without a connection limit (the
-    suite opens many streams at once) and the gRPC address, both with the API key."""
+    suite opens many streams at once) and the gRPC address, both with the API key; and how slow
+    a request may be (`timeout_s`: hung; `draft_slack_s`: more than target-only during a draft
+    outage)."""
 
-    def __init__(self, endpoint: str, grpc_address: Optional[str], api_key: Optional[str], timeout_s: float):
+    def __init__(
+        self,
+        endpoint: str,
+        grpc_address: Optional[str],
+        api_key: Optional[str],
+        timeout_s: float,
+        draft_slack_s: float = DRAFT_SLACK_S,
+    ):
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(
             base_url=endpoint.rstrip("/"),
@@ -76,7 +88,7 @@ class ProbeClient:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
         )
         self.grpc_address = grpc_address
-        self.timeout_s = timeout_s
+        self.timeout_s, self.draft_slack_s = timeout_s, draft_slack_s
         self.model = ""  # the served model, named in every body (Probe.run asks /v1/models)
 
     def body(self, path: str, index: int = 0, **fields) -> dict:

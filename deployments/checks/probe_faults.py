@@ -1,6 +1,6 @@
 """`specdec probe`'s faults mid-stream, through Ray (probe_cluster.py): a worker's rank 0 killed,
 or the simulated node that holds it lost. A draft worker's fault fails no request: its streams
-finish target-only, a request meanwhile takes at most target-only + DRAFT_LOSS_BOUND_S, and
+finish target-only, a request meanwhile takes at most target-only + the client's draft_slack_s, and
 speculation resumes. A target worker's fault ends its streams with an error event and [DONE],
 requests get 503 + Retry-After until the service answers 200 again. After a node's loss the
 ranks alive and the placement groups come back to their counts before it."""
@@ -15,7 +15,6 @@ from ..workers.worker import Role
 from .probe_client import ProbeClient, first_event_or_end
 from .probe_cluster import LocalCluster, NodeNotLosable
 
-DRAFT_LOSS_BOUND_S = 1.0  # a request during a draft outage may take target-only + this
 REBUILT_S = 180.0  # a lost node's worker is running on another node this long after at most
 Fault = Callable[[], Awaitable[float]]  # does it; returns when, on the probe's clock
 Check = tuple[str, str, list[str]]  # a check's name, its result, its problems
@@ -49,7 +48,7 @@ async def draft_fault(client: ProbeClient, cluster: LocalCluster, fault: Fault, 
             break
         await asyncio.sleep(0.25)
     worst = max(latencies, default=float("nan"))
-    if worst > target_only_s + DRAFT_LOSS_BOUND_S:
+    if worst > target_only_s + client.draft_slack_s:
         problems.append(f"a request took {worst:.2f} s, target-only {target_only_s:.2f} s")
     if resumed_s is None:
         problems.append("speculation did not resume within 120 s")

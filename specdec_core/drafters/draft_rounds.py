@@ -91,9 +91,11 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
         chains = list(waiting.values())
         logits, top = draft_round(model, chains)
         keeps = [chain.keep for chain in chains]
-        for chain, chain_logits, chain_top in zip(chains, logits.split(keeps), top.split(keeps)):
+        tops = top.split(keeps) if top is not None else [None] * len(chains)
+        for chain, chain_logits, chain_top in zip(chains, logits.split(keeps), tops):
             chain.logits.append(chain_logits)
-            chain.argmax_ids.append(chain_top)
+            if chain.forward.by_argmax:
+                chain.argmax_ids.append(chain_top)
         # one read back for the round, of every chain it ends that takes its tokens by argmax
         ending = [index for index, chain in waiting.items() if chain.finishing]
         taking = [index for index in ending if waiting[index].forward.by_argmax]
@@ -104,16 +106,16 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
             if chain.forward.by_argmax:
                 count = sum(len(row) for row in chain.argmax_ids)
                 ids, read = read[:count], read[count:]
-            advance(index, ScoredForward(torch.cat(chain.logits), ids))
+            advance(index, ScoredForward(chain.logits[0] if chain.done == 0 else torch.cat(chain.logits), ids))
         for chain in waiting.values():
-            if chain.argmax_ids and not chain.finishing:  # a chain that goes on: its next forward
+            if chain.logits and not chain.finishing:  # a chain that goes on: its next forward
                 chain.done += 1
     return blocks
 
 
-def draft_round(model: torch.nn.Module, chains: Sequence[Chain]) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_round(model: torch.nn.Module, chains: Sequence[Chain]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One forward over every chain's next forward: the logits of the rows they keep
-    `[sum(keep), V]` and their argmax `[sum(keep)]`, both on the device."""
+    `[sum(keep), V]` and their argmax `[sum(keep)]` (None where no chain takes it), on the device."""
     lengths = [chain.length for chain in chains]
     # [1, N]; a followed forward's token is its chain's last argmax, already on the device
     tokens = [token for chain in chains for token in (chain.forward.tokens if chain.done == 0 else [0])]
@@ -128,4 +130,4 @@ def draft_round(model: torch.nn.Module, chains: Sequence[Chain]) -> tuple[torch.
     kept = torch.cat([torch.arange(end - keep, end) for keep, end in zip(keeps, offsets[1:])])
     with kernels_by_chunk(keeps):
         logits = model.lm_head(hidden[0, on_device(kept, hidden.device)]).float()  # [sum(keep), V]
-    return logits, argmax(logits)
+    return logits, argmax(logits) if any(chain.forward.by_argmax for chain in chains) else None

@@ -62,7 +62,7 @@ def fix_pool(model: torch.nn.Module, budget_bytes: float, bytes_per_token: float
     position costs in all layers of this rank; the pool's scratch block is one more)."""
     num_blocks = int(budget_bytes // (bytes_per_token * BLOCK_SIZE))
     runner = runner_of(model.model)
-    runner.pool = KVPool(runner.num_layers, num_blocks=num_blocks, growable=False, dtype=runner.kv_dtype)
+    runner.pool = KVPool(len(model.model.layers), num_blocks=num_blocks, growable=False, dtype=runner.kv_dtype)
     return runner.pool
 
 

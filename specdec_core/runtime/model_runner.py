@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
@@ -29,9 +29,9 @@ class PipelineStepper(Protocol):
     def run_each(self, calls: list[dict]) -> list[Any]: ...
 
 
-@dataclass
+@dataclass(eq=False)
 class ModelRunner:
-    num_layers: int  # of this rank's base model (a pipeline stage's own)
+    base_model: torch.nn.Module = field(repr=False)  # this rank's layers (a pipeline stage's own), no LM head
     kv_dtype: Optional[torch.dtype] = None  # the pool's entries; None: the activations'
     pool: Optional[KVPool] = None  # made at the first ragged forward, unless fixed (batching.fix_pool)
     padded: bool = False  # a compiled step: every size padded to its bucket (batching.padded_size)
@@ -44,15 +44,15 @@ class ModelRunner:
     def kv_pool(self) -> KVPool:
         """The pool, made at its first use (one per model and process)."""
         if self.pool is None:
-            self.pool = KVPool(num_layers=self.num_layers, dtype=self.kv_dtype)
+            self.pool = KVPool(num_layers=len(self.base_model.layers), dtype=self.kv_dtype)
         return self.pool
 
-    def use_graphs(self, forward: Callable[..., Any], record: bool = True) -> StepGraphs:
+    def use_graphs(self, record: bool = True) -> StepGraphs:
         """From now on the steps a graph covers replay one (`record` False: over the static
         buffers eagerly, the CPU's stand-in). One rank's whole model only: not a pipeline stage."""
         if self.stage is not None:
             raise ValueError("a pipeline stage's step sends and receives between ranks: it runs eagerly")
-        self.graphs = StepGraphs(forward, lambda: self.kept_states, record)
+        self.graphs = StepGraphs(self.base_model.forward, lambda: self.kept_states, record)
         return self.graphs
 
     def drop_graphs(self) -> None:
@@ -65,7 +65,7 @@ def runner_of(base_model: torch.nn.Module) -> ModelRunner:
     """`base_model`'s runner (a causal LM's `.model`), made at its first use."""
     runner = base_model.__dict__.get("runner")
     if runner is None:
-        runner = base_model.runner = ModelRunner(num_layers=len(base_model.layers))
+        runner = base_model.runner = ModelRunner(base_model)
     return runner
 
 
@@ -82,5 +82,5 @@ def use_paged_attention(model: torch.nn.Module) -> None:
 
 
 def use_step_graphs(model: torch.nn.Module, record: bool = True) -> StepGraphs:
-    """`ModelRunner.use_graphs` for a causal LM: its base model's forward, graphed."""
-    return runner_of(model.model).use_graphs(model.model.forward, record)
+    """`ModelRunner.use_graphs` for a causal LM."""
+    return runner_of(model.model).use_graphs(record)

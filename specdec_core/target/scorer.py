@@ -264,8 +264,7 @@ def forward_rows(rows: Sequence[Row]) -> list[Optional[TargetBlock]]:
     hidden, _ = forward_ragged(
         model, [row.scorer.cache for row in rows], [row.tokens for row in rows], [row.tree for row in rows]
     )
-    # per-row work in a handful of ops for the whole step: split views, one LM head for every
-    # verify row, their tokens as one tensor
+    # the step's per-row work in a few ops: split views, one LM head call, the tokens as one tensor
     parts = hidden[0].split([len(row.tokens) for row in rows])  # [T_i, H] each
     reading = any(row.scorer.reads_aux_states for row in rows)
     features = aux_states(model, hidden.shape[1]) if reading else None  # [1, N, A * H]

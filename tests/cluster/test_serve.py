@@ -442,6 +442,7 @@ def test_probe_command_passes_against_the_service(service):
     from deployments.cli import app
 
     args = ["probe", "--endpoint", URL, "--grpc", f"127.0.0.1:{GRPC_PORT}", "--streams", "8", "--disconnects", "4"]
+    args += ["--draft-slack", "60"]  # a request's speed during the draft's outage is the benchmark's to judge
     result = CliRunner().invoke(app, [*args, "--soak", "15", "--soak-concurrency", "4", "--timeout", "60"])
     assert result.exit_code == 0, result.output
     assert "FAIL" not in result.output and "target worker" in result.output
@@ -949,6 +950,7 @@ def test_the_probe_loses_the_workers_nodes_and_the_service_recovers_without_leak
     )
     try:
         args = ["probe", "--endpoint", URL + LOSS_ROUTE, "--grpc", "", "--app", LOSS_APP, "--phases", "node-loss"]
+        args += ["--draft-slack", "60"]  # speed is not a test's to judge: a request must complete, not be fast
         wide = {"COLUMNS": "400", "TERMINAL_WIDTH": "400"}
         result = CliRunner().invoke(app, [*args, "--timeout", "120"], env=wide)
         assert result.exit_code == 0, result.output
