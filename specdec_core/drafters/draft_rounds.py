@@ -50,24 +50,25 @@ class DraftForward:
 
 @dataclass
 class Chain:
-    """A `DraftForward` in progress: `done` of its 1 + follow forwards run, their outputs so far."""
+    """A `DraftForward` in progress: the outputs of its 1 + follow forwards run so far."""
 
     forward: DraftForward
-    done: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)  # [keep, V], then [1, V] a followed forward
     argmax_ids: list[torch.Tensor] = field(default_factory=list)  # the same rows' argmax, on the device
 
     @property
     def length(self) -> int:
-        return len(self.forward.tokens) if self.done == 0 else 1
+        """The next forward's tokens."""
+        return len(self.forward.tokens) if not self.logits else 1
 
     @property
     def keep(self) -> int:
-        return self.forward.keep if self.done == 0 else 1
+        """The next forward's rows kept."""
+        return self.forward.keep if not self.logits else 1
 
     @property
-    def finishing(self) -> bool:
-        return self.done == self.forward.follow
+    def finished(self) -> bool:
+        return len(self.logits) == 1 + self.forward.follow
 
 
 @torch.inference_mode()
@@ -90,14 +91,14 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
     while waiting:
         chains = list(waiting.values())
         logits, top = draft_round(model, chains)
-        keeps = [chain.keep for chain in chains]
+        keeps = [chain.keep for chain in chains]  # before this round's outputs join them
         tops = top.split(keeps) if top is not None else [None] * len(chains)
         for chain, chain_logits, chain_top in zip(chains, logits.split(keeps), tops):
             chain.logits.append(chain_logits)
             if chain.forward.by_argmax:
                 chain.argmax_ids.append(chain_top)
         # one read back for the round, of every chain it ends that takes its tokens by argmax
-        ending = [index for index, chain in waiting.items() if chain.finishing]
+        ending = [index for index, chain in waiting.items() if chain.finished]
         taking = [index for index in ending if waiting[index].forward.by_argmax]
         read = torch.cat([row for index in taking for row in waiting[index].argmax_ids]).tolist() if taking else []
         for index in ending:
@@ -106,10 +107,7 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
             if chain.forward.by_argmax:
                 count = sum(len(row) for row in chain.argmax_ids)
                 ids, read = read[:count], read[count:]
-            advance(index, ScoredForward(chain.logits[0] if chain.done == 0 else torch.cat(chain.logits), ids))
-        for chain in waiting.values():
-            if chain.logits and not chain.finishing:  # a chain that goes on: its next forward
-                chain.done += 1
+            advance(index, ScoredForward(chain.logits[0] if len(chain.logits) == 1 else torch.cat(chain.logits), ids))
     return blocks
 
 
@@ -118,10 +116,10 @@ def draft_round(model: torch.nn.Module, chains: Sequence[Chain]) -> tuple[torch.
     `[sum(keep), V]` and their argmax `[sum(keep)]` (None where no chain takes it), on the device."""
     lengths = [chain.length for chain in chains]
     # [1, N]; a followed forward's token is its chain's last argmax, already on the device
-    tokens = [token for chain in chains for token in (chain.forward.tokens if chain.done == 0 else [0])]
+    tokens = [token for chain in chains for token in (chain.forward.tokens if not chain.logits else [0])]
     input_ids = on_device(torch.tensor([tokens]), model.device)
     starts = itertools.accumulate(lengths, initial=0)  # where each row's tokens start among the N
-    followed = [(start, chain) for start, chain in zip(starts, chains) if chain.done]
+    followed = [(start, chain) for start, chain in zip(starts, chains) if chain.logits]
     if followed:
         places = on_device(torch.tensor([start for start, _ in followed]), model.device)
         input_ids[0, places] = torch.cat([chain.argmax_ids[-1][-1:] for _, chain in followed])
