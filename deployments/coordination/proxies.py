@@ -45,8 +45,6 @@ GONE_OR_LATE = (
 )
 # a reset prefills the prompt: allow it this many step deadlines
 RESET_DEADLINES = 10
-# a Score held (its session waits for KV blocks, preempted) is asked for again this many times at most
-HELD_DEADLINES = 20
 
 
 def classify(error: grpc.RpcError, role: str) -> Exception:
@@ -106,13 +104,13 @@ class RemoteTarget:
         )
         try:
             reply = await self.stub.Score(request, timeout=self.deadline_s)
-            for _ in range(HELD_DEADLINES):  # the session waits for KV blocks (preempted): its stream pauses
-                if not reply.held:
-                    break
+            # Held: the session waits for KV blocks (preempted) and its stream pauses, for as long
+            # as the pool's older sessions take, as vLLM's preempted requests do. The worker holds
+            # only while its scheduler says the session waits, so a hung or gone worker still
+            # fails the next call's deadline; the client's leaving cancels the wait.
+            while reply.held:
                 held = pb.ScoreRequest(session_id=self.session_id, awaits_held=True)
                 reply = await self.stub.Score(held, timeout=self.deadline_s)
-            if reply.held:
-                raise WorkerUnavailable(f"target worker: no KV blocks for the session in {HELD_DEADLINES} deadlines")
         except grpc.RpcError as error:
             raise classify(error, "target") from None
         self.pending_keep, self.pending_path = 0, []
