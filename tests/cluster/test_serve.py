@@ -471,10 +471,11 @@ def tp_config(checkpoints, **fields) -> dict:
     return AppConfig(**{**config, **fields}).model_dump()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def tp_app(service, checkpoints):
     """A second app beside the service: the target over 2 ranks (gloo) on the simulated target node
-    and the draft over 2 ranks on the other, each a replica's placement group."""
+    and the draft over 2 ranks on the other, each a replica's placement group. Its class's tests
+    only: an app left running costs every later test CPU time on the 2-core VM."""
     from ray import serve
 
     from deployments.app import build_app
@@ -488,71 +489,76 @@ def tp_body(policy: str, temperature: float = 0.0, **fields) -> dict:
     return {**body_for(policy, temperature), "num_draft_tokens": 5, "seed": 7, **fields}
 
 
-@pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("dropmatch", 0.0), ("rejection", 0.9)])
-def test_target_and_draft_over_two_ranks_each_serve_what_one_process_does(tp_app, local_engine, policy, temperature):
-    body = tp_body(policy, temperature)
-    payload = httpx.post(tp_app + "/v1/completions", json=body, timeout=120).json()
-    assert payload["choices"][0]["token_ids"] == local_tokens(local_engine, body)
-    assert payload["speculative"]["spec_decode_num_drafts"] > 0
+class TestTwoRankApp:
+    """The tensor-parallel app (tp_app), deleted after these tests."""
 
+    @pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("dropmatch", 0.0), ("rejection", 0.9)])
+    def test_target_and_draft_over_two_ranks_each_serve_what_one_process_does(
+        self, tp_app, local_engine, policy, temperature
+    ):
+        body = tp_body(policy, temperature)
+        payload = httpx.post(tp_app + "/v1/completions", json=body, timeout=120).json()
+        assert payload["choices"][0]["token_ids"] == local_tokens(local_engine, body)
+        assert payload["speculative"]["spec_decode_num_drafts"] > 0
 
-def test_a_two_rank_target_preempts_on_demand_and_serves_what_one_process_does(tp_app, local_engine):
-    """Four chats without max_tokens at once, in a pool of two contexts a rank: each may run to the
-    end of the context; rank 0 preempts the youngest and every rank applies it (Preempt, Resume);
-    every output equals the in-process engine's, and the preemptions are counted and exported."""
+    def test_a_two_rank_target_preempts_on_demand_and_serves_what_one_process_does(self, tp_app, local_engine):
+        """Four chats without max_tokens at once, in a pool of two contexts a rank: each may run to the
+        end of the context; rank 0 preempts the youngest and every rank applies it (Preempt, Resume);
+        every output equals the in-process engine's, and the preemptions are counted and exported."""
 
-    def chat(index: int) -> dict:
-        messages = [{"role": "user", "content": f"Chapter {index}. It was a dark night and"}]
-        body = {**tp_body("greedy"), "messages": messages, "model": MODEL}
-        del body["prompt"], body["max_tokens"]
-        return body
+        def chat(index: int) -> dict:
+            messages = [{"role": "user", "content": f"Chapter {index}. It was a dark night and"}]
+            body = {**tp_body("greedy"), "messages": messages, "model": MODEL}
+            del body["prompt"], body["max_tokens"]
+            return body
 
-    bodies = [chat(index) for index in range(4)]
-    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-        replies = pool.map(lambda body: httpx.post(tp_app + "/v1/chat/completions", json=body, timeout=600), bodies)
-        payloads = [reply.json() for reply in replies]
-    assert all("choices" in payload for payload in payloads), payloads
-    for body, payload in zip(bodies, payloads):
-        request = GenerationRequest(
-            messages=body["messages"],
-            sampling={"temperature": 0.0, "seed": body["seed"]},
-            policy=body["policy"],
-            drafter={"name": body["drafter"]},
-            num_draft_tokens=body["num_draft_tokens"],
-        )
-        expected = local_engine.complete(request).token_ids
-        assert payload["choices"][0]["token_ids"] == expected and len(expected) > 500
-    preemptions = sum(payload["speculative"]["preemptions"] for payload in payloads)
-    assert preemptions > 0
-    deadline = time.time() + 60  # Ray exports every metrics_report_interval_ms
-    while scrape("ray_specdec_preemptions_total") < preemptions and time.time() < deadline:
-        time.sleep(1)
-    assert scrape("ray_specdec_preemptions_total") >= preemptions
+        bodies = [chat(index) for index in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            replies = pool.map(lambda body: httpx.post(tp_app + "/v1/chat/completions", json=body, timeout=600), bodies)
+            payloads = [reply.json() for reply in replies]
+        assert all("choices" in payload for payload in payloads), payloads
+        for body, payload in zip(bodies, payloads):
+            request = GenerationRequest(
+                messages=body["messages"],
+                sampling={"temperature": 0.0, "seed": body["seed"]},
+                policy=body["policy"],
+                drafter={"name": body["drafter"]},
+                num_draft_tokens=body["num_draft_tokens"],
+            )
+            expected = local_engine.complete(request).token_ids
+            assert payload["choices"][0]["token_ids"] == expected and len(expected) > 500
+        preemptions = sum(payload["speculative"]["preemptions"] for payload in payloads)
+        assert preemptions > 0
+        deadline = time.time() + 60  # Ray exports every metrics_report_interval_ms
+        while scrape("ray_specdec_preemptions_total") < preemptions and time.time() < deadline:
+            time.sleep(1)
+        assert scrape("ray_specdec_preemptions_total") >= preemptions
 
+    def test_the_probe_fills_the_two_rank_targets_pool_and_each_preempted_chat_serves_as_alone(self, tp_app):
+        """`specdec probe --phases kv-pressure` against the two-rank target's pool of two contexts:
+        four chats of half the pool each at once; every one completes, some are preempted, each
+        preempted chat's output equals it sent alone, and every block comes back."""
+        from typer.testing import CliRunner
 
-def test_the_probe_fills_the_two_rank_targets_pool_and_each_preempted_chat_serves_as_alone(tp_app):
-    """`specdec probe --phases kv-pressure` against the two-rank target's pool of two contexts:
-    four chats of half the pool each at once; every one completes, some are preempted, each
-    preempted chat's output equals it sent alone, and every block comes back."""
-    from typer.testing import CliRunner
+        from deployments.cli import app
 
-    from deployments.cli import app
+        args = ["probe", "--endpoint", tp_app, "--grpc", "", "--app", TP_APP, "--phases", "kv-pressure"]
+        wide = {"COLUMNS": "400", "TERMINAL_WIDTH": "400"}  # the result on one line
+        result = CliRunner().invoke(app, [*args, "--timeout", "300"], env=wide)
+        assert result.exit_code == 0, result.output
+        assert "4/4 completed" in result.output and "KV held after: 0 bytes" in result.output
+        assert "skipped" not in result.output and " 0 preempted" not in result.output
 
-    args = ["probe", "--endpoint", tp_app, "--grpc", "", "--app", TP_APP, "--phases", "kv-pressure"]
-    wide = {"COLUMNS": "400", "TERMINAL_WIDTH": "400"}  # the result on one line
-    result = CliRunner().invoke(app, [*args, "--timeout", "300"], env=wide)
-    assert result.exit_code == 0, result.output
-    assert "4/4 completed" in result.output and "KV held after: 0 bytes" in result.output
-    assert "skipped" not in result.output and " 0 preempted" not in result.output
+    def test_the_layout_puts_target_ranks_and_draft_on_their_node_types(self, tp_app):
+        nodes = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
+        for role, node_type in (("target", "target_node"), ("draft", "draft_node")):
+            ranks = worker_handle(role, TP_APP).rank_handles.remote().result()
+            assert len(ranks) == 2
+            for rank in ranks:
+                assert node_type in nodes[ray.get(rank.node_id.remote())]
 
-
-def test_the_layout_puts_target_ranks_and_draft_on_their_node_types(tp_app):
-    nodes = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
-    for role, node_type in (("target", "target_node"), ("draft", "draft_node")):
-        ranks = worker_handle(role, TP_APP).rank_handles.remote().result()
-        assert len(ranks) == 2
-        for rank in ranks:
-            assert node_type in nodes[ray.get(rank.node_id.remote())]
+    def test_a_killed_rank_fails_its_request_then_serve_restarts_the_group(self, tp_app, local_engine):
+        killed_rank_fails_its_request_then_serve_restarts_the_group(tp_app, TP_APP, local_engine)
 
 
 # ---------------------------------------------------------------- a target in pipeline stages
@@ -560,7 +566,7 @@ def test_the_layout_puts_target_ranks_and_draft_on_their_node_types(tp_app):
 PP_APP, PP_ROUTE = "tiny-pp", "/pp"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def pp_app(service, checkpoints):
     """A third app: the target as 2 pipeline stages of 1 rank, each stage's bundle on a node of
     its own (STRICT_SPREAD over the two simulated nodes); its CPUs nominal beside the others'."""
@@ -575,22 +581,28 @@ def pp_app(service, checkpoints):
     serve.delete(PP_APP)
 
 
-@pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("rejection", 0.9)])
-def test_a_target_in_two_stages_on_two_nodes_serves_what_one_process_does(pp_app, local_engine, policy, temperature):
-    body = tp_body(policy, temperature)
-    payload = httpx.post(pp_app + "/v1/completions", json=body, timeout=120).json()
-    assert payload["choices"][0]["token_ids"] == local_tokens(local_engine, body)
-    ranks = worker_handle("target", PP_APP).rank_handles.remote().result()
-    assert len({ray.get(rank.node_id.remote()) for rank in ranks}) == 2
+class TestPipelineApp:
+    """The app whose target runs in two pipeline stages (pp_app), deleted after these tests."""
+
+    @pytest.mark.parametrize(("policy", "temperature"), [("greedy", 0.0), ("rejection", 0.9)])
+    def test_a_target_in_two_stages_on_two_nodes_serves_what_one_process_does(
+        self, pp_app, local_engine, policy, temperature
+    ):
+        body = tp_body(policy, temperature)
+        payload = httpx.post(pp_app + "/v1/completions", json=body, timeout=120).json()
+        assert payload["choices"][0]["token_ids"] == local_tokens(local_engine, body)
+        ranks = worker_handle("target", PP_APP).rank_handles.remote().result()
+        assert len({ray.get(rank.node_id.remote()) for rank in ranks}) == 2
+
+    def test_a_killed_rank_fails_its_request_then_serve_restarts_the_group(self, pp_app, local_engine):
+        killed_rank_fails_its_request_then_serve_restarts_the_group(pp_app, PP_APP, local_engine)
 
 
-@pytest.mark.parametrize(("app_fixture", "app_name"), [("tp_app", TP_APP), ("pp_app", PP_APP)])
-def test_a_killed_rank_fails_its_request_then_serve_restarts_the_group(request, local_engine, app_fixture, app_name):
+def killed_rank_fails_its_request_then_serve_restarts_the_group(app_url: str, app_name: str, local_engine):
     """A killed rank 1 (of a tensor-parallel group, or the second pipeline stage): rank 0's
     request fails at once (its collective or its send to the next stage breaks, or Serve's
     restart takes the group down): an error event and [DONE]; then 503s until the new replica
     serves."""
-    app_url = request.getfixturevalue(app_fixture)
     body = {**tp_body("greedy"), "max_tokens": 900, "ignore_eos": True, "stream": True}
     events, killed_at = [], None
     with httpx.stream("POST", app_url + "/v1/completions", json={"model": MODEL, **body}, timeout=120) as response:
@@ -782,7 +794,7 @@ def settled(count, limit_s: float = 30.0):
     return last
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def loss_nodes(ray_cluster) -> dict:
     """Four more nodes, by id, for the apps whose nodes are removed: a target's, two that may hold
     a draft, and three (two of those among them) that may hold a pipeline stage: after the draft's
@@ -795,128 +807,135 @@ def loss_nodes(ray_cluster) -> dict:
     ]
     nodes = {node.node_id: node for node in (ray_cluster.add_node(num_cpus=1, resources=each) for each in resources)}
     ray_cluster.wait_for_nodes()
-    return nodes
+    yield nodes  # the tests pop the nodes they remove
+    for node in nodes.values():  # a node's raylet and agents cost the tests after it CPU time
+        ray_cluster.remove_node(node)
 
 
-def test_losing_the_draft_workers_node_falls_back_then_speculation_resumes_on_another(
-    service, ray_cluster, loss_nodes, checkpoints, local_engine
-):
-    """The node of a fourth app's draft is removed (`cluster.remove_node`) while a stream runs: the
-    stream finishes target-only with its own tokens, requests meanwhile are answered target-only,
-    the draft's group is rebuilt on the other node that may hold it and speculation resumes; the
-    ranks alive, the placement groups and the target's sessions come back to their counts before."""
-    from ray import serve
+class TestNodeLoss:
+    """Nodes of a fourth app removed while it streams (loss_nodes, removed after these tests)."""
 
-    from deployments.app import build_app
+    def test_losing_the_draft_workers_node_falls_back_then_speculation_resumes_on_another(
+        self, service, ray_cluster, loss_nodes, checkpoints, local_engine
+    ):
+        """The node of a fourth app's draft is removed (`cluster.remove_node`) while a stream runs: the
+        stream finishes target-only with its own tokens, requests meanwhile are answered target-only,
+        the draft's group is rebuilt on the other node that may hold it and speculation resumes; the
+        ranks alive, the placement groups and the target's sessions come back to their counts before."""
+        from ray import serve
 
-    config = tp_config(
-        checkpoints,
-        target_worker={"num_cpus": 0.5, "resources": {"loss_target": 1}},
-        draft_worker={"num_cpus": 0.5, "resources": {"loss_draft": 1}},
-    )
-    serve.run(build_app(config), name=LOSS_APP, route_prefix=LOSS_ROUTE)
-    url = URL + LOSS_ROUTE
-    try:
-        probe = tp_body("greedy")
-        assert (
-            httpx.post(url + "/v1/completions", json=probe, timeout=120).json()["speculative"]["draft_fallback"]
-            is False
+        from deployments.app import build_app
+
+        config = tp_config(
+            checkpoints,
+            target_worker={"num_cpus": 0.5, "resources": {"loss_target": 1}},
+            draft_worker={"num_cpus": 0.5, "resources": {"loss_draft": 1}},
         )
-        before = settled(held_by_workers)
-        draft_rank = worker_handle("draft", LOSS_APP).rank_handles.remote().result()[0]
-        draft_node = loss_nodes.pop(ray.get(draft_rank.node_id.remote()))
-        # a draft token a step: the stream outlasts the node's removal
-        body = {**tp_body("greedy"), "max_tokens": 900, "num_draft_tokens": 1, "stream": True}
-        events = []
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[len("data: ") :]))
-                    if len(events) == 1:
-                        ray_cluster.remove_node(draft_node)
-                        removed_at = time.perf_counter()
-        assert all("choices" in event for event in events) and events[-1]["speculative"]["draft_fallback"] is True
-        tokens = [token for event in events for token in event["choices"][0]["token_ids"]]
-        assert tokens == local_tokens(local_engine, {**body, "stream": False})
-        statuses = []
-        while time.perf_counter() - removed_at < 180:
-            reply = httpx.post(url + "/v1/completions", json=probe, timeout=120)
-            statuses.append(reply.status_code)
-            if reply.status_code == 200 and reply.json()["speculative"]["draft_fallback"] is False:
-                break
-            time.sleep(0.5)
-        recovered_s = time.perf_counter() - removed_at
-        assert set(statuses) == {200} and reply.json()["speculative"]["spec_decode_num_drafts"] > 0
-        ranks = worker_handle("draft", LOSS_APP).rank_handles.remote().result()
-        assert ray.get(ranks[0].node_id.remote()) != draft_node.node_id
-        deadline = time.perf_counter() + 60
-        while held_by_workers() != before and time.perf_counter() < deadline:
-            time.sleep(1)
-        assert held_by_workers() == before
-        sessions = httpx.get(url + "/health", timeout=30).json()["sessions"]
-        assert sessions["target"] == 0
-        print(f"draft node lost: speculation again after {recovered_s:.1f} s; {len(statuses)} requests, all 200")
-    finally:
-        serve.delete(LOSS_APP)
+        serve.run(build_app(config), name=LOSS_APP, route_prefix=LOSS_ROUTE)
+        url = URL + LOSS_ROUTE
+        try:
+            probe = tp_body("greedy")
+            assert (
+                httpx.post(url + "/v1/completions", json=probe, timeout=120).json()["speculative"]["draft_fallback"]
+                is False
+            )
+            before = settled(held_by_workers)
+            draft_rank = worker_handle("draft", LOSS_APP).rank_handles.remote().result()[0]
+            draft_node = loss_nodes.pop(ray.get(draft_rank.node_id.remote()))
+            # a draft token a step: the stream outlasts the node's removal
+            body = {**tp_body("greedy"), "max_tokens": 900, "num_draft_tokens": 1, "stream": True}
+            events = []
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[len("data: ") :]))
+                        if len(events) == 1:
+                            ray_cluster.remove_node(draft_node)
+                            removed_at = time.perf_counter()
+            assert all("choices" in event for event in events) and events[-1]["speculative"]["draft_fallback"] is True
+            tokens = [token for event in events for token in event["choices"][0]["token_ids"]]
+            assert tokens == local_tokens(local_engine, {**body, "stream": False})
+            statuses = []
+            while time.perf_counter() - removed_at < 180:
+                reply = httpx.post(url + "/v1/completions", json=probe, timeout=120)
+                statuses.append(reply.status_code)
+                if reply.status_code == 200 and reply.json()["speculative"]["draft_fallback"] is False:
+                    break
+                time.sleep(0.5)
+            recovered_s = time.perf_counter() - removed_at
+            assert set(statuses) == {200} and reply.json()["speculative"]["spec_decode_num_drafts"] > 0
+            ranks = worker_handle("draft", LOSS_APP).rank_handles.remote().result()
+            assert ray.get(ranks[0].node_id.remote()) != draft_node.node_id
+            deadline = time.perf_counter() + 60
+            while held_by_workers() != before and time.perf_counter() < deadline:
+                time.sleep(1)
+            assert held_by_workers() == before
+            sessions = httpx.get(url + "/health", timeout=30).json()["sessions"]
+            assert sessions["target"] == 0
+            print(f"draft node lost: speculation again after {recovered_s:.1f} s; {len(statuses)} requests, all 200")
+        finally:
+            serve.delete(LOSS_APP)
 
+    def test_losing_a_pipeline_stages_node_ends_its_stream_then_the_group_is_rebuilt(
+        self, service, ray_cluster, loss_nodes, checkpoints
+    ):
+        """A fifth app's target in two stages, each on a node of its own (STRICT_SPREAD). A stage's
+        node is removed while a stream runs: the stream ends with an error event and [DONE],
+        requests get 503 with Retry-After until Serve has rebuilt the group on the nodes left, then
+        200; the ranks alive, the placement groups and the sessions come back to their counts."""
+        from ray import serve
 
-def test_losing_a_pipeline_stages_node_ends_its_stream_then_the_group_is_rebuilt(
-    service, ray_cluster, loss_nodes, checkpoints
-):
-    """A fifth app's target in two stages, each on a node of its own (STRICT_SPREAD). A stage's
-    node is removed while a stream runs: the stream ends with an error event and [DONE],
-    requests get 503 with Retry-After until Serve has rebuilt the group on the nodes left, then
-    200; the ranks alive, the placement groups and the sessions come back to their counts."""
-    from ray import serve
+        from deployments.app import build_app
 
-    from deployments.app import build_app
-
-    stages = {"pp_size": 2, "num_cpus": 0.01, "placement_strategy": "STRICT_SPREAD", "resources": {"loss_stage": 1}}
-    # pld only (no draft model); the lookup's draft worker on the target's node of the fourth app
-    lookup = {"num_cpus": 0.01, "resources": {"loss_target": 1}}
-    config = tp_config(checkpoints, target_worker=stages, draft=None, draft_worker=lookup)
-    serve.run(build_app(config), name=LOSS_APP, route_prefix=LOSS_ROUTE)
-    url = URL + LOSS_ROUTE
-    try:
-        probe = tp_body("greedy", drafter="pld")
-        assert httpx.post(url + "/v1/completions", json=probe, timeout=120).status_code == 200
-        before = settled(held_by_workers)
-        draft_rank = worker_handle("draft", LOSS_APP).rank_handles.remote().result()[0]
-        stage_nodes = [
-            ray.get(rank.node_id.remote()) for rank in worker_handle("target", LOSS_APP).rank_handles.remote().result()
-        ]
-        # a stage's node that holds no draft rank
-        stage_node = loss_nodes.pop(next(node for node in stage_nodes if node != ray.get(draft_rank.node_id.remote())))
-        body = {**probe, "max_tokens": 900, "num_draft_tokens": 1, "stream": True}
-        events = []
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[len("data: ") :])
-                    if len(events) == 1:
-                        ray_cluster.remove_node(stage_node)
-                        removed_at = time.perf_counter()
-        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "worker_unavailable"
-        statuses = []
-        while time.perf_counter() - removed_at < 240:
-            reply = httpx.post(url + "/v1/completions", json=probe, timeout=120)
-            statuses.append(reply.status_code)
-            if reply.status_code == 200:
-                break
-            assert reply.status_code == 503 and reply.headers["Retry-After"]
-            time.sleep(0.5)
-        recovered_s = time.perf_counter() - removed_at
-        assert statuses[-1] == 200
-        ranks = worker_handle("target", LOSS_APP).rank_handles.remote().result()
-        assert stage_node.node_id not in {ray.get(rank.node_id.remote()) for rank in ranks}
-        deadline = time.perf_counter() + 60
-        while held_by_workers() != before and time.perf_counter() < deadline:
-            time.sleep(1)
-        assert held_by_workers() == before
-        assert httpx.get(url + "/health", timeout=30).json()["sessions"]["target"] == 0
-        print(f"stage node lost: served again after {recovered_s:.1f} s; {statuses.count(503)} x 503 before")
-    finally:
-        serve.delete(LOSS_APP)
+        stages = {"pp_size": 2, "num_cpus": 0.01, "placement_strategy": "STRICT_SPREAD", "resources": {"loss_stage": 1}}
+        # pld only (no draft model); the lookup's draft worker on the target's node of the fourth app
+        lookup = {"num_cpus": 0.01, "resources": {"loss_target": 1}}
+        config = tp_config(checkpoints, target_worker=stages, draft=None, draft_worker=lookup)
+        serve.run(build_app(config), name=LOSS_APP, route_prefix=LOSS_ROUTE)
+        url = URL + LOSS_ROUTE
+        try:
+            probe = tp_body("greedy", drafter="pld")
+            assert httpx.post(url + "/v1/completions", json=probe, timeout=120).status_code == 200
+            before = settled(held_by_workers)
+            draft_rank = worker_handle("draft", LOSS_APP).rank_handles.remote().result()[0]
+            stage_nodes = [
+                ray.get(rank.node_id.remote())
+                for rank in worker_handle("target", LOSS_APP).rank_handles.remote().result()
+            ]
+            # a stage's node that holds no draft rank
+            stage_node = loss_nodes.pop(
+                next(node for node in stage_nodes if node != ray.get(draft_rank.node_id.remote()))
+            )
+            body = {**probe, "max_tokens": 900, "num_draft_tokens": 1, "stream": True}
+            events = []
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: ") :])
+                        if len(events) == 1:
+                            ray_cluster.remove_node(stage_node)
+                            removed_at = time.perf_counter()
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "worker_unavailable"
+            statuses = []
+            while time.perf_counter() - removed_at < 240:
+                reply = httpx.post(url + "/v1/completions", json=probe, timeout=120)
+                statuses.append(reply.status_code)
+                if reply.status_code == 200:
+                    break
+                assert reply.status_code == 503 and reply.headers["Retry-After"]
+                time.sleep(0.5)
+            recovered_s = time.perf_counter() - removed_at
+            assert statuses[-1] == 200
+            ranks = worker_handle("target", LOSS_APP).rank_handles.remote().result()
+            assert stage_node.node_id not in {ray.get(rank.node_id.remote()) for rank in ranks}
+            deadline = time.perf_counter() + 60
+            while held_by_workers() != before and time.perf_counter() < deadline:
+                time.sleep(1)
+            assert held_by_workers() == before
+            assert httpx.get(url + "/health", timeout=30).json()["sessions"]["target"] == 0
+            print(f"stage node lost: served again after {recovered_s:.1f} s; {statuses.count(503)} x 503 before")
+        finally:
+            serve.delete(LOSS_APP)
 
 
 @pytest.fixture(scope="module")
