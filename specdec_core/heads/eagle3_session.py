@@ -9,7 +9,8 @@ for r. A guess runs (g_{n-1}, r) at position n - 1, whose output drafts depth 1;
 D pairs its parent's output with its own token at position n - 1 + D and drafts its children.
 A tree is expanded a depth at a time (a node's children depend on its token), each depth one
 forward over the tree so far (a tree's nodes sorted by depth: those of depth <= D come first),
-with the tree's mask; then the cache is cropped back to the committed positions. A dynamic tree
+with the tree's mask; then the cache is cropped back to the committed positions. A chain takes
+one forward of one token a depth, over the cache its depths before it left. A dynamic tree
 (dynamic_tree.py, EAGLE-2's) grows the same way from the layer's own log-probabilities.
 
 Vocabulary: H the hidden size, A * Ht the target features' width, n the positions committed at
@@ -68,6 +69,13 @@ class Eagle3Session:
         if tree.startswith(PREFIX):
             return self.guess_dynamic(root_token, DynamicTree.parse(tree))
         topology = default_bank().limited(tree, self.draft.num_heads)
+        if topology.num_nodes == topology.max_depth:
+            return self.guess_chain(root_token, topology)
+        return self.guess_tree(root_token, topology)
+
+    @torch.inference_mode()
+    def guess_tree(self, root_token: int, topology: Topology) -> HeadGuesses:
+        """The nodes of `topology` after `root_token`, a depth at a time."""
         device, committed = self.pending.device, self.cache.length
         tokens = torch.zeros(topology.num_nodes + 1, dtype=torch.long, device=device)  # [M + 1], root first
         tokens[0] = root_token
@@ -94,6 +102,30 @@ class Eagle3Session:
         path_probs = torch.stack(top_probs).float() if top_probs else torch.zeros(0, device=device)
         root_prob = root_probability(self.model, self.last_hidden, root_token)
         return HeadGuesses(topology, tokens[1:], probs[1:], path_probs, root_prob)
+
+    @torch.inference_mode()
+    def guess_chain(self, root_token: int, chain: Topology) -> HeadGuesses:
+        """A chain after `root_token`: each depth one forward of one token over what the depths
+        before it left in the cache (a causal chain's earlier outputs do not depend on later
+        tokens, so this is the tree path's result in `chain.num_nodes` tokens, not 1 + 2 + ..),
+        fed the last depth's top token on the device: nothing is read back until the caller reads
+        the guesses."""
+        committed = self.cache.length
+        token = torch.tensor([root_token], device=self.pending.device)  # [1]
+        state = self.pending[None]  # [1, H]
+        tokens, probs = [], []  # [1] each, a depth's token and its probability
+        try:
+            for _ in range(chain.num_nodes):
+                state = self.forward(token, state)  # [1, H] the node's output, its child's input
+                top = self.draft.draft_logits(state).float().softmax(-1).topk(1, dim=-1)  # [1, 1] each
+                token = self.draft.target_ids(top.indices[:, 0])
+                tokens.append(token)
+                probs.append(top.values[:, 0])
+        finally:
+            self.cache.crop(committed)
+        node_probs = torch.cat(probs)  # [M] along the chain: also its top-1 path's
+        root_prob = root_probability(self.model, self.last_hidden, root_token)
+        return HeadGuesses(chain, torch.cat(tokens), node_probs, node_probs, root_prob)
 
     def top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's top-k next tokens after outputs `[F, H]`: log-probs and target ids `[F, k]`."""

@@ -19,6 +19,7 @@ from specdec_core.api.sampling import SamplingParams
 from specdec_core.heads.loading import load_heads_from
 from specdec_core.policies import make_policy
 from specdec_core.target.scorer import TargetScorer
+from specdec_core.trees.topologies import default_bank
 
 from helpers.eagle3_heads import write_eagle3
 from helpers.tiny_models import repeating_prompt, tiny_llama
@@ -99,6 +100,11 @@ def test_a_published_eagle3_head_guesses_what_its_reference_drafts_after_every_c
     for keep, block in ((3, [9, 40, 7, 88]), (1, [5, 6]), (4, [17, 2, 99, 31, 64])):
         guesses = scorer.guess(root, "chain_4")
         assert guesses.tokens.tolist() == reference_chain(directory, layout, target, committed, root, 4)
+        # a chain's one-token forwards over the cache guess what the depth-by-depth tree path does
+        by_depth = scorer.heads_session.guess_tree(root, default_bank().get("chain_4"))
+        assert torch.equal(by_depth.tokens, guesses.tokens)
+        assert torch.allclose(by_depth.node_probs, guesses.node_probs) and len(guesses.node_probs) == 4
+        assert torch.allclose(by_depth.top_probs, guesses.top_probs) and by_depth.root_prob == guesses.root_prob
         scored = [root, *block]
         scorer.score(scored)
         scorer.commit_scored(keep, [])

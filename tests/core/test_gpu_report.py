@@ -15,7 +15,7 @@ from helpers.tiny_models import tiny_llama
 @pytest.fixture(scope="module")
 def tiny_source(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny")
-    tiny_llama(num_layers=2).config.save_pretrained(folder)
+    tiny_llama(num_layers=3).config.save_pretrained(folder)  # a random EAGLE-3 layer reads 2, 1 and 0
     return f"random:{folder / 'config.json'}"
 
 
@@ -36,7 +36,8 @@ def test_small_models_on_the_cpu_fill_every_table(tiny_source, tmp_path):
     lines = text.splitlines()
     columns = [cell.strip() for cell in next(line for line in lines if line.startswith("| steps |")).split("|")]
     decode_rows = [dict(zip(columns, line.split("|"))) for line in lines if line.startswith("| eager |")]
-    assert len(decode_rows) == 12  # target, greedy+model and 4 fixed acceptance lengths x 2 concurrencies (eager)
+    # target, greedy+model, its 4 fixed acceptance lengths and greedy+eagle3@3 x 2 concurrencies (eager)
+    assert [row["method"].strip() for row in decode_rows].count("greedy+eagle3@3") == 2 and len(decode_rows) == 14
     for row in decode_rows:
         # greedy speculation in fp32 on the CPU: every output is target-only's; the recorded
         # continuation keeps a - 1 drafts a step (12 tokens: every step whole)

@@ -20,23 +20,31 @@ from ...loop.lockstep import StepTimes, complete_together
 from ...planning.memory import kv_bytes_per_token
 from ...runtime.compiled_layers import layers_compiled
 from ...runtime.model_runner import runner_of
-from .recorded_drafter import recorded_drafters
+from .recorded_drafter import Recording, recorded_drafters
 
-DRAFTERS = {"target": "none", "greedy+model": "model", "greedy+pld": "pld"}
+DRAFTERS = {"target": "none", "greedy+model": "model", "greedy+pld": "pld", "greedy+eagle3": "eagle3"}
 # greedy+model@a: the draft model's forwards paid, the target's continuation as greedy+model's
 # run recorded it proposed (recorded_drafter.py): acceptance length a at K = 4, where random
-# weights accept nothing
+# weights accept nothing; greedy+eagle3@a likewise over a random EAGLE-3 layer's chains
 RECORDING = "greedy+model"
-METHODS = ["target", RECORDING, *(f"{RECORDING}@{length}" for length in (1, 2, 3, 4))]
+FIXED_ACCEPTANCE = (RECORDING, "greedy+eagle3")
+METHODS = ["target", RECORDING, *(f"{RECORDING}@{length}" for length in (1, 2, 3, 4)), "greedy+eagle3@3"]
+# a fixed chain of K drafts: no adaptive length (the eagle3 chain is cut to the step's K)
+DRAFTER_PARAMS = {"model": {"adaptive": False}, "eagle3": {"adaptive": False}}
 
 
 def method_parts(method: str) -> tuple[str, Optional[int]]:
     """A method's drafter and its fixed acceptance length (None: the drafter's own tokens)."""
     name, _, accept_length = method.partition("@")
-    if name not in DRAFTERS or (accept_length and (name != RECORDING or not accept_length.isdigit())):
-        known = ", ".join([*DRAFTERS, f"{RECORDING}@<acceptance length>"])
+    if name not in DRAFTERS or (accept_length and (name not in FIXED_ACCEPTANCE or not accept_length.isdigit())):
+        known = ", ".join([*DRAFTERS, *(f"{fixed}@<acceptance length>" for fixed in FIXED_ACCEPTANCE)])
         raise typer.BadParameter(f"method {method!r}: one of {known}")
     return DRAFTERS[name], int(accept_length) if accept_length else None
+
+
+def reads_eagle3(methods: list[str]) -> bool:
+    """Whether a method drafts from the target's EAGLE-3 layer (the report then attaches a random one)."""
+    return any(method_parts(method)[0] == "eagle3" for method in methods)
 
 
 def requests(method: str, count: int, prompt_tokens: int, max_tokens: int, num_draft: int, vocab: int) -> list:
@@ -50,7 +58,7 @@ def requests(method: str, count: int, prompt_tokens: int, max_tokens: int, num_d
             GenerationRequest(
                 prompt_ids=half + half,
                 policy={"name": "greedy"},
-                drafter={"name": drafter, "params": {"adaptive": False} if drafter == "model" else {}},
+                drafter={"name": drafter, "params": DRAFTER_PARAMS.get(drafter, {})},
                 num_draft_tokens=num_draft,
                 sampling={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
             )
@@ -70,7 +78,7 @@ def measure(engine: SpeculativeEngine, method: str, sessions: int, args: dict, c
     times = StepTimes()
     accept_length = method_parts(method)[1]
     if accept_length is not None:
-        engine.make_drafter = recorded_drafters(engine.draft_model, recorded, accept_length)
+        engine.make_drafter = recorded_drafters(engine.draft_model, Recording(recorded, accept_length, args["vocab"]))
     try:
         complete_together(engine, batch)
         completions = complete_together(engine, batch, times)
@@ -123,7 +131,8 @@ def decode_section(engine, concurrency: list[int], methods: list[str], args: dic
         f"Decode, {args['prompt_tokens']}-token prompts, {args['max_tokens']} tokens each, K = {args['num_draft']} "
         "(host: policy, commits and transfers between forwards; greedy+model@a: the draft model's forwards run "
         "and their tokens replaced by the target's recorded output, corrupted at the a-th, a measurement tool "
-        "(tools/recorded_drafter.py) for a fixed acceptance length a; same as: greedy outputs equal to the first "
+        "(tools/recorded_drafter.py) for a fixed acceptance length a; greedy+eagle3@a: the same over a random "
+        "EAGLE-3 layer's chains (the published heads' shape); same as: greedy outputs equal to the first "
         "method's at that concurrency, where random bf16 weights' near-flat logits let rounding decide ties, "
         "so the exactness check is tests/core/test_gpu.py's, in fp32):"
     )

@@ -28,8 +28,8 @@ from ...runtime.model_runner import runner_of
 from ...target.scorer import PREFILL_CHUNK, TargetScorer
 from .attention_calls import attention_calls
 from .device_clock import seconds_per_call
-from .eagle3_cost import eagle3_costs
-from .gpu_decode import DRAFTERS, METHODS, RECORDING, decode_section, method_parts, steps_as, table
+from .eagle3_cost import eagle3_costs, random_eagle3
+from .gpu_decode import DRAFTERS, METHODS, RECORDING, decode_section, method_parts, reads_eagle3, steps_as, table
 from .step_ops import count_step_ops
 from .verify_cost import block_cost_curve, drafter_cost_params
 
@@ -116,7 +116,10 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
     out = ["## gpu-report", "", table([facts], list(facts)), ""]
     out += ["GPU tests: " + (run_gpu_tests() if args["tests"] and on_cuda else "skipped"), ""]
     clock = time.perf_counter()
-    engine = SpeculativeEngine(load_model(target), None, load_model(draft), profile=lambda *_: None)
+    target_model = load_model(target)
+    # the eagle3 methods' layer: random, of the published heads' shape (its hooks keep the states it reads)
+    heads = {"eagle3": random_eagle3(target_model)} if reads_eagle3(methods) else None
+    engine = SpeculativeEngine(target_model, None, load_model(draft), profile=lambda *_: None, heads=heads)
     loaded_s = time.perf_counter() - clock
     compiled = ", steps compiled" if target.compile else ", layers compiled" if target.compile_layers else ""
     compiled += ", paged attention" if runner_of(engine.target_model.model).paged else ", SDPA"
