@@ -43,7 +43,7 @@ class Arrival:
 class StepTimes:
     """Seconds spent in the steps' forwards (each timed to the device's end) and in all."""
 
-    draft_s: list[float] = field(default_factory=list)  # per draft round
+    draft_s: list[float] = field(default_factory=list)  # per draft round, and per heads guess
     target_s: list[float] = field(default_factory=list)  # per target forward
     target_rows: list[int] = field(default_factory=list)  # sessions in each target forward
     wall_s: float = 0.0
@@ -170,7 +170,8 @@ class LockstepTarget:
         self.scorer.commit_path(nodes)
 
     async def guess(self, root_token: int, tree: str):
-        return self.scorer.guess(root_token, tree)
+        """The heads' guess, each request's own call (not batched), timed as the draft's."""
+        return self.step.timed(self.step.times.draft_s, self.scorer.guess, root_token, tree)
 
 
 class LockstepDraft:

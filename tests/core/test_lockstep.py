@@ -43,3 +43,15 @@ def test_each_step_holds_every_live_session(tiny_engine):
     assert times.target_rows[: min(steps)] == [3] * min(steps)
     assert len(times.target_rows) == max(steps) and sum(times.target_rows) == sum(steps)
     assert len(times.draft_s) >= max(steps) and times.wall_s > 0
+
+
+def test_eagle3_requests_together_equal_alone_and_each_guess_is_timed_as_the_draft(eagle3_engine):
+    """The layer's guesses are each request's own calls, outside the draft rounds: gpu-report's
+    draft column counts them (StepTimes.draft_s), one entry a guess."""
+    requests = [request(seed, "eagle3", max_tokens=10 + 3 * seed) for seed in range(3)]
+    alone = [eagle3_engine.complete(one).token_ids for one in requests]
+    times = StepTimes()
+    completions = complete_together(eagle3_engine, requests, times)
+    assert [done.token_ids for done in completions] == alone
+    guesses = sum(done.metrics["spec_decode_num_drafts"] for done in completions)
+    assert guesses > 0 and len(times.draft_s) == guesses
