@@ -143,11 +143,21 @@ def sampling_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tens
 def sample(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token id per row of `weights [N, V]` (non-negative, not necessarily normalized), by
     inverse CDF from one uniform draw per row (on CPU, torch.multinomial costs many times the
-    cumulative sum over a large vocabulary). Draws lie in (0, total], so the first index whose CDF
-    reaches the draw always has positive weight."""
-    cdf = weights.double().cumsum(-1)
-    uniform = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64).to(cdf.device)
-    return torch.searchsorted(cdf, (1.0 - uniform) * cdf[:, -1:]).squeeze(-1)
+    cumulative sum over a large vocabulary)."""
+    return sample_with(weights, sample_draws(generator, weights.shape[0]))
+
+
+def sample_draws(generator: torch.Generator, rows: int = 1) -> torch.Tensor:
+    """The uniforms `[rows, 1]` (float64, on the host) that `sample` draws for `rows` rows."""
+    return torch.rand(rows, 1, generator=generator, dtype=torch.float64)
+
+
+def sample_with(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """`sample` from uniforms drawn before (`sample_draws`, `[N, 1]`): a step draws every request's
+    on the host first, then samples them all in one pass. Draws lie in [0, 1), so (1 - u) times
+    the total lies in (0, total] and the first index whose CDF reaches it has positive weight."""
+    cdf = weights.double().cumsum(-1)  # [N, V]
+    return torch.searchsorted(cdf, (1.0 - uniform.to(cdf.device)) * cdf[:, -1:]).squeeze(-1)
 
 
 def argmax(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:

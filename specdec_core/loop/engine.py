@@ -21,15 +21,20 @@ from ..drafters import DraftSource, SuffixCache, make_drafter
 from ..heads.contract import Heads
 from ..heads.loading import AUTO, load_heads
 from ..models.loader import ModelSpec, load_model, load_tokenizer, refuse_draft_only_target
+from ..policies.sampled_chains import Check
 from ..target.logits_processors import processed_block
 from ..target.scorer import TargetScorer
 from .frontend import Frontend, PreparedRequest
 from .run_ahead import RunAhead, run_now
-from .sessions import DraftSession, Immediate, TargetSession, run_immediately
+from .sessions import Decide, DraftSession, Immediate, TargetSession, decide_alone, run_immediately
 
 
 async def speculative_loop(
-    request: PreparedRequest, drafter: DraftSession, target: TargetSession, output: OutputTracker
+    request: PreparedRequest,
+    drafter: DraftSession,
+    target: TargetSession,
+    output: OutputTracker,
+    decide: Decide = decide_alone,
 ) -> AsyncIterator[StreamChunk]:
     """Decode `request` with any drafter/target session pair (local objects here, run without an
     event loop; gRPC proxies in deployments/); the last chunk carries the request's metrics."""
@@ -64,12 +69,12 @@ async def speculative_loop(
         metrics.preemptions = block.preemptions
         batch_rows = block.batch_rows if follows_load else 1
         clock = time.perf_counter()
-        verify = policy.verify if draft.tree is None else policy.verify_tree
         on_device = draft.to(block.logits.device)
         processed = processed_block(block, on_device, sampling, request.prompt_ids, output.token_ids)
         if request.grammar is not None:
             processed = request.grammar.masked(processed, draft)
-        verdict = verify(on_device, output.suppress_early_stops(processed, draft.tree), sampling, verify_rng)
+        processed = output.suppress_early_stops(processed, draft.tree)
+        verdict = await decide(Check(policy, on_device, processed, sampling, verify_rng))
         metrics.verify_ms.append((time.perf_counter() - clock) * 1e3)
         new_tokens = [*verdict.kept_tokens(draft), verdict.next_token]
         if verdict.path is None:

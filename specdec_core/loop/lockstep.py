@@ -1,6 +1,7 @@
 """Many requests decoded together in one process: each runs its own speculative loop, and their
 model calls are gathered so that every step is one draft round and one target forward over all
-of them, as a worker's step batcher does (deployments/workers/steps.py) but without threads or gRPC. The
+of them, and their sampled chains' verdicts one decision (policies/sampled_chains.py), as a
+worker's step batcher does (deployments/workers/steps.py) but without threads or gRPC. The
 GPU report and the in-process benchmarks use it to measure a step at a given concurrency.
 
 With a fixed KV pool (`kv_room.py`), requests wait to be admitted, and a step's rows may preempt
@@ -22,12 +23,14 @@ import torch
 
 from ..api.request import Completion, GenerationRequest
 from ..drafters.model import propose_step
+from ..policies.sampled_chains import Check, decide_chains
 from ..runtime.batching import fix_pool
 from ..runtime.model_runner import runner_of
 from ..target.scorer import Row, TargetScorer, forward_rows
 from ..trees.tree import Topology
 from .engine import SpeculativeEngine, speculative_loop
 from .kv_room import Admission, KVRoom, Need
+from .stage_types import Verdict
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Lockstep:
         self.live = 0  # loops not finished
         self.rows: list[tuple[Row, asyncio.Future]] = []
         self.proposals: list[tuple[Any, asyncio.Future]] = []
+        self.checks: list[tuple[Check, asyncio.Future]] = []  # sampled chains to decide together
         self.parked: list[tuple[Row, asyncio.Future]] = []  # rows of preempted sessions
         self.arriving: list[Arrival] = []
 
@@ -69,15 +73,23 @@ class Lockstep:
         return future
 
     def run_if_all_wait(self) -> None:
-        while self.live and len(self.rows) + len(self.proposals) + len(self.parked) + len(self.arriving) >= self.live:
+        while self.live and self.waiting() >= self.live:
             if not self.step():
                 raise RuntimeError("every session waits and none can run")  # a bug: never a hang
 
+    def waiting(self) -> int:
+        """Loops waiting on the step (a step swaps its queues for new ones)."""
+        return sum(map(len, (self.rows, self.proposals, self.checks, self.parked, self.arriving)))
+
     def step(self) -> bool:
-        """One draft round and one target forward over what waits, then whom the pool lets in;
-        False where nothing could run."""
+        """The verdicts that wait, one draft round and one target forward over what waits, then
+        whom the pool lets in; False where nothing could run."""
+        checks, self.checks = self.checks, []
         proposals, self.proposals = self.proposals, []
         rows, self.rows = self.rows, []
+        if checks:
+            for (_, future), verdict in zip(checks, decide_chains([check for check, _ in checks])):
+                future.set_result(verdict)
         if proposals:
             model = self.engine.draft_model
             blocks = self.timed(self.times.draft_s, propose_step, model, [item for item, _ in proposals])
@@ -92,7 +104,7 @@ class Lockstep:
             blocks = self.timed(self.times.target_s, forward_rows, [row for row, _ in rows])
             for (_, future), block in zip(rows, blocks):
                 future.set_result(block)
-        return self.let_in() or bool(proposals or rows)
+        return self.let_in() or bool(checks or proposals or rows)
 
     def let_in(self) -> bool:
         """Resume preempted sessions and admit new requests, oldest first, while they fit beside
@@ -121,6 +133,12 @@ class Lockstep:
             arrival.future.set_result(arrival.scorer.reset(*arrival.reset))
         except Exception as error:  # noqa: BLE001 - to the request's own loop, which raises it
             arrival.future.set_exception(error)
+
+    async def decide(self, check: Check) -> Verdict:
+        """A loop's verify: sampled chains wait to be decided with the step's others, the rest at once."""
+        if not check.decided_in_chains:
+            return check.verdict()
+        return await self.wait(self.checks, check)
 
     def leave(self, scorer: TargetScorer) -> None:
         """A loop is done: its KV goes back to the pool for those waiting (and whatever it had
@@ -221,7 +239,10 @@ def complete_together(
             room.arrive(target.scorer, *reach(request))
         try:
             chunks = [
-                chunk async for chunk in speculative_loop(request, drafter, target, engine.frontend.output(request))
+                chunk
+                async for chunk in speculative_loop(
+                    request, drafter, target, engine.frontend.output(request), step.decide
+                )
             ]
         finally:
             step.leave(target.scorer)

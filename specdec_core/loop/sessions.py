@@ -6,13 +6,14 @@ sessions without any event loop, since none of its awaits ever waits."""
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterator, Optional, Protocol, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, Protocol, Sequence, TypeVar
 
 from ..api.sampling import SamplingParams
 from ..heads.contract import HeadGuesses
 from ..policies import AcceptancePolicy
+from ..policies.sampled_chains import Check
 from ..trees.tree import Topology
-from .stage_types import DraftBlock, Prefilled, TargetBlock
+from .stage_types import DraftBlock, Prefilled, TargetBlock, Verdict
 
 Item = TypeVar("Item")
 
@@ -59,6 +60,15 @@ class DraftSession(Protocol):
 
     def commit(self, new_tokens: Sequence[int]) -> None:
         """The tokens the verifier committed: accepted drafts, then its correction or bonus."""
+
+
+# The loop's verify: a request's own policy call (`decide_alone`), or lockstep.py's, which decides a
+# step's sampled chains together (policies/sampled_chains.py)
+Decide = Callable[[Check], Awaitable[Verdict]]
+
+
+async def decide_alone(check: Check) -> Verdict:
+    return check.verdict()
 
 
 class Immediate:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -20,6 +20,9 @@ from pydantic import BaseModel, ConfigDict
 from ..api.sampling import SamplingParams, argmax, sample, sampling_probs
 from ..calibration.profile_types import TargetProfile
 from ..loop.stage_types import DraftBlock, TargetBlock, Verdict
+
+if TYPE_CHECKING:
+    from .sampled_chains import SampledChains
 
 
 class PolicyParams(BaseModel):
@@ -48,6 +51,10 @@ class AcceptancePolicy(ABC):
     counters: ClassVar[tuple[str, ...]] = ()  # trace flags the metrics count (penalized, loose, ...)
     supports_sampling: ClassVar[bool] = True  # False: temperature must be 0
     supports_trees: ClassVar[bool] = False  # True: `verify_tree` has a per-path rule
+    # True: a sampled chain's verdict follows from `chain_accepts` and `chain_next_weights`, and
+    # a step decides many requests' at once (sampled_chains.py)
+    decides_chains: ClassVar[bool] = False
+    draws_per_draft: ClassVar[bool] = False  # its chain rule draws a uniform per draft
 
     def __init__(self, params: Optional[PolicyParams] = None):
         self.params = params if params is not None else self.Params()
@@ -99,6 +106,17 @@ class AcceptancePolicy(ABC):
         """Verify a candidate tree (`draft.tree`; `target` holds the root's row and every node's):
         the Verdict's `path` is the accepted one (tree_verify.py)."""
         raise NotImplementedError(f"policy {self.name!r} has no tree rule")
+
+    @classmethod
+    def chain_accepts(cls, chains: "SampledChains") -> torch.Tensor:
+        """With `decides_chains`: whether each draft of `chains` passes on its own `[D]` bool."""
+        raise NotImplementedError
+
+    @classmethod
+    def chain_next_weights(cls, chains: "SampledChains", num_accepted: torch.Tensor) -> torch.Tensor:
+        """With `decides_chains`: the weights `[B, V]` each chain's next token is sampled from,
+        after its first `num_accepted [B]` drafts."""
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"{self.name}({self.params.model_dump()})"

@@ -14,7 +14,8 @@ from ..api.sampling import entropy_of_probs, sample, warp_logits
 from ..loop.stage_types import Verdict
 from ..trees.tree_verify import best_path
 from .greedy import GreedyPolicy, tree_verdict
-from .policy_base import AcceptancePolicy, PolicyParams, accepted_prefix, first_false
+from .policy_base import AcceptancePolicy, PolicyParams
+from .sampled_chains import Check, decide_chains
 
 
 class TypicalParams(PolicyParams):
@@ -26,26 +27,24 @@ class TypicalPolicy(AcceptancePolicy):
     name = "typical"
     Params = TypicalParams
     supports_trees = True
-
-    def passes(self, token_probs: torch.Tensor, target_probs, warped_logits) -> torch.Tensor:
-        """p_t(c) > min(eps, alpha exp(-H(p_t))) per row; H only where eps alone does not pass."""
-        accepted = token_probs > self.params.epsilon
-        rows = (~accepted).nonzero().flatten()
-        row_entropy = entropy_of_probs(target_probs[rows], warped_logits[rows])
-        accepted[rows] = token_probs[rows] > self.params.alpha * torch.exp(-row_entropy)
-        return accepted
+    decides_chains = True
 
     def verify(self, draft, target, sampling, generator) -> Verdict:
         if sampling.greedy:
             return GreedyPolicy().verify(draft, target, sampling, generator)
-        warped_logits = warp_logits(target.logits, sampling)
-        target_probs = warped_logits.softmax(-1)
-        num_draft = draft.num_tokens
-        draft_token_target_probs = target_probs[:num_draft].gather(-1, draft.tokens[:, None]).squeeze(-1)
-        accepted = self.passes(draft_token_target_probs, target_probs[:num_draft], warped_logits[:num_draft])
-        num_accepted = first_false(accepted)
-        next_token = int(sample(target_probs[num_accepted][None], generator)[0])
-        return Verdict(num_accepted, next_token, {"accepted": accepted_prefix(accepted, num_accepted)})
+        return decide_chains([Check(self, draft, target, sampling, generator)])[0]
+
+    @classmethod
+    def chain_accepts(cls, chains) -> torch.Tensor:
+        params = [check.policy.params for check in chains.checks]
+        epsilon, alpha = (chains.per_draft([getattr(each, name) for each in params]) for name in ("epsilon", "alpha"))
+        # every row's entropy, the bonus rows' too: indexing the draft rows out first copies them
+        row_entropy = entropy_of_probs(chains.target_probs, chains.warped_logits)[chains.draft_rows]  # [D]
+        return clears(chains.token_target_probs, row_entropy, epsilon, alpha)
+
+    @classmethod
+    def chain_next_weights(cls, chains, num_accepted) -> torch.Tensor:
+        return chains.target_probs[chains.starts + num_accepted]  # [B, V] p_t after the accepted prefix
 
     def verify_tree(self, draft, target, sampling, generator) -> Verdict:
         if sampling.greedy:
@@ -54,6 +53,14 @@ class TypicalPolicy(AcceptancePolicy):
         warped_logits = warp_logits(target.logits, sampling)
         target_probs = warped_logits.softmax(-1)
         node_probs = target_probs[parents, draft.tokens]
-        node_accepted = self.passes(node_probs, target_probs[parents], warped_logits[parents])
+        params = self.params
+        node_entropy = entropy_of_probs(target_probs, warped_logits)[parents]  # [N] each node's parent row's
+        node_accepted = clears(node_probs, node_entropy, params.epsilon, params.alpha)
         path = best_path(draft.tree, node_accepted, node_probs.clamp_min(1e-30).log())
         return tree_verdict(path, int(sample(target_probs[path[-1]][None], generator)[0]))
+
+
+def clears(token_probs: torch.Tensor, row_entropy: torch.Tensor, epsilon, alpha) -> torch.Tensor:
+    """Whether each token clears its row's threshold, p_t(c) > min(eps, alpha exp(-H(p_t))), from
+    `token_probs [R]` and its row's entropy `[R]`; `epsilon` and `alpha` one for all or one a row `[R]`."""
+    return (token_probs > epsilon) | (token_probs > alpha * torch.exp(-row_entropy))

@@ -67,3 +67,22 @@ def test_settings_a_model_refuses_are_a_usage_error_not_a_traceback(tiny_source)
     options = ["--target", tiny_source, "--draft", tiny_source, "--device", "cpu", "--compile", "--compile-layers"]
     result = CliRunner().invoke(app, ["gpu-report", *options], env=wide)
     assert result.exit_code == 2 and "not both" in result.output
+
+
+def test_at_a_temperature_every_method_samples_and_is_verified_by_rejection(tiny_source, tmp_path):
+    out = tmp_path / "report.md"
+    options = ["--target", tiny_source, "--draft", tiny_source, "--device", "cpu", "--dtype", "float32"]
+    options += ["--concurrency", "2", "--prompt-tokens", "16", "--max-tokens", "8", "--out", str(out)]
+    options += ["--methods", "target,greedy+model", "--temperature", "0.8"]
+    result = CliRunner().invoke(app, ["gpu-report", *options])
+    assert result.exit_code == 0, result.output
+    lines = out.read_text().splitlines()
+    columns = [cell.strip() for cell in next(line for line in lines if line.startswith("| steps |")).split("|")]
+    decode_rows = [dict(zip(columns, line.split("|"))) for line in lines if line.startswith("| eager |")]
+    assert [row["method"].strip() for row in decode_rows] == ["target", "rejection+model"]
+    assert all(row["same as target"].strip() == "-" for row in decode_rows)  # sampled outputs differ by drafter
+    assert "verified by rejection sampling" in out.read_text()
+    wide = {"COLUMNS": "300", "TERMINAL_WIDTH": "300"}
+    fixed = ["--methods", "target,greedy+model,greedy+model@2", "--temperature", "0.8"]
+    refused = CliRunner().invoke(app, ["gpu-report", *options[:8], *fixed], env=wide)
+    assert refused.exit_code == 2 and "needs --temperature 0" in refused.output

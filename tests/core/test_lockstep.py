@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from specdec_core import GenerationRequest
+from specdec_core.loop import lockstep
 from specdec_core.loop.lockstep import StepTimes, complete_together
+from specdec_core.policies.sampled_chains import decide_chains
 
 from helpers.tiny_models import repeating_prompt
 
@@ -32,6 +34,27 @@ def test_sampled_requests_together_equal_alone(tiny_engine):
     requests = [request(seed, "model", 12, "rejection", temperature=0.8) for seed in range(3)]
     alone = [tiny_engine.complete(one).token_ids for one in requests]
     assert [done.token_ids for done in complete_together(tiny_engine, requests)] == alone
+
+
+def test_a_step_decides_every_sampled_chain_at_once(tiny_engine, monkeypatch):
+    """Rejection and typical requests under two warps, over a draft model's sampled drafts, prompt
+    lookup's one-hot ones and none: each comes out as it does alone, and each step's verdicts are
+    one decision over every session's chain (policies/sampled_chains.py)."""
+    decisions = []
+
+    def counted(checks):
+        decisions.append(len(checks))
+        return decide_chains(checks)
+
+    monkeypatch.setattr(lockstep, "decide_chains", counted)
+    kinds = [("rejection", "model", 0.8), ("typical", "model", 0.8), ("rejection", "pld", 1.2)]
+    kinds += [("typical", "none", 0.7), ("rejection", "none", 0.8)]
+    requests = [request(seed, drafter, 10, policy, warm) for seed, (policy, drafter, warm) in enumerate(kinds)]
+    alone = [tiny_engine.complete(one).token_ids for one in requests]
+    completions = complete_together(tiny_engine, requests)
+    assert [done.token_ids for done in completions] == alone
+    steps = [done.metrics["num_steps"] for done in completions]
+    assert decisions[: min(steps)] == [len(requests)] * min(steps) and sum(decisions) == sum(steps)
 
 
 def test_each_step_holds_every_live_session(tiny_engine):

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from scipy.stats import chisquare
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec_core.api.errors import SpecdecError
 from specdec_core.api.sampling import (
@@ -25,7 +26,8 @@ from specdec_core.loop.stage_types import DraftBlock, TargetBlock
 from specdec_core.policies import POLICIES, PolicyError, make_policy
 from specdec_core.policies.easd import calibrate_tau_h
 from specdec_core.policies.fly import top3_entropy
-from specdec_core.policies.policy_base import first_false
+from specdec_core.policies.policy_base import base_decision, first_false, recover_token
+from specdec_core.policies.sampled_chains import Check, decide_chains
 from specdec_core.trees.topologies import default_bank
 from specdec_core.trees.tree import listed_name
 
@@ -204,6 +206,79 @@ def test_typical_at_temperature_zero_is_greedy():
         assert verdict_tuple(make_policy("typical").verify(draft, target, GREEDY, rng())) == verdict_tuple(
             make_policy("greedy").verify(draft, target, GREEDY, rng())
         )
+
+
+# ---------------------------------------------------------------- many sampled chains at once
+
+WARPS = [SAMPLE, SamplingParams(temperature=0.7, top_p=0.9, top_k=10), SamplingParams(temperature=1.3, min_p=0.05)]
+
+
+def mixed_checks(seed: int) -> list[Check]:
+    """Rejection and typical requests of 0-5 drafts, sampled (a draft model's) and one-hot (prompt
+    lookup's), under three warps: one batch as a step would gather it."""
+    checks = []
+    for index in range(12):
+        case_seed, sampling = 100 * seed + index, WARPS[index % 3]
+        draft, target = random_case(case_seed, num_draft=index % 6, sampling=sampling)
+        if index % 4 == 1:
+            draft = DraftBlock(tokens=draft.tokens)
+        policy = make_policy("rejection" if index % 2 == 0 else "typical", {} if index % 2 == 0 else {"epsilon": 0.05})
+        checks.append(Check(policy, draft, target, sampling, rng(case_seed)))
+    return checks
+
+
+def lone_reference(check: Check) -> tuple[int, int]:
+    """The check's verdict by its rule's definition, alone: rejection by the base rule that the lossy
+    policies build on (policy_base), typical by its threshold on the entropy's definition."""
+    draft, target, sampling, generator = check.draft, check.target, check.sampling, check.generator
+    if check.policy.name == "rejection":
+        decision = base_decision(draft, target, sampling, generator)
+        num_accepted = first_false(decision.accepted)
+        return num_accepted, recover_token(num_accepted, draft, decision, sampling, generator)
+    probs = sampling_probs(target.logits, sampling)  # [K + 1, V]
+    token_probs = probs[: draft.num_tokens].gather(-1, draft.tokens[:, None]).squeeze(-1)
+    params = check.policy.params
+    threshold = torch.minimum(torch.tensor(params.epsilon), params.alpha * torch.exp(-entropy(probs)))
+    num_accepted = first_false(token_probs > threshold[: draft.num_tokens])
+    return num_accepted, int(sample(probs[num_accepted][None], generator)[0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sampled_chains_decided_together_are_each_decided_as_alone(seed):
+    verdicts = decide_chains(mixed_checks(seed))
+    for check, verdict in zip(mixed_checks(seed), verdicts):  # fresh generators for the reference
+        assert verdict_tuple(verdict) == lone_reference(check)
+        assert verdict.trace["accepted"].tolist() == [i < verdict.num_accepted for i in range(check.draft.num_tokens)]
+
+
+class VocabularyOps(TorchDispatchMode):
+    """Counts the operations whose output holds vocabulary-wide rows (last dim `vocab_size`)."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size, self.count = vocab_size, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        self.count += any(isinstance(each, torch.Tensor) and each.shape[-1:] == (self.vocab_size,) for each in outputs)
+        return output
+
+
+def test_many_chains_take_the_vocabulary_wide_operations_of_one():
+    """On an accelerator every operation is a launch: a step's sampled chains (one rule, one warp)
+    are decided by as many operations over vocabulary rows as two chains (one alone skips the
+    concatenations)."""
+    counts = []
+    for num_chains in (2, 12):
+        checks = []
+        for seed in range(num_chains):
+            draft, target = random_case(seed, num_draft=1 + seed % 4, vocab=97)
+            checks.append(Check(make_policy("rejection"), draft, target, SAMPLE, rng(seed)))
+        with VocabularyOps(97) as counter:
+            decide_chains(checks)
+        counts.append(counter.count)
+    assert counts[0] == counts[1] and counts[0] > 0
 
 
 def dropmatch_case(seed: int, num_draft: int = 6, vocab: int = 40, hidden: int = 16):

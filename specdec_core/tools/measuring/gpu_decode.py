@@ -47,9 +47,12 @@ def reads_eagle3(methods: list[str]) -> bool:
     return any(method_parts(method)[0] == "eagle3" for method in methods)
 
 
-def requests(method: str, count: int, prompt_tokens: int, max_tokens: int, num_draft: int, vocab: int) -> list:
-    """`count` greedy requests of `max_tokens` each (EOS ignored), request i on seed i's prompt: a
-    random half repeated, so prompt lookup has something to find in the prompt at least."""
+def requests(
+    method: str, count: int, prompt_tokens: int, max_tokens: int, num_draft: int, vocab: int, temperature: float = 0.0
+) -> list:
+    """`count` requests of `max_tokens` each (EOS ignored), request i on seed i's prompt: a random
+    half repeated, so prompt lookup has something to find in the prompt at least. Greedy, or at a
+    `temperature` sampled (seed i) and verified by rejection sampling."""
     drafter = method_parts(method)[0]
     batch = []
     for seed in range(count):
@@ -57,13 +60,18 @@ def requests(method: str, count: int, prompt_tokens: int, max_tokens: int, num_d
         batch.append(
             GenerationRequest(
                 prompt_ids=half + half,
-                policy={"name": "greedy"},
+                policy={"name": "greedy" if temperature == 0 else "rejection"},
                 drafter={"name": drafter, "params": DRAFTER_PARAMS.get(drafter, {})},
                 num_draft_tokens=num_draft,
-                sampling={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+                sampling={"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "ignore_eos": True},
             )
         )
     return batch
+
+
+def shown_name(method: str, temperature: float) -> str:
+    """A method as its rows name it: its policy is rejection sampling at a temperature."""
+    return method if temperature == 0 else method.replace("greedy+", "rejection+")
 
 
 def measure(engine: SpeculativeEngine, method: str, sessions: int, args: dict, copy_bytes_s: float, recorded: dict):
@@ -74,7 +82,8 @@ def measure(engine: SpeculativeEngine, method: str, sessions: int, args: dict, c
     H100). `recorded`: each prompt's output in the
     RECORDING run, which a method of fixed acceptance proposes: its verify rows are K + 1 tokens,
     as theirs are, so that bf16 rounding decides the target's argmax the same way in both."""
-    batch = requests(method, sessions, args["prompt_tokens"], args["max_tokens"], args["num_draft"], args["vocab"])
+    shape = (args["prompt_tokens"], args["max_tokens"], args["num_draft"], args["vocab"], args["temperature"])
+    batch = requests(method, sessions, *shape)
     times = StepTimes()
     accept_length = method_parts(method)[1]
     if accept_length is not None:
@@ -96,7 +105,7 @@ def measure(engine: SpeculativeEngine, method: str, sessions: int, args: dict, c
     kv_bytes = sum(times.target_rows) / steps * (args["prompt_tokens"] + args["max_tokens"] / 2) * per_token
     return {
         "steps": steps_name(engine),
-        "method": method,
+        "method": shown_name(method, args["temperature"]),
         "sessions": sessions,
         "tok/s": round(sum(len(done.token_ids) for done in completions) / decode_s, 1),
         "accept len": round(statistics.mean(done.metrics["mean_acceptance_length"] for done in completions), 2),
@@ -124,7 +133,8 @@ def decode_section(engine, concurrency: list[int], methods: list[str], args: dic
                     row, token_ids = measure(engine, method, sessions, args, copy_bytes_s, recorded)
                     baseline = baseline or (row["tok/s"], token_ids)
                     row["speedup"] = round(row["tok/s"] / baseline[0], 2)
-                    row["same as " + methods[0]] = f"{sum(a == b for a, b in zip(token_ids, baseline[1]))}/{sessions}"
+                    same = f"{sum(a == b for a, b in zip(token_ids, baseline[1]))}/{sessions}"
+                    row["same as " + methods[0]] = same if args["temperature"] == 0 else "-"  # samples differ
                     rows.append(row)
                     print(table([row], list(row)), file=sys.stderr, flush=True)
     heading = (
@@ -141,6 +151,11 @@ def decode_section(engine, concurrency: list[int], methods: list[str], args: dic
         for role, model in (("target", models[0]), ("draft", models[1]))
         if (graphs := graphed(model))
     ]
+    if args["temperature"]:
+        heading += (
+            f" At T = {args['temperature']}, every method's requests are sampled (request i with seed i) and verified "
+            "by rejection sampling, a step's chains decided together (policies/sampled_chains.py)."
+        )
     lines = [heading, "", table(rows, list(rows[0])), "", f"First 2 requests (a warm-up): {', '.join(warm_up)}", ""]
     return lines + ([f"CUDA graphs recorded at first use: {'; '.join(recording)}", ""] if recording else [])
 

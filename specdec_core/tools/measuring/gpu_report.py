@@ -176,6 +176,7 @@ def gpu_report(
     prompt_tokens: int = typer.Option(256, min=2),
     max_tokens: int = typer.Option(96, min=1),
     num_draft_tokens: int = typer.Option(4, min=1, help="K, fixed (no adaptive length)"),
+    temperature: float = typer.Option(0.0, min=0.0, max=10.0, help="> 0: requests sampled, verified by rejection"),
     tests: bool = typer.Option(True, help="run tests/core/test_gpu.py first"),
     compiled: bool = typer.Option(False, "--compile", help="both models' steps compiled (CUDA graphs on CUDA)"),
     compile_layers: bool = CompileLayersOpt,
@@ -206,11 +207,14 @@ def gpu_report(
         print(f"skipped: {skipped} runs the engine here)")
         return
     args = {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "num_draft": num_draft_tokens, "tests": tests}
+    args["temperature"] = temperature
     levels = [int(level) for level in concurrency.split(",")]
     method_list = methods.split(",")
     fixed = [method for method in method_list if method_parts(method)[1] is not None]
     if any(not 1 <= method_parts(method)[1] <= num_draft_tokens + 1 for method in fixed):
         raise typer.BadParameter(f"a fixed acceptance length (@a) is 1 to K + 1 = {num_draft_tokens + 1}")
+    if fixed and temperature > 0:
+        raise typer.BadParameter("a fixed acceptance length (@a) replays greedy output: it needs --temperature 0")
     if fixed and RECORDING not in method_list[: method_list.index(fixed[0])]:
         raise typer.BadParameter(
             f"a method of fixed acceptance (@a) needs {RECORDING} before it: it records what they propose"

@@ -1,0 +1,158 @@
+"""Sampled chains decided together: the verdicts of many requests' T > 0 chains under one rule
+(rejection sampling, typical acceptance) in a few tensor operations over all of them and one read
+back, so a step's acceptance costs the host the same at 64 sessions as at one (issue 50). A lone
+request's `verify` is this code over one chain, so a request is decided alike in a batch or alone:
+every draw comes from its own generator, in the rule's order (a uniform per draft where the rule
+draws them, then one for the next token), taken on the host before any device work.
+
+Vocabulary: B chains, K_b the drafts of chain b, D = sum K_b, M = D + B target rows, V the vocabulary."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..api.sampling import SamplingParams, sample_draws, sample_with, sampling_probs, warp_logits
+from ..loop.stage_types import DraftBlock, TargetBlock, Verdict
+
+
+@dataclass
+class Check:
+    """One request's verify call: what `AcceptancePolicy.verify` takes."""
+
+    policy: "AcceptancePolicy"  # noqa: F821 - policy_base's; typed loosely to keep imports one-way
+    draft: DraftBlock
+    target: TargetBlock
+    sampling: SamplingParams
+    generator: torch.Generator
+
+    def verdict(self) -> Verdict:
+        """Its verdict by its own policy call (a tree's by the policy's tree rule)."""
+        verify = self.policy.verify if self.draft.tree is None else self.policy.verify_tree
+        return verify(self.draft, self.target, self.sampling, self.generator)
+
+    @property
+    def decided_in_chains(self) -> bool:
+        """Whether its verdict is `decide_chains`' (a sampled chain under a rule that has one)."""
+        return self.policy.decides_chains and self.draft.tree is None and not self.sampling.greedy
+
+
+@dataclass
+class SampledChains:
+    """B chains of one rule and one warp setting, laid out flat on the target's device."""
+
+    checks: list[Check]
+    warped_logits: torch.Tensor  # [M, V] the target's rows, warped (temperature, top-k/p, min-p)
+    target_probs: torch.Tensor  # [M, V] their softmax: what the chains sample from
+    num_drafts: torch.Tensor  # [B] K_b
+    starts: torch.Tensor  # [B] chain b's first row among the M
+    draft_rows: torch.Tensor  # [D] the row scoring each draft: chain b's i-th at starts[b] + i
+    draft_tokens: torch.Tensor  # [D]
+    draft_chain: torch.Tensor  # [D] b of each draft
+    draft_position: torch.Tensor  # [D] i of each draft
+    uniform: Optional[torch.Tensor]  # [D] float32, a draw per draft (rules that draw them)
+    sample_uniform: torch.Tensor  # [B, 1] float64, each chain's draw for its next token
+
+    @property
+    def token_target_probs(self) -> torch.Tensor:
+        """p_t(c) of each draft token `[D]`."""
+        return self.target_probs[self.draft_rows, self.draft_tokens]
+
+    def per_draft(self, values: Sequence[float]) -> torch.Tensor:
+        """A per-chain setting (a policy's parameter) at each draft `[D]`, float32."""
+        return torch.tensor(values, dtype=torch.float32, device=self.draft_chain.device)[self.draft_chain]
+
+    def first_rejections(self, accepted: torch.Tensor) -> torch.Tensor:
+        """Each chain's accepted prefix length `[B]` from its drafts' flags `accepted [D]`."""
+        batch, width = len(self.checks), int(max(check.draft.num_tokens for check in self.checks)) + 1
+        flags = torch.zeros(batch, width, dtype=torch.long, device=accepted.device)  # a False after each chain
+        flags[self.draft_chain, self.draft_position] = accepted.long()
+        return flags.cumprod(1).sum(1)
+
+    def draft_probs_at(self, num_accepted: torch.Tensor) -> torch.Tensor:
+        """`[B, V]` the distribution each chain's first rejected draft was proposed from (a draft
+        model's row, or a point mass where the tokens were not sampled); zero after all K_b (the bonus)."""
+        drafted = [check.draft for check in self.checks if check.draft.num_tokens]
+        vocab_size = self.target_probs.shape[-1]
+        if not drafted:
+            return torch.zeros_like(self.target_probs[: len(self.checks)])
+        ends = self.num_drafts.cumsum(0)
+        # each chain's first rejected draft among the D (a chain of none points anywhere, masked below)
+        at = (ends - self.num_drafts + num_accepted).clamp(max=ends - 1).clamp(min=0)  # [B]
+        if not any(draft.sampled for draft in drafted):
+            rows = torch.nn.functional.one_hot(self.draft_tokens[at], vocab_size).float()
+        else:  # a point mass's logits (0 at its token, -inf elsewhere) warp to the point mass
+            logits = [draft.logits if draft.sampled else point_mass(draft.tokens, vocab_size) for draft in drafted]
+            rows = sampling_probs(joined(logits)[at], self.checks[0].sampling)
+        return rows * (num_accepted < self.num_drafts)[:, None]
+
+
+def point_mass(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`[K, V]` logits whose distribution is all on `tokens [K]`, one a row."""
+    logits = torch.full((len(tokens), vocab_size), float("-inf"), device=tokens.device)
+    return logits.scatter_(1, tokens[:, None], 0.0)
+
+
+def decide_chains(checks: Sequence[Check]) -> list[Verdict]:
+    """The verdicts of sampled chains (`Check.decided_in_chains`), each as it would be alone; the
+    only read back is one `[2, B]` tensor at the end."""
+    draws = [draw(check) for check in checks]  # on the host, before any device work
+    groups: dict[tuple, list[int]] = {}
+    for index, check in enumerate(checks):  # one rule and one warp of the rows per group
+        sampling = check.sampling
+        key = (type(check.policy), sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
+        groups.setdefault(key, []).append(index)
+    order, counts, tokens = [], [], []
+    for (rule, *_), indices in groups.items():
+        chains = lay_out([checks[index] for index in indices], [draws[index] for index in indices])
+        num_accepted = chains.first_rejections(rule.chain_accepts(chains))  # [B]
+        tokens.append(sample_with(rule.chain_next_weights(chains, num_accepted), chains.sample_uniform))
+        counts.append(num_accepted)
+        order += indices
+    read = torch.stack([torch.cat(counts), torch.cat(tokens)]).tolist()  # the one read back
+    verdicts: list[Optional[Verdict]] = [None] * len(checks)
+    for index, num_accepted, next_token in zip(order, *read):
+        flags = torch.arange(checks[index].draft.num_tokens) < num_accepted  # [K] the accepted prefix
+        verdicts[index] = Verdict(num_accepted, next_token, {"accepted": flags})
+    return verdicts
+
+
+def draw(check: Check) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """A check's uniforms in its rule's order: one per draft where the rule draws them `[K]`, then
+    the next token's `[1, 1]`."""
+    per_draft = torch.rand(check.draft.num_tokens, generator=check.generator) if check.policy.draws_per_draft else None
+    return per_draft, sample_draws(check.generator)
+
+
+def lay_out(checks: list[Check], draws: list[tuple]) -> SampledChains:
+    """Chains of one rule and warp, their index tensors built on the host and moved once."""
+    device = checks[0].target.logits.device
+    sizes = [check.draft.num_tokens for check in checks]  # K_b
+    starts = [0, *itertools.accumulate(size + 1 for size in sizes[:-1])]  # each chain's first row
+    draft_chain = [chain for chain, size in enumerate(sizes) for _ in range(size)]  # [D]
+    draft_position = [position for size in sizes for position in range(size)]  # [D]
+    draft_rows = [starts[chain] + position for chain, position in zip(draft_chain, draft_position)]
+    warped = warp_logits(joined([check.target.logits for check in checks]), checks[0].sampling)  # [M, V]
+    uniform = joined([per_draft for per_draft, _ in draws]) if draws[0][0] is not None else None
+
+    def moved(values):
+        if values is None:
+            return None
+        values = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
+        return values.to(device, non_blocking=True)
+
+    return SampledChains(
+        checks,
+        warped,
+        warped.softmax(-1),
+        *map(moved, (sizes, starts, draft_rows, joined([check.draft.tokens for check in checks]))),
+        *map(moved, (draft_chain, draft_position, uniform, joined([sample for _, sample in draws]))),
+    )
+
+
+def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(tensors)`, without a copy of a lone one (a request decided alone)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
