@@ -8,7 +8,7 @@ import torch
 from ..api.sampling import argmax
 from ..drafters.drafter_base import common_prefix_length
 from ..loop.stage_types import Verdict
-from ..trees.tree_verify import best_path
+from ..trees.tree_verify import best_path, kept_chain
 from .policy_base import AcceptancePolicy, accepted_prefix, base_decision, first_false
 
 
@@ -36,6 +36,13 @@ class GreedyPolicy(AcceptancePolicy):
         )
 
     def verify_tree(self, draft, target, sampling, generator) -> Verdict:
+        if target.argmax_ids is not None:  # the step read every row's argmax back at once: all on the host
+            parents, argmax_ids = draft.tree.parents.tolist(), target.argmax_ids
+            path = kept_chain(
+                draft.tree, [token == argmax_ids[parents[node]] for node, token in enumerate(draft.token_ids, 1)]
+            )
+            if path is not None:
+                return tree_verdict(path, argmax_ids[path[-1]])
         parents = draft.tree.parents[1:].to(target.logits.device)
         predicted = argmax(target.logits)
         node_accepted = draft.tokens == predicted[parents]

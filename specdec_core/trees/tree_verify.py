@@ -16,6 +16,8 @@ and however its tokens were chosen, as long as they were chosen before the draws
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 
 from ..api.sampling import SamplingParams, sample, sampling_probs
@@ -35,6 +37,19 @@ def best_path(tree: Topology, node_accepted: torch.Tensor, node_log_probs: torch
     scores = torch.where(num_kept == num_kept.max(), scores, torch.full_like(scores, -torch.inf))
     best = int(scores.argmax())
     return retrieve[best, : int(num_kept[best]) + 1].tolist()
+
+
+def kept_chain(tree: Topology, node_accepted: Sequence[bool]) -> Optional[list[int]]:
+    """`best_path` on the host, where no two passing nodes share a parent (greedy over siblings of
+    distinct tokens: a node passes only with its parent's argmax): the kept nodes then form one
+    chain from the root, and no score is needed to choose. None where two siblings pass."""
+    parents = tree.parents.tolist()
+    path = [0]
+    for node, accepted in enumerate(node_accepted, 1):
+        if accepted and parents[node] == path[-1]:
+            path.append(node)
+    passing = [parents[node] for node, accepted in enumerate(node_accepted, 1) if accepted]
+    return path if len(set(passing)) == len(passing) else None
 
 
 def sample_path(

@@ -14,6 +14,7 @@ from specdec_core.loop.stage_types import DraftBlock, TargetBlock
 from specdec_core.policies import make_policy
 from specdec_core.trees.topologies import DEFAULT_TREE, NAMED_TREES, default_bank
 from specdec_core.trees.tree import Topology, TopologyBank
+from specdec_core.trees.tree_verify import kept_chain
 
 
 def test_buffers_of_a_small_tree_equal_the_hand_computed_ones():
@@ -138,6 +139,30 @@ def test_greedy_tree_verification_keeps_the_longest_matching_path():
     logits[0, 1] = -5.0  # nothing matches at the root: the target's own token, no node kept
     verdict = greedy.verify_tree(draft, TargetBlock(logits=logits), SamplingParams(), torch.Generator())
     assert verdict.path == [0] and verdict.next_token == int(logits[0].argmax())
+
+
+def test_greedy_trees_decided_from_the_steps_argmax_on_the_host_equal_the_device_rule():
+    """With the step's argmax read back (`TargetBlock.argmax_ids`, forward_rows) a greedy tree is
+    decided on the host, no device work: the same path and token as the rule over the logits, on
+    random trees whose nodes often match, some siblings proposing one token twice."""
+    generator = torch.Generator().manual_seed(0)
+    greedy, sampling = make_policy("greedy", {}), SamplingParams()
+    trees = [Topology.build("small", [[0], [1], [0, 0], [0, 1], [1, 0], [2]]), Topology.build("chain", [[0], [0, 0]])]
+    decided_on_the_host = 0
+    for case in range(60):
+        tree = trees[case % 2]
+        logits = torch.randn(tree.num_nodes + 1, 6, generator=generator)
+        argmax = logits.argmax(-1)
+        tokens = torch.randint(0, 6, (tree.num_nodes,), generator=generator)
+        matching = torch.rand(tree.num_nodes, generator=generator) < 0.6
+        tokens = torch.where(matching, argmax[tree.parents[1:]], tokens)  # siblings may both match
+        draft = DraftBlock(tokens=tokens, tree=tree)
+        on_device = greedy.verify_tree(draft, TargetBlock(logits=logits), sampling, generator)
+        on_host = greedy.verify_tree(draft, TargetBlock(logits=logits, argmax_ids=argmax.tolist()), sampling, generator)
+        assert (on_host.path, on_host.next_token) == (on_device.path, on_device.next_token)
+        passing = (tokens == argmax[tree.parents[1:]]).tolist()
+        decided_on_the_host += kept_chain(tree, passing) is not None  # else two siblings passed: the device's rule
+    assert 30 < decided_on_the_host < 60
 
 
 def test_tree_decoding_is_greedy_decoding_and_keeps_the_cache_consistent_across_tree_switches():
