@@ -82,6 +82,18 @@ def test_a_fraction_of_the_card_sizes_the_pool_once():
     torch.cuda.empty_cache()
 
 
+def test_cuda_graphs_pool_is_measured_for_the_kv_budget():
+    """A model whose steps replay CUDA graphs has their pool's activations taken from its KV budget
+    (kv_budget.graph_pool_bytes), measured eagerly: no graph is recorded by the measure."""
+    from specdec_core.planning.kv_budget import graph_pool_bytes
+    from specdec_core.runtime.model_runner import use_step_graphs
+
+    model = tiny_llama(seed=0, prepared=False).to("cuda")
+    assert graph_pool_bytes(model) == 0.0
+    graphs = use_step_graphs(model)
+    assert graph_pool_bytes(model) > 0 and runner_of(model.model).graphs is graphs and graphs.recorded == 0
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores"
 )

@@ -20,6 +20,13 @@ def test_the_pool_gets_the_fraction_less_the_step_peak_and_what_others_hold():
     assert kv_budget_from_fraction(80 * GIB, 0.9, peak_reserved=20 * GIB, others=1 * GIB) == pytest.approx(51 * GIB)
 
 
+def test_cuda_graphs_own_pool_comes_out_of_the_budget():
+    budget = kv_budget_from_fraction(80 * GIB, 0.9, peak_reserved=20 * GIB, others=1 * GIB, graph_pool=2 * GIB)
+    assert budget == pytest.approx(49 * GIB)
+    with pytest.raises(SpecdecError, match=r"take 30.0 GiB, CUDA graphs 4.0 GiB and others hold 0.5 GiB"):
+        kv_budget_from_fraction(80 * GIB, 0.42, peak_reserved=30 * GIB, others=0.5 * GIB, graph_pool=4 * GIB)
+
+
 def test_a_fraction_that_leaves_nothing_for_the_kv_cache_is_refused_with_the_numbers():
     with pytest.raises(SpecdecError, match=r"gpu_memory_utilization 0.3 of 80.0 GiB .* take 30.0 GiB"):
         kv_budget_from_fraction(80 * GIB, 0.3, peak_reserved=30 * GIB, others=0.5 * GIB)
