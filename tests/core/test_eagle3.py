@@ -208,10 +208,12 @@ def test_a_target_holds_medusa_heads_and_an_eagle3_layer_and_each_drafter_reads_
         load_heads(f"{first},{second}", "tiny", eagle3_engine.target_model)
 
 
-def test_the_eagle3_cost_report_times_each_call_at_its_size():
-    from specdec_core.tools.measuring.eagle3_cost import eagle3_costs
+@pytest.mark.parametrize("given", [False, True], ids=["its own layer", "the engine's layer"])
+def test_the_eagle3_cost_report_times_each_call_at_its_size(given):
+    from specdec_core.tools.measuring.eagle3_cost import eagle3_costs, random_eagle3
 
-    rows = eagle3_costs(tiny_llama(seed=6, num_layers=NUM_LAYERS), prompt_tokens=32, repeats=1)
+    target = tiny_llama(seed=6, num_layers=NUM_LAYERS)
+    rows = eagle3_costs(target, random_eagle3(target) if given else None, prompt_tokens=32, repeats=1)
     sizes = {row["call"]: row["tokens"] for row in rows}
     tree = sizes["dynamic tree guess (k 10, depth 8)"]
     assert 10 < tree <= 59 and sizes["target verify, dynamic tree"] == tree + 1

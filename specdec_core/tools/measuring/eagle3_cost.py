@@ -6,6 +6,8 @@ vocabulary). `specdec gpu-report` prints it last (the layer's hooks stay on the 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ...api.sampling import SamplingParams
@@ -27,9 +29,12 @@ def random_eagle3(target: torch.nn.Module, seed: int = 0) -> Eagle3Draft:
     return draft.to(weight.device, weight.dtype).eval()
 
 
-def eagle3_costs(target: torch.nn.Module, prompt_tokens: int = 256, repeats: int = 10) -> list[dict]:
-    """Milliseconds of each call after a `prompt_tokens` prompt (one session)."""
-    scorer = TargetScorer(target, {"eagle3": random_eagle3(target)})
+def eagle3_costs(
+    target: torch.nn.Module, layer: Optional[Eagle3Draft] = None, prompt_tokens: int = 256, repeats: int = 10
+) -> list[dict]:
+    """Milliseconds of each call after a `prompt_tokens` prompt (one session), of `layer` (one on
+    the target already: its hooks in place) or else a random one."""
+    scorer = TargetScorer(target, {"eagle3": layer if layer is not None else random_eagle3(target)})
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size, (prompt_tokens,), generator=generator).tolist()
     scorer.reset(prompt, make_policy("greedy"), SamplingParams(temperature=0.0), "eagle3")

@@ -142,7 +142,8 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
             calls = attention_calls(rows, tokens, history, flex=rows > 1)
             heading = f"One layer's attention over {rows} row(s) of {tokens} token(s) after {history}:"
             out += ["", heading, "", table(calls, list(calls[0]))]
-        costs = eagle3_costs(engine.target_model)  # last: the layer's hooks stay on the target
+        # the decode's layer where it has one; last: a new layer's hooks stay on the target
+        costs = eagle3_costs(engine.target_model, engine.heads.get("eagle3"))
         heading = "A random EAGLE-3 layer beside the target, one session after a 256-token prompt:"
         out += ["", heading, "", table(costs, list(costs[0]))]
     return "\n".join(out)
