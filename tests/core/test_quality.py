@@ -109,15 +109,16 @@ def test_easd_without_tau_h_uses_the_targets_calibrated_value_cached_per_model(t
 
     engine = SpeculativeEngine.from_specs(spec)
     settings = CalibrationSettings()
-    entropies = []  # the paper's rule, computed directly: plain greedy decoding, full forwards
+    entropies = []  # the paper's rule, computed directly: plain greedy decoding, transformers' own cache
     with torch.no_grad():
         for prompt_ids in calibration_prompts(engine.frontend, settings):
-            ids = list(prompt_ids)
+            ids, cache = torch.tensor([list(prompt_ids)]), None
             for _ in range(settings.max_new_tokens):
-                logits = engine.target_model(torch.tensor([ids])).logits[0, -1].float()
+                output = engine.target_model(ids, past_key_values=cache, use_cache=True)
+                logits, cache = output.logits[0, -1].float(), output.past_key_values
                 entropies.append(float(-(logits.softmax(-1) * logits.log_softmax(-1)).sum()))
-                ids.append(int(logits.argmax()))
-                if ids[-1] in engine.frontend.eos_ids:
+                ids = logits.argmax().reshape(1, 1)
+                if int(ids) in engine.frontend.eos_ids:
                     break
     expected = calibrate_tau_h(torch.tensor(entropies), settings.top_fraction)
 
