@@ -53,6 +53,7 @@ def probe(
     from rich.table import Table
 
     from .checks.probe import PHASES, Probe, ProbeCounts
+    from .checks.probe_client import ProbeClient
     from .checks.probe_cluster import LocalCluster
 
     chosen = tuple(phase.strip() for phase in phases.split(","))
@@ -60,7 +61,7 @@ def probe(
         fail(f"--phases: {', '.join(sorted(unknown))} unknown; of {', '.join(PHASES)}")
     try:
         slack = {} if draft_slack_s is None else {"draft_slack_s": draft_slack_s}
-        suite = Probe(endpoint, grpc_address or None, api_key, timeout_s, **slack)
+        suite = Probe(ProbeClient(endpoint, grpc_address or None, api_key, timeout_s, **slack))
     except ValueError as error:
         fail(str(error))
     cluster = LocalCluster(ray_address, app_name) if kills else None

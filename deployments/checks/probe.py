@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
-from urllib.parse import urlparse
 
 from protos import specdec_pb2 as pb
 
@@ -27,7 +26,7 @@ from ..workers.worker import LOOPBACK, ROLES
 from .deploy_check import app_status
 from .drain_check import counted, redeploy, ride_through
 from .hostile_inputs import GRPC_CASES, http_cases
-from .probe_client import DRAFT_SLACK_S, Outcome, ProbeClient
+from .probe_client import Outcome, ProbeClient
 from .probe_cluster import LocalCluster
 from .probe_faults import node_loss, worker_kill
 from .probe_pressure import kv_pressure
@@ -71,18 +70,11 @@ class Report:
 class Probe:
     """The suite's phases, each sending its requests through `client` and adding its check to `report`."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        grpc_address: Optional[str],
-        api_key: Optional[str],
-        timeout_s: float,
-        draft_slack_s: float = DRAFT_SLACK_S,
-    ):
-        host = urlparse(endpoint).hostname
+    def __init__(self, client: ProbeClient):
+        host = client.http.base_url.host
         if host not in LOOPBACK:
             raise ValueError(f"the probe kills workers and reads process memory: loopback only, not {host!r}")
-        self.client = ProbeClient(endpoint, grpc_address, api_key, timeout_s, draft_slack_s)
+        self.client = client
         self.report = Report()
 
     async def hostile_inputs(self) -> None:

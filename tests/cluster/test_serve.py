@@ -433,6 +433,16 @@ def test_prometheus_metrics_are_exported(service):
     assert consistent()
 
 
+def test_the_probe_refuses_a_service_off_this_machine():
+    """`specdec probe` kills workers and reads process memory: it runs against loopback only."""
+    from typer.testing import CliRunner
+
+    from deployments.cli import app as cli
+
+    result = CliRunner().invoke(cli, ["probe", "--endpoint", "http://example.com:8000", "--no-kills"])
+    assert result.exit_code != 0 and "loopback only, not 'example.com'" in result.output
+
+
 def test_probe_command_passes_against_the_service(service):
     """`specdec probe`, with small counts, against the test service: hostile inputs over HTTP and
     gRPC, concurrent streams, disconnects, both workers killed mid-stream, a soak. It exits 0
