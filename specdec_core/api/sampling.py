@@ -157,7 +157,8 @@ def sample_with(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     on the host first, then samples them all in one pass. Draws lie in [0, 1), so (1 - u) times
     the total lies in (0, total] and the first index whose CDF reaches it has positive weight."""
     cdf = weights.double().cumsum(-1)  # [N, V]
-    return torch.searchsorted(cdf, (1.0 - uniform.to(cdf.device)) * cdf[:, -1:]).squeeze(-1)
+    uniform = uniform.to(cdf.device, non_blocking=True)  # a host draw: the copy need not wait for the device
+    return torch.searchsorted(cdf, (1.0 - uniform) * cdf[:, -1:]).squeeze(-1)
 
 
 def argmax(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:

@@ -47,8 +47,7 @@ class GreedyPolicy(AcceptancePolicy):
         predicted = argmax(target.logits)
         node_accepted = draft.tokens == predicted[parents]
         node_log_probs = target.logits.log_softmax(-1)[parents, draft.tokens]
-        path = best_path(draft.tree, node_accepted, node_log_probs)
-        return tree_verdict(path, int(predicted[path[-1]]))
+        return tree_verdict(*best_path(draft.tree, node_accepted, node_log_probs, predicted.__getitem__))
 
 
 def tree_verdict(path: list[int], next_token: int) -> Verdict:

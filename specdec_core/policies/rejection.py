@@ -33,12 +33,13 @@ class RejectionPolicy(AcceptancePolicy):
     @classmethod
     def chain_accepts(cls, chains) -> torch.Tensor:
         # a one-hot (unsampled) draft proposed its token with probability 1
+        device = chains.uniform.device
         draft_token_probs = torch.cat(
             [
-                check.draft.token_probs if check.draft.sampled else torch.ones(check.draft.num_tokens)
+                check.draft.token_probs if check.draft.sampled else torch.ones(check.draft.num_tokens, device=device)
                 for check in chains.checks
             ]
-        ).to(chains.uniform.device)  # [D]
+        )  # [D]
         ratio = chains.token_target_probs / draft_token_probs.clamp_min(1e-10)
         return chains.uniform <= ratio
 

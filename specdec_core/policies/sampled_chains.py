@@ -63,7 +63,8 @@ class SampledChains:
 
     def per_draft(self, values: Sequence[float]) -> torch.Tensor:
         """A per-chain setting (a policy's parameter) at each draft `[D]`, float32."""
-        return torch.tensor(values, dtype=torch.float32, device=self.draft_chain.device)[self.draft_chain]
+        per_chain = torch.tensor(values, dtype=torch.float32).to(self.draft_chain.device, non_blocking=True)
+        return per_chain[self.draft_chain]
 
     def first_rejections(self, accepted: torch.Tensor) -> torch.Tensor:
         """Each chain's accepted prefix length `[B]` from its drafts' flags `accepted [D]`."""

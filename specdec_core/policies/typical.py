@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..api.sampling import entropy_of_probs, sample, warp_logits
+from ..api.sampling import entropy_of_probs, sample_draws, sample_with, warp_logits
 from ..loop.stage_types import Verdict
 from ..trees.tree_verify import best_path
 from .greedy import GreedyPolicy, tree_verdict
@@ -56,8 +56,12 @@ class TypicalPolicy(AcceptancePolicy):
         params = self.params
         node_entropy = entropy_of_probs(target_probs, warped_logits)[parents]  # [N] each node's parent row's
         node_accepted = clears(node_probs, node_entropy, params.epsilon, params.alpha)
-        path = best_path(draft.tree, node_accepted, node_probs.clamp_min(1e-30).log())
-        return tree_verdict(path, int(sample(target_probs[path[-1]][None], generator)[0]))
+        uniform = sample_draws(generator)
+
+        def sampled_after(node: torch.Tensor) -> torch.Tensor:
+            return sample_with(target_probs[node][None], uniform)[0]
+
+        return tree_verdict(*best_path(draft.tree, node_accepted, node_probs.clamp_min(1e-30).log(), sampled_after))
 
 
 def clears(token_probs: torch.Tensor, row_entropy: torch.Tensor, epsilon, alpha) -> torch.Tensor:

@@ -16,7 +16,7 @@ and however its tokens were chosen, as long as they were chosen before the draws
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -24,19 +24,28 @@ from ..api.sampling import SamplingParams, sample, sampling_probs
 from .tree import Topology
 
 
-def best_path(tree: Topology, node_accepted: torch.Tensor, node_log_probs: torch.Tensor) -> list[int]:
+def best_path(
+    tree: Topology,
+    node_accepted: torch.Tensor,
+    node_log_probs: torch.Tensor,
+    next_token: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[list[int], int]:
     """`node_accepted` [N] bool and `node_log_probs` [N] (each node's token under the target at
-    its parent); returns the root (0) and the best path's kept nodes."""
+    its parent); returns the root (0) and the best path's kept nodes, and the token after its last
+    node (`next_token` of that node's index, a 0-d tensor), read back together once."""
     retrieve = tree.retrieve_indices.to(node_accepted.device)  # [L, D + 1], -1 past a leaf
     nodes = retrieve[:, 1:].clamp(min=0)
     present = retrieve[:, 1:] >= 0
     kept = (node_accepted[(nodes - 1).clamp(min=0)] & present).long().cumprod(-1).bool()  # all so far passed
-    num_kept = kept.sum(-1)
+    num_kept = kept.sum(-1)  # [L]
     # where, not a product: a compact row gives unlisted tokens -inf, and -inf * 0 is nan
     scores = torch.where(kept, node_log_probs[(nodes - 1).clamp(min=0)], 0.0).sum(-1)
     scores = torch.where(num_kept == num_kept.max(), scores, torch.full_like(scores, -torch.inf))
-    best = int(scores.argmax())
-    return retrieve[best, : int(num_kept[best]) + 1].tolist()
+    best = scores.argmax()
+    row, length = retrieve[best], num_kept[best]  # [D + 1], its kept nodes
+    path = torch.where(torch.arange(len(row), device=row.device) <= length, row, -1)  # -1 past the kept
+    read = torch.cat([path, next_token(row[length]).reshape(1)]).tolist()
+    return [node for node in read[:-1] if node >= 0], read[-1]
 
 
 def kept_chain(tree: Topology, node_accepted: Sequence[bool]) -> Optional[list[int]]:

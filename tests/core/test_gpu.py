@@ -49,6 +49,54 @@ def test_every_policy_decides_on_the_device(cuda_engine, policy):
     assert runs[0] == runs[1] and len(runs[0]) == 32
 
 
+def test_a_steps_sampled_chains_are_decided_with_one_read_back():
+    """policies/sampled_chains.py on the device: 16 requests' chains (rejection and typical, sampled
+    and one-hot drafts) synchronize the host once, at the read-back, and decide as on the CPU."""
+    import warnings
+
+    from specdec_core.api.sampling import SamplingParams, sampling_probs
+    from specdec_core.loop.stage_types import DraftBlock, TargetBlock
+    from specdec_core.policies import make_policy
+    from specdec_core.policies.sampled_chains import Check, decide_chains
+
+    sampling = SamplingParams(temperature=0.8, top_p=0.95)
+
+    def checks(device: str) -> list[Check]:
+        made = []
+        for index in range(16):
+            target_logits = 3 * torch.randn(5, 1000, generator=torch.Generator().manual_seed(index))
+            draft_logits = target_logits[:4] + torch.randn(4, 1000, generator=torch.Generator().manual_seed(99 + index))
+            tokens = draft_logits.argmax(-1)
+            probs = sampling_probs(draft_logits, sampling).gather(-1, tokens[:, None]).squeeze(-1)
+            draft = DraftBlock(tokens, draft_logits, probs) if index % 3 else DraftBlock(tokens)
+            policy = make_policy("rejection" if index % 2 else "typical")
+            made.append(
+                Check(
+                    policy,
+                    draft.to(torch.device(device)),
+                    TargetBlock(target_logits.to(device)),
+                    sampling,
+                    torch.Generator().manual_seed(index),
+                )
+            )
+        return made
+
+    on_cuda = checks("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            verdicts = decide_chains(on_cuda)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(warning.message) for warning in caught if "synchroniz" in str(warning.message)]
+    assert len(syncs) == 1, syncs
+    on_cpu = decide_chains(checks("cpu"))
+    agreeing = sum((a.num_accepted, a.next_token) == (b.num_accepted, b.next_token) for a, b in zip(verdicts, on_cpu))
+    assert agreeing >= 14  # fp32 softmax rounding may move a draw across a boundary, rarely
+
+
 def test_cuda_logits_match_the_cpu_in_fp32():
     cpu_model = tiny_llama(seed=1, prepared=False)
     cuda_model = tiny_llama(seed=1, prepared=False).to("cuda")
