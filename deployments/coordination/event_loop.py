@@ -8,7 +8,7 @@ import asyncio
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Any, AsyncIterator, Awaitable, Coroutine, Iterator, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Coroutine, Iterator, Optional, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,29 @@ async def next_item(items: AsyncIterator[Item]) -> tuple[bool, Any]:
         return False, await items.__anext__()
     except StopAsyncIteration:
         return True, None
+
+
+class GeneratorSteps:
+    """An async generator stepped from another loop, on its own: a close waits for the step in
+    flight. A consumer cancelled while it waits may leave the generator anywhere: mid-step (the
+    cancellation reaches it), not yet stepped (the step was cancelled before it ran) or suspended
+    at a yield whose item never arrived (the step had ended); the close after covers all three."""
+
+    def __init__(self, items: AsyncIterator[Any]):
+        self.items = items
+        self.stepping: Optional[asyncio.Event] = None  # set while a step runs
+
+    async def next(self) -> tuple[bool, Any]:
+        self.stepping = stepping = asyncio.Event()
+        try:
+            return await next_item(self.items)
+        finally:
+            stepping.set()
+
+    async def close(self) -> None:
+        if self.stepping is not None:
+            await self.stepping.wait()
+        await self.items.aclose()
 
 
 class EventLoopThread:
@@ -62,20 +85,18 @@ class EventLoopThread:
 
     async def aiterate(self, items: AsyncIterator[Item]) -> AsyncIterator[Item]:
         """From any event loop: iterate an async generator that runs on this loop. A consumer
-        that stops (closes, or is cancelled while waiting) closes the generator on this loop
-        without waiting for its cleanup, which a cancelled consumer could not await."""
-        step_in_flight = False
+        that stops (closes, or is cancelled while waiting) has the generator closed on this loop,
+        once a step in flight has ended, without waiting for its cleanup (which a cancelled
+        consumer could not await)."""
+        steps = GeneratorSteps(items)
         try:
             while True:
-                step_in_flight = True  # cancelled now, the cancellation reaches the generator itself
-                done, item = await self.arun(next_item(items))
-                step_in_flight = False
+                done, item = await self.arun(steps.next())
                 if done:
                     return
                 yield item
         finally:
-            if not step_in_flight:
-                self.submit(items.aclose())
+            self.submit(steps.close())
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -39,3 +39,44 @@ def test_closing_a_merge_closes_every_stream_without_the_garbage_collector():
         asyncio.run(read_one_then_leave())
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("when", ["after its step ended", "while its step runs"])
+def test_a_consumer_cancelled_while_it_waits_has_the_coordinators_stream_closed(when):
+    """EventLoopThread.aiterate: a stream decodes on the coordinator's loop and is read from the
+    HTTP loop. A reader cancelled while it waits for the next chunk (a client gone) has the stream
+    closed on the coordinator's loop, whether the step had already produced the chunk (the stream
+    then waits at a yield for a reader that will not come) or is still running; without the
+    garbage collector."""
+    import threading
+    import time
+
+    from deployments.coordination.event_loop import EventLoopThread
+
+    coordinator, closed = EventLoopThread("test-coordinator"), threading.Event()
+
+    async def stream():
+        try:
+            for chunk in range(1000):
+                await asyncio.sleep(0 if when == "after its step ended" else 0.05)
+                yield chunk
+        finally:  # stands for releasing the stream's sessions
+            closed.set()
+
+    async def reader() -> bool:
+        source = stream()  # held, as a reference cycle would hold it: only an explicit close ends it
+        chunks = coordinator.aiterate(source)
+        waiting = asyncio.ensure_future(anext(chunks))
+        await asyncio.sleep(0)  # the step is sent to the coordinator
+        time.sleep(0.2 if when == "after its step ended" else 0.01)  # this loop busy: the chunk is not taken
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await chunks.aclose()
+        return await asyncio.to_thread(closed.wait, 5)
+
+    gc.disable()
+    try:
+        assert asyncio.run(reader())
+    finally:
+        gc.enable()
+        coordinator.stop()
