@@ -1,6 +1,6 @@
 """Sampled chains decided together: the verdicts of many requests' T > 0 chains under one rule
 (rejection sampling, typical acceptance) in a few tensor operations over all of them and one read
-back, so a step's acceptance costs the host the same at 64 sessions as at one (issue 50). A lone
+back, so a step's acceptance launches as many operations at 64 sessions as at one. A lone
 request's `verify` is this code over one chain, so a request is decided alike in a batch or alone:
 every draw comes from its own generator, in the rule's order (a uniform per draft where the rule
 draws them, then one for the next token), taken on the host before any device work.

@@ -109,17 +109,23 @@ def test_easd_without_tau_h_uses_the_targets_calibrated_value_cached_per_model(t
 
     engine = SpeculativeEngine.from_specs(spec)
     settings = CalibrationSettings()
-    entropies = []  # the paper's rule, computed directly: plain greedy decoding, transformers' own cache
+    entropies = []  # the paper's rule, computed directly: transformers' own greedy generate
     with torch.no_grad():
         for prompt_ids in calibration_prompts(engine.frontend, settings):
-            ids, cache = torch.tensor([list(prompt_ids)]), None
-            for _ in range(settings.max_new_tokens):
-                output = engine.target_model(ids, past_key_values=cache, use_cache=True)
-                logits, cache = output.logits[0, -1].float(), output.past_key_values
+            ids = torch.tensor([list(prompt_ids)])
+            generated = engine.target_model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=settings.max_new_tokens,
+                eos_token_id=sorted(engine.frontend.eos_ids),
+                pad_token_id=tokenizer.eos_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            for step_logits in generated.logits:  # the raw logits of each step, the last one's EOS included
+                logits = step_logits[0].float()
                 entropies.append(float(-(logits.softmax(-1) * logits.log_softmax(-1)).sum()))
-                ids = logits.argmax().reshape(1, 1)
-                if int(ids) in engine.frontend.eos_ids:
-                    break
     expected = calibrate_tau_h(torch.tensor(entropies), settings.top_fraction)
 
     messages, sampling = [{"role": "user", "content": "hi"}], {"max_tokens": 4}
