@@ -7,9 +7,9 @@ GPU report and the in-process benchmarks use it to measure a step at a given con
 With a fixed KV pool (`kv_room.py`), requests wait to be admitted, and a step's rows may preempt
 the youngest sessions, which wait (their row parked) until they resume.
 
-Invariant: a step runs only when every live loop waits on a model call, its admission or its
-resumption, so each forward holds every session that has work for it; between forwards the loops
-verify and commit in turn."""
+Invariant: a step runs only when every live loop waits on a model call, a sampled chain's verdict,
+its admission or its resumption, so each forward holds every session that has work for it, and
+each decision every chain; between them the loops commit in turn."""
 
 from __future__ import annotations
 
