@@ -351,7 +351,7 @@ def test_target_worker_killed_mid_stream_ends_it_with_an_error_then_the_service_
 
 def test_every_listener_binds_the_configured_host(service):
     """HTTP, gRPC and both workers listen on loopback only (the config's host)."""
-    from test_remote import listening_addresses
+    from helpers.served import listening_addresses
 
     worker_ports = [int(worker_handle(role, APP).get_address.remote().result().rsplit(":")[1]) for role in ROLES]
     for port in (HTTP_PORT, GRPC_PORT, *worker_ports):

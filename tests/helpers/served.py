@@ -76,3 +76,17 @@ class HttpServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join()
+
+
+def listening_addresses(port: int) -> list[str]:
+    """The local addresses of this machine's listening sockets on `port` (IPv4-mapped made plain)."""
+    import ipaddress
+
+    import psutil
+
+    addresses = []
+    for conn in psutil.net_connections("inet"):
+        if conn.status == "LISTEN" and conn.laddr.port == port:
+            ip = ipaddress.ip_address(conn.laddr.ip)
+            addresses.append(str(getattr(ip, "ipv4_mapped", None) or ip))
+    return addresses

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from helpers.reference_scores import target_rows
-from helpers.served import ADD, Workers, http_client
+from helpers.served import ADD, Workers, http_client, listening_addresses
 from helpers.tiny_models import repeating_prompt
 
 pytest.importorskip("grpc")
@@ -912,20 +912,6 @@ def test_workers_check_the_secret_and_everything_they_receive(tiny_engine):
     finally:
         for server in servers:
             server.stop(None)
-
-
-def listening_addresses(port: int) -> list[str]:
-    """The local addresses of this machine's listening sockets on `port` (IPv4-mapped made plain)."""
-    import ipaddress
-
-    import psutil
-
-    addresses = []
-    for conn in psutil.net_connections("inet"):
-        if conn.status == "LISTEN" and conn.laddr.port == port:
-            ip = ipaddress.ip_address(conn.laddr.ip)
-            addresses.append(str(getattr(ip, "ipv4_mapped", None) or ip))
-    return addresses
 
 
 def test_the_grpc_ingress_binds_the_configured_host(grpc_ingress):
