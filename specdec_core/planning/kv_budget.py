@@ -43,13 +43,13 @@ def kv_budget_from_fraction(
 
 
 @torch.inference_mode()
-def profile_step(model: torch.nn.Module, tokens: int) -> None:
-    """One forward of a `tokens`-long prompt into a session of its own, whose blocks return to
-    the pool after: the largest step a worker runs (a prefill chunk), so its activations peak."""
-    forward_ragged(model, [PagedKV()], [[0] * tokens])
+def profile_step(model: torch.nn.Module, tokens: int, rows: int = 1) -> None:
+    """One forward of `rows` rows of `tokens` new tokens, each a session of its own whose blocks
+    return to the pool after: by default the largest step a worker runs (a prefill chunk), so its
+    activations peak."""
+    forward_ragged(model, [PagedKV() for _ in range(rows)], [[0] * tokens] * rows)
 
 
-@torch.inference_mode()
 def graph_pool_bytes(model: torch.nn.Module) -> float:
     """What `model`'s CUDA graphs will hold in their own memory pool, which the eager steps' cached
     blocks cannot lend them: the activations of the largest step a graph covers (GRAPH_MAX_TOKENS
@@ -59,12 +59,11 @@ def graph_pool_bytes(model: torch.nn.Module) -> float:
     if runner.graphs is None or model.device.type != "cuda":
         return 0.0
     graphs, runner.graphs = runner.graphs, None
-    rows = GRAPH_MAX_TOKENS // LONG_ROW
     try:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        forward_ragged(model, [PagedKV() for _ in range(rows)], [[0] * LONG_ROW] * rows)
+        profile_step(model, LONG_ROW, rows=GRAPH_MAX_TOKENS // LONG_ROW)
         torch.cuda.synchronize()
         return float(torch.cuda.max_memory_allocated() - before)
     finally:

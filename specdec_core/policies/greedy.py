@@ -37,10 +37,9 @@ class GreedyPolicy(AcceptancePolicy):
 
     def verify_tree(self, draft, target, sampling, generator) -> Verdict:
         if target.argmax_ids is not None:  # the step read every row's argmax back at once: all on the host
-            parents, argmax_ids = draft.tree.parents.tolist(), target.argmax_ids
-            path = kept_chain(
-                draft.tree, [token == argmax_ids[parents[node]] for node, token in enumerate(draft.token_ids, 1)]
-            )
+            parent_ids, argmax_ids = draft.tree.parents.tolist(), target.argmax_ids
+            passing = [token == argmax_ids[parent_ids[node]] for node, token in enumerate(draft.token_ids, 1)]
+            path = kept_chain(parent_ids, passing)
             if path is not None:
                 return tree_verdict(path, argmax_ids[path[-1]])
         parents = draft.tree.parents[1:].to(target.logits.device)

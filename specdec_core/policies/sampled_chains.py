@@ -68,7 +68,7 @@ class SampledChains:
 
     def first_rejections(self, accepted: torch.Tensor) -> torch.Tensor:
         """Each chain's accepted prefix length `[B]` from its drafts' flags `accepted [D]`."""
-        batch, width = len(self.checks), int(max(check.draft.num_tokens for check in self.checks)) + 1
+        batch, width = len(self.checks), max(check.draft.num_tokens for check in self.checks) + 1
         flags = torch.zeros(batch, width, dtype=torch.long, device=accepted.device)  # a False after each chain
         flags[self.draft_chain, self.draft_position] = accepted.long()
         return flags.cumprod(1).sum(1)

@@ -48,17 +48,19 @@ def best_path(
     return [node for node in read[:-1] if node >= 0], read[-1]
 
 
-def kept_chain(tree: Topology, node_accepted: Sequence[bool]) -> Optional[list[int]]:
+def kept_chain(parents: Sequence[int], node_accepted: Sequence[bool]) -> Optional[list[int]]:
     """`best_path` on the host, where no two passing nodes share a parent (greedy over siblings of
     distinct tokens: a node passes only with its parent's argmax): the kept nodes then form one
-    chain from the root, and no score is needed to choose. None where two siblings pass."""
-    parents = tree.parents.tolist()
+    chain from the root, and no score is needed to choose. `parents`: the tree's `[N + 1]` (nodes
+    follow their parents); None where two siblings pass."""
+    passing = [node for node, accepted in enumerate(node_accepted, 1) if accepted]
+    if len({parents[node] for node in passing}) < len(passing):
+        return None
     path = [0]
-    for node, accepted in enumerate(node_accepted, 1):
-        if accepted and parents[node] == path[-1]:
+    for node in passing:
+        if parents[node] == path[-1]:
             path.append(node)
-    passing = [parents[node] for node, accepted in enumerate(node_accepted, 1) if accepted]
-    return path if len(set(passing)) == len(passing) else None
+    return path
 
 
 def sample_path(
