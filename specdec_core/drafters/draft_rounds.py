@@ -6,10 +6,13 @@ alone.
 A forward may ask for `follow` more forwards, each of one token: the argmax of its previous
 forward's last row, fed back on the device. A greedy chain of K drafts is then one request, and
 its tokens come back to the host once, when its last forward is done, not once a forward: the
-host lays out the next round while the device still runs this one."""
+host lays out the next round while the device still runs this one. Where every chain of a round
+is past its first forward, their next forwards up to the nearest chain's end run as one CUDA
+graph, if the model has graphs (runtime/chained_steps.py): one layout and one launch for them all."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Generator, NamedTuple, Optional, Sequence
@@ -20,6 +23,7 @@ from ..api.sampling import argmax
 from ..loop.stage_types import DraftBlock
 from ..models.kernels.chunked import kernels_by_chunk
 from ..runtime.batching import forward_ids
+from ..runtime.chained_steps import chains_in_one_graph, run_chain
 from ..runtime.kv_pool import PagedKV
 from ..runtime.ragged_attention import on_device
 
@@ -53,8 +57,9 @@ class Chain:
     """A `DraftForward` in progress: the outputs of its 1 + follow forwards run so far."""
 
     forward: DraftForward
-    logits: list[torch.Tensor] = field(default_factory=list)  # [keep, V], then [1, V] a followed forward
+    logits: list[torch.Tensor] = field(default_factory=list)  # [keep, V], then [n, V] n followed forwards
     argmax_ids: list[torch.Tensor] = field(default_factory=list)  # the same rows' argmax, on the device
+    forwards: int = 0  # forwards run so far
 
     @property
     def length(self) -> int:
@@ -67,8 +72,16 @@ class Chain:
         return self.forward.keep if not self.logits else 1
 
     @property
-    def finished(self) -> bool:
-        return len(self.logits) == 1 + self.forward.follow
+    def remaining(self) -> int:
+        """Forwards still to run."""
+        return 1 + self.forward.follow - self.forwards
+
+    def add(self, logits: torch.Tensor, argmax_ids: Optional[torch.Tensor], forwards: int) -> None:
+        """The outputs of its next `forwards` forwards: `logits` `[rows, V]`, their argmax `[rows]`."""
+        self.logits.append(logits)
+        if self.forward.by_argmax:
+            self.argmax_ids.append(argmax_ids)
+        self.forwards += forwards
 
 
 @torch.inference_mode()
@@ -90,15 +103,21 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
         advance(index, None)
     while waiting:
         chains = list(waiting.values())
-        logits, top = draft_round(model, chains)
-        keeps = [chain.keep for chain in chains]  # before this round's outputs join them
-        tops = top.split(keeps) if top is not None else [None] * len(chains)
-        for chain, chain_logits, chain_top in zip(chains, logits.split(keeps), tops):
-            chain.logits.append(chain_logits)
-            if chain.forward.by_argmax:
-                chain.argmax_ids.append(chain_top)
+        steps = chained_steps(model, chains)
+        if steps > 1:
+            first = {"tokens": torch.cat([chain.argmax_ids[-1][-1:] for chain in chains])}  # [B] on the device
+            caches = [chain.forward.cache for chain in chains]
+            logits, top = run_chain(model.model, caches, first, functools.partial(argmax_step, model), steps)
+            for index, chain in enumerate(chains):
+                chain.add(logits[:, index], top[:, index], steps)
+        else:
+            logits, top = draft_round(model, chains)
+            keeps = [chain.keep for chain in chains]  # before this round's outputs join them
+            tops = top.split(keeps) if top is not None else [None] * len(chains)
+            for chain, chain_logits, chain_top in zip(chains, logits.split(keeps), tops):
+                chain.add(chain_logits, chain_top, 1)
         # one read back for the round, of every chain it ends that takes its tokens by argmax
-        ending = [index for index, chain in waiting.items() if chain.finished]
+        ending = [index for index, chain in waiting.items() if not chain.remaining]
         taking = [index for index in ending if waiting[index].forward.by_argmax]
         read = torch.cat([row for index in taking for row in waiting[index].argmax_ids]).tolist() if taking else []
         for index in ending:
@@ -109,6 +128,24 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
                 ids, read = read[:count], read[count:]
             advance(index, ScoredForward(chain.logits[0] if len(chain.logits) == 1 else torch.cat(chain.logits), ids))
     return blocks
+
+
+def chained_steps(model: torch.nn.Module, chains: Sequence[Chain]) -> int:
+    """How many forwards the round runs as one graph: up to the nearest chain's end, where every
+    chain is past its first forward (one token each, fed by argmax) and the model can; else 1."""
+    if not all(chain.logits for chain in chains):
+        return 1
+    steps = min(chain.remaining for chain in chains)
+    return steps if steps > 1 and chains_in_one_graph(model.model, len(chains)) else 1
+
+
+def argmax_step(model: torch.nn.Module, step: dict, carried: dict) -> tuple[dict, tuple[torch.Tensor, torch.Tensor]]:
+    """A chained forward (chained_steps.ChainStep): the tokens `[N_p]` carried in, their logits
+    `[N_p, V]` and argmax `[N_p]` out, the argmax carried to the next."""
+    hidden = model.model(input_ids=carried["tokens"][None], **step).last_hidden_state  # [1, N_p, H]
+    logits = model.lm_head(hidden[0]).float()
+    tokens = argmax(logits)
+    return {"tokens": tokens}, (logits, tokens)
 
 
 def draft_round(model: torch.nn.Module, chains: Sequence[Chain]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

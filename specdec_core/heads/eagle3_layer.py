@@ -26,6 +26,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..planning.memory import kv_bytes_per_token
+from ..runtime.model_runner import runner_of
 from ..runtime.ragged_attention import RAGGED_ATTENTION, register_ragged_attention
 from .eagle3_session import Eagle3Session
 
@@ -140,6 +141,15 @@ class Eagle3Draft(nn.Module):
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def run_as(self, model: nn.Module) -> "Eagle3Draft":
+        """Its steps run as the target `model`'s do: on the paged kernel, and replaying CUDA graphs
+        (a chain guess one graph, runtime/chained_steps.py), where the target's do."""
+        target, mine = runner_of(model.model), runner_of(self)
+        mine.paged = target.paged
+        if target.graphs is not None:
+            mine.use_graphs(target.graphs.record)
+        return self
 
     def session(self, model: nn.Module) -> Eagle3Session:
         return Eagle3Session(self, model)

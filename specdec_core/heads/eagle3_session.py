@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..runtime.batching import run_ragged
+from ..runtime.chained_steps import chains_in_one_graph, run_chain
 from ..runtime.kv_pool import PagedKV
 from ..trees.dynamic_tree import PREFIX, DynamicTree, grow
 from ..trees.topologies import default_bank
@@ -56,9 +57,14 @@ class Eagle3Session:
     def forward(self, tokens: torch.Tensor, states: torch.Tensor, tree: Optional[Topology] = None) -> torch.Tensor:
         """The layer over `tokens` `[m]` paired with hidden `states` `[m, H]` after the cached
         positions (a chain, or a `tree` rooted at the first); its outputs `[m, H]`."""
-        inputs = torch.cat([self.embed(tokens), states], -1)[None]  # [1, m, 2H]
-        outputs, _ = run_ragged(self.draft, [self.cache], [len(tokens)], [tree], inputs_embeds=inputs)
+        outputs, _ = run_ragged(
+            self.draft, [self.cache], [len(tokens)], [tree], inputs_embeds=self.inputs(tokens, states)
+        )
         return outputs[0]
+
+    def inputs(self, tokens: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """The layer's input `[1, m, 2H]`: each token's embedding beside the state it follows."""
+        return torch.cat([self.embed(tokens), states], -1)[None]
 
     @torch.inference_mode()
     def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
@@ -108,24 +114,39 @@ class Eagle3Session:
         """A chain after `root_token`: each depth one forward of one token over what the depths
         before it left in the cache (a causal chain's earlier outputs do not depend on later
         tokens, so this is the tree path's result in `chain.num_nodes` tokens, not 1 + 2 + ..),
-        fed the last depth's top token on the device: nothing is read back until the caller reads
-        the guesses."""
+        fed the last depth's top token and output on the device: nothing is read back until the
+        caller reads the guesses. Where the layer replays graphs, every depth is one graph
+        (runtime/chained_steps.py)."""
         committed = self.cache.length
-        token = torch.tensor([root_token], device=self.pending.device)  # [1]
-        state = self.pending[None]  # [1, H]
-        tokens, probs = [], []  # [1] each, a depth's token and its probability
+        carried = {"tokens": torch.tensor([root_token], device=self.pending.device), "states": self.pending[None]}
         try:
-            for _ in range(chain.num_nodes):
-                state = self.forward(token, state)  # [1, H] the node's output, its child's input
-                top = self.draft.draft_logits(state).float().softmax(-1).topk(1, dim=-1)  # [1, 1] each
-                token = self.draft.target_ids(top.indices[:, 0])
-                tokens.append(token)
-                probs.append(top.values[:, 0])
+            if chains_in_one_graph(self.draft, 1):
+                tokens, probs = run_chain(self.draft, [self.cache], carried, self.chain_step, chain.num_nodes)
+            else:
+                depths = []
+                for _ in range(chain.num_nodes):
+                    carried, produced = self.chain_step(None, carried)
+                    depths.append(produced)
+                tokens, probs = (torch.stack(parts) for parts in zip(*depths))
         finally:
             self.cache.crop(committed)
-        node_probs = torch.cat(probs)  # [M] along the chain: also its top-1 path's
+        node_probs = probs[:, 0]  # [M] along the chain: also its top-1 path's
         root_prob = root_probability(self.model, self.last_hidden, root_token)
-        return HeadGuesses(chain, torch.cat(tokens), node_probs, node_probs, root_prob)
+        return HeadGuesses(chain, tokens[:, 0], node_probs, node_probs, root_prob)
+
+    def chain_step(self, step: Optional[dict], carried: dict) -> tuple[dict, tuple[torch.Tensor, torch.Tensor]]:
+        """One depth of a chain (chained_steps.ChainStep): each row's token `[N]` and the state
+        `[N, H]` it follows in, its output state and the layer's top token and probability out;
+        the token and state carried to the next depth. `step`: a chained graph's layout (None: a
+        forward of its own after the cache)."""
+        tokens, states = carried["tokens"], carried["states"]
+        if step is None:
+            outputs = self.forward(tokens, states)  # [N, H]
+        else:
+            outputs = self.draft(inputs_embeds=self.inputs(tokens, states), **step).last_hidden_state[0]
+        top = self.draft.draft_logits(outputs).float().softmax(-1).topk(1, dim=-1)  # [N, 1] each
+        tokens = self.draft.target_ids(top.indices[:, 0])
+        return {"tokens": tokens, "states": outputs}, (tokens, top.values[:, 0])
 
     def top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's top-k next tokens after outputs `[F, H]`: log-probs and target ids `[F, k]`."""

@@ -191,6 +191,7 @@ def load_heads_from(directory: str, model: nn.Module) -> Heads:
     if shape.kind == "eagle3":
         heads = load_eagle3(directory, model.config)
         keep_aux_states(model, heads.aux_layers)  # what the layer reads, from every target forward
+        heads.run_as(model)
     elif shape.kind == "hydra":
         heads = HydraHeads.load(directory, model.config)
     else:

@@ -74,20 +74,23 @@ def step_layout(
     device,
     padded: bool = False,
     paged: bool = False,
+    ahead: int = 0,
 ) -> StepLayout:
     """Reserve each row's blocks for its new tokens and lay out the step (host-side, a few ops
     per forward, not per layer). A lone row whose blocks are consecutive reads them as a slice.
     `padded` (a compiled step): every size rounds up to `padded_size`, so that a step's tensors
     take a bounded set of shapes; the padding tokens write to the pool's scratch block, padding rows and
     queries see key 0 only, and no view (a slice's bounds would be a new graph every step).
-    `paged`: every row's attention is the paged kernel's (paged_layout.py), in one call."""
+    `paged`: every row's attention is the paged kernel's (paged_layout.py), in one call.
+    `ahead`: each row's blocks and the block tables reach that many positions further, for the
+    later steps of a chain advanced on the device (chained_steps.py)."""
     for cache, length in zip(caches, lengths):
-        cache.reserve(pool, cache.length + length)
+        cache.reserve(pool, cache.length + length + ahead)
     history = torch.tensor([cache.length for cache in caches])  # [B]
     new = torch.tensor(list(lengths))  # [B]
     total, size = history + new, pool.block_size
     pad = padded_size if padded else int
-    num_tokens, width = int(new.sum()), pad(int(total.max()))
+    num_tokens, width = int(new.sum()), pad(int(total.max()) + ahead)
     num_blocks = blocks_for(width, size)
     # [B, blocks]; a shorter row's padding names block 0, whose slots its mask hides
     tables = torch.tensor([cache.table[:num_blocks] + [0] * (num_blocks - len(cache.table)) for cache in caches])
@@ -231,10 +234,10 @@ def run_ragged(
     return torch.cat(hidden, 1), offsets
 
 
-def step_inputs(base_model, caches, lengths, trees, inputs: dict, padded: bool) -> dict:
+def step_inputs(base_model, caches, lengths, trees, inputs: dict, padded: bool, ahead: int = 0) -> dict:
     """A base model's keyword arguments for one forward over rows of `lengths` new tokens after
     their `caches`: the tokens (`inputs`, `[1, N, ..]`), their positions and the step's layout
-    (every size `padded` to its bucket for a compiled or graphed step)."""
+    (every size `padded` to its bucket for a compiled or graphed step; `ahead`: step_layout's)."""
     # a chain's tokens follow its history; a tree's root and nodes sit at history + their depth
     positions = torch.tensor(
         [
@@ -246,7 +249,8 @@ def step_inputs(base_model, caches, lengths, trees, inputs: dict, padded: bool) 
     # the paged kernel for short rows only: a prompt chunk's tokens would each read its keys again
     runner = runner_of(base_model)
     paged = runner.paged and max(lengths) <= LONG_ROW
-    layout = step_layout(runner.kv_pool(), caches, lengths, trees, base_model.device, padded=padded, paged=paged)
+    pool, device = runner.kv_pool(), base_model.device
+    layout = step_layout(pool, caches, lengths, trees, device, padded=padded, paged=paged, ahead=ahead)
     padding = layout.write_slots.numel() - len(positions)
     return {
         **{name: pad_tokens(tensor, padding) for name, tensor in inputs.items()},

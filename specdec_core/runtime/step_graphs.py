@@ -11,7 +11,8 @@ address; where it moves (a growable pool grew) every graph is dropped and record
 Steps that no graph covers run eagerly: a row of more than `ragged_attention.LONG_ROW` new tokens (a
 prompt chunk), a step of more than `GRAPH_MAX_TOKENS`, the first forward (it allocates the pool),
 pipeline stages and ranks of a tensor-parallel group (their collectives stay outside graphs for
-now). Graphs stay until the pool moves: a bucket of keys more per 1,024 tokens of context adds
+now). A greedy draft chain's later forwards are one graph of their own (chained_steps.py), in
+the same pool. Graphs stay until the pool moves: a bucket of keys more per 1,024 tokens of context adds
 graphs, each holding its static inputs (the largest, a 64-row mask, a few MB); the pool's
 intermediates are shared."""
 
@@ -35,16 +36,21 @@ class CapturedStep:
     """One graph and the buffers it reads and writes."""
 
     inputs: dict  # the step's keyword arguments, every tensor a static buffer
-    hidden: torch.Tensor  # [1, N, H] the final hidden states the graph writes
+    outputs: tuple[torch.Tensor, ...]  # what the graph writes: a step's final hidden states [1, N, H]
     graph: Optional["torch.cuda.CUDAGraph"]  # None: replayed eagerly over the buffers (CPU tests)
     kept: dict  # what the forward's hooks kept (aux_states.py), restored after each replay
 
 
+# what a graph records: a function of its static inputs, returning the tensors it writes
+Recorded = Callable[[dict], tuple[torch.Tensor, ...]]
+
+
 class StepGraphs:
     """The graphs of one model's step (`forward`: its base model's forward, keyword arguments as
-    batching.step_inputs makes them, returning an output with `last_hidden_state`).
-    `record`: capture CUDA graphs; without, a "replay" runs `forward` over the static buffers,
-    which tests the buffers' bookkeeping where there is no CUDA."""
+    batching.step_inputs makes them, returning an output with `last_hidden_state`), and of other
+    functions of a step's inputs (`replay`: a draft chain's forwards, chained_steps.py), in one
+    memory pool. `record`: capture CUDA graphs; without, a "replay" runs the function over the
+    static buffers, which tests the buffers' bookkeeping where there is no CUDA."""
 
     def __init__(self, forward: Callable[..., Any], kept: Callable[[], dict], record: bool = True):
         self.forward = forward
@@ -62,28 +68,38 @@ class StepGraphs:
     def run(self, inputs: dict) -> torch.Tensor:
         """The step's final hidden states `[1, N, H]` (N padded): a graph's static output,
         overwritten by that graph's next replay."""
-        layout: StepLayout = inputs["ragged"]
-        if layout.pool.keys is None:  # the first forward allocates the pool: eagerly
+        if inputs["ragged"].pool.keys is None:  # the first forward allocates the pool: eagerly
             return self.forward(**inputs).last_hidden_state
+        return self.replay(inputs, self.hidden, "step")[0]
+
+    def hidden(self, inputs: dict) -> tuple[torch.Tensor]:
+        return (self.forward(**inputs).last_hidden_state,)
+
+    def replay(self, inputs: dict, function: Recorded, kind: Any) -> tuple[torch.Tensor, ...]:
+        """`function(inputs)`'s outputs, from the graph of `kind` recorded for `inputs`' shapes
+        (recorded now if none is): static tensors, overwritten by that graph's next replay. The
+        pool must be allocated (`inputs["ragged"].pool`)."""
+        layout: StepLayout = inputs["ragged"]
         storage = (layout.pool.serial, layout.pool.storage_version)
         if storage != self.storage:  # the pool grew (moved), or is another: every graph wrote the old one
             self.drop()
             self.storage = storage
-        key = shapes(inputs)
+        key = (kind, shapes(inputs))
         captured = self.graphs.get(key)
         if captured is None:
             clock = time.perf_counter()
-            captured = self.graphs[key] = self.capture(inputs)
+            captured = self.graphs[key] = self.capture(inputs, function)
             self.recorded += 1
             self.recording_seconds += time.perf_counter() - clock
         for static, tensor in zip(tensors(captured.inputs), tensors(inputs)):
             static.copy_(tensor, non_blocking=True)
         if captured.graph is None:
-            captured.hidden.copy_(self.forward(**captured.inputs).last_hidden_state)
+            for static, output in zip(captured.outputs, function(captured.inputs)):
+                static.copy_(output)
         else:
             captured.graph.replay()
             self.kept().update(captured.kept)  # the hooks ran at the capture only
-        return captured.hidden
+        return captured.outputs
 
     def drop(self) -> None:
         """Forget every graph, and their memory pool with them (CUDA frees a pool with its last
@@ -91,23 +107,23 @@ class StepGraphs:
         self.graphs.clear()
         self.memory_pool = torch.cuda.graph_pool_handle() if self.record else None
 
-    def capture(self, inputs: dict) -> CapturedStep:
-        """Record the step for `inputs`' shapes. It runs once eagerly first (on a side stream, as
-        CUDA graphs require: libraries allocate their workspaces at a first call); both runs
+    def capture(self, inputs: dict, function: Recorded) -> CapturedStep:
+        """Record `function` for `inputs`' shapes. It runs once eagerly first (on a side stream,
+        as CUDA graphs require: libraries allocate their workspaces at a first call); both runs
         write the same KV entries to the same slots, which the replay after writes again."""
         static = map_tensors(inputs, torch.clone)
         if not self.record:
-            hidden = self.forward(**static).last_hidden_state.clone()
-            return CapturedStep(static, hidden, None, dict(self.kept()))
+            outputs = tuple(output.clone() for output in function(static))
+            return CapturedStep(static, outputs, None, dict(self.kept()))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.forward(**static)
+            function(static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory_pool, capture_error_mode="thread_local"):
-            hidden = self.forward(**static).last_hidden_state
-        return CapturedStep(static, hidden, graph, dict(self.kept()))
+            outputs = function(static)
+        return CapturedStep(static, outputs, graph, dict(self.kept()))
 
 
 def tensors(inputs: dict) -> list[torch.Tensor]:
@@ -123,7 +139,7 @@ def shapes(inputs: dict) -> tuple:
     a mask, one row without an output index)."""
     described: list = []
     map_tensors(inputs, lambda tensor: described.append((tuple(tensor.shape), tensor.dtype)) or tensor, described)
-    plain = (torch.Tensor, StepLayout)
+    plain = (torch.Tensor, StepLayout, dict)
     others = tuple((name, value) for name, value in sorted(inputs.items()) if not isinstance(value, plain))
     return (others, *described)
 
@@ -139,7 +155,9 @@ def map_tensors(inputs: dict, function: Callable, absent: Optional[list] = None)
 
     mapped = {}
     for name, value in sorted(inputs.items()):
-        if isinstance(value, StepLayout):
+        if isinstance(value, dict):  # a chain's carried tensors (chained_steps.py)
+            value = map_tensors(value, function, absent)
+        elif isinstance(value, StepLayout):
             groups = [
                 RowGroup(apply(group.read), apply(group.query_index), apply(group.mask)) for group in value.groups
             ]

@@ -88,11 +88,20 @@ def reference_chain(directory: Path, layout: str, target, committed: list[int], 
     return chain
 
 
-@pytest.mark.parametrize("layout", ["authors", "speculators"])
-def test_a_published_eagle3_head_guesses_what_its_reference_drafts_after_every_commit(tmp_path, target, layout):
+@pytest.mark.parametrize(("layout", "graphed"), [("authors", False), ("speculators", False), ("authors", True)])
+def test_a_published_eagle3_head_guesses_what_its_reference_drafts_after_every_commit(
+    tmp_path, target, layout, graphed
+):
+    """`graphed`: the layer on graphs and the paged kernel (the CPU's stand-in, the kernel under
+    Triton's interpreter), so that each chain guess is one chained graph (chained_steps.py)."""
+    from specdec_core.runtime.model_runner import runner_of
+
     directory = write_eagle3(tmp_path / layout, target, layout)
     draft = load_heads_from(str(directory), target)
     assert draft.aux_layers == (2, 4, 5) and (draft.embed_tokens is not None) == (layout == "speculators")
+    if graphed:
+        runner_of(draft).paged = True
+        graphs = runner_of(draft).use_graphs(record=False)
     scorer = TargetScorer(target, {"eagle3": draft})
     prompt = repeating_prompt(0, length=12)
     scorer.reset(prompt, make_policy("greedy"), SamplingParams(temperature=0.0), "eagle3")
@@ -116,6 +125,22 @@ def test_a_published_eagle3_head_guesses_what_its_reference_drafts_after_every_c
         assert len(on_top1_path) >= 3
         assert on_top1_path == reference_chain(directory, layout, target, committed, root, len(on_top1_path))
     assert tree.num_nodes == 12 and tree.max_depth <= 5
+    if graphed:
+        chained = [kind for kind, *_ in graphs.graphs if kind != "step"]  # one per width of the block tables
+        assert chained and set(chained) == {("chain", 4)}
+
+
+def test_an_eagle3_layer_runs_as_its_target_does():
+    """On the paged kernel and graphs where its target is (`Eagle3Draft.run_as`)."""
+    from specdec_core.runtime.model_runner import runner_of, use_paged_attention, use_step_graphs
+    from specdec_core.tools.measuring.eagle3_cost import random_eagle3
+
+    plain, on_graphs = tiny_llama(seed=5, num_layers=NUM_LAYERS), tiny_llama(seed=5, num_layers=NUM_LAYERS)
+    use_paged_attention(on_graphs)
+    use_step_graphs(on_graphs, record=False)
+    eager, graphed = (runner_of(random_eagle3(target)) for target in (plain, on_graphs))
+    assert not eager.paged and eager.graphs is None
+    assert graphed.paged and graphed.graphs is not None and not graphed.graphs.record
 
 
 @pytest.mark.parametrize(

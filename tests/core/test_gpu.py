@@ -208,12 +208,15 @@ def test_greedy_speculation_with_compiled_layers_and_graphs_equals_its_target_on
 @pytest.mark.parametrize("drafter", ["pld", "model", "mla", "model_tree"])
 def test_greedy_speculation_on_the_paged_kernel_and_graphs_equals_its_target_only(drafter):
     """kernels/paged_attention.py in the step, graphed: against its own target-only output (its
-    fp32 sums run in another order than SDPA's)."""
+    fp32 sums run in another order than SDPA's). The draft model's chains run their followed
+    forwards as one recorded graph (chained_steps.py)."""
     engine = graphed_pair(paged=True)
     target_only = engine.complete(request("greedy", "none")).token_ids
     for _ in range(2):  # the first request records, the second replays
         assert engine.complete(request("greedy", drafter)).token_ids == target_only
     assert runner_of(engine.target_model.model).graphs.recorded > 0
+    chained = [kind for kind, *_ in runner_of(engine.draft_model.model).graphs.graphs if kind != "step"]
+    assert bool(chained) == (drafter == "model")
 
 
 @pytest.mark.parametrize("drafter", ["none", "pld", "model", "mla"])

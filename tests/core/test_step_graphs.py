@@ -5,6 +5,8 @@ graphs."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -96,3 +98,94 @@ def test_a_replay_copies_every_input_in():
     )  # the first forward runs eagerly (it allocates the pool); the second prompt, then both steps
     for graphed_states, eager_states in outputs:
         torch.testing.assert_close(graphed_states, eager_states, atol=1e-5, rtol=0)
+
+
+def test_a_greedy_draft_chain_runs_its_followed_forwards_as_one_graph(monkeypatch):
+    """A graphed paged draft (here under Triton's interpreter) runs each round's followed forwards,
+    up to the nearest chain's end, as one chained graph (runtime/chained_steps.py), its later
+    layouts advanced on the device. Requests of different block lengths decoded together and
+    alone propose what the same draft proposes eagerly, round by round: the same tokens, so the
+    same acceptance, and the target-only output."""
+    from specdec_core.drafters import draft_rounds
+    from specdec_core.loop.lockstep import complete_together
+    from specdec_core.runtime.model_runner import use_paged_attention
+
+    target = tiny_llama(seed=5)
+    drafts = [perturbed_copy(target, 0.002) for _ in range(2)]
+    for draft in drafts:
+        use_paged_attention(draft)
+    graphs = use_step_graphs(drafts[1], record=False)
+    eager, chained = (SpeculativeEngine(target, None, draft, profile=lambda *_: tiny_profile()) for draft in drafts)
+    steps_run = []
+    run_chain = draft_rounds.run_chain
+    monkeypatch.setattr(
+        draft_rounds, "run_chain", lambda *arguments: steps_run.append(arguments[-1]) or run_chain(*arguments)
+    )
+    requests = [
+        GenerationRequest(
+            prompt_ids=repeating_prompt(seed, length=10 + 3 * seed),
+            drafter={"name": "model", "params": {"adaptive": False}},
+            num_draft_tokens=draft_tokens,
+            sampling={"max_tokens": 7, "temperature": 0.0},
+        )
+        for seed, draft_tokens in enumerate((5, 3))
+    ]
+    alone = lambda engine, requests: [engine.complete(requests[0])]  # noqa: E731
+    for decode in (alone, complete_together):
+        steps_before = len(steps_run)
+        expected = decode(eager, requests)
+        assert len(steps_run) == steps_before  # the eager draft runs rounds
+        for got, want in zip(decode(chained, requests), expected):
+            assert got.token_ids == want.token_ids
+            accepted = "spec_decode_num_accepted_tokens_per_pos"
+            assert got.metrics[accepted] == want.metrics[accepted]
+        # alone, after its first forward a chain of 5 drafts runs its other 4 as one graph;
+        # together with a chain of 3, up to that one's end
+        assert steps_run[steps_before] == (4 if decode is alone else 2)
+    assert any(kind == ("chain", 4) for kind, *_ in graphs.graphs)
+
+
+def test_a_chained_graph_advances_each_rows_layout_on_the_device():
+    """Three rows of different histories (one crossing a block boundary inside the chain): four
+    chained forwards over the graph's buffers give the logits of four eager forwards, each fed
+    the argmax of the one before, and leave the same KV entries behind."""
+    from specdec_core.api.sampling import argmax
+    from specdec_core.drafters import draft_rounds
+    from specdec_core.runtime.batching import forward_ids, forward_ragged
+    from specdec_core.runtime.chained_steps import chains_in_one_graph, run_chain
+    from specdec_core.runtime.kv_pool import BLOCK_SIZE, PagedKV
+    from specdec_core.runtime.model_runner import use_paged_attention
+
+    models = [tiny_llama(seed=8), tiny_llama(seed=8)]
+    for model in models:
+        use_paged_attention(model)
+    use_step_graphs(models[1], record=False)
+    prompts = [
+        repeating_prompt(seed, length=length) for seed, length in enumerate((BLOCK_SIZE - 2, 5, 2 * BLOCK_SIZE - 2))
+    ]
+    results = []
+    with torch.inference_mode():
+        for chained, model in enumerate(models):
+            caches = [PagedKV() for _ in prompts]
+            for cache, prompt in zip(caches, prompts):
+                forward_ragged(model, [cache], [prompt])
+            first = torch.tensor([[11, 12, 13]])
+            if chained:
+                assert chains_in_one_graph(model.model, 3)
+                step = functools.partial(draft_rounds.argmax_step, model)
+                logits, _ = run_chain(model.model, caches, {"tokens": first[0]}, step, 4)
+            else:
+                assert not chains_in_one_graph(model.model, 3)
+                rows, ids = [], first
+                for _ in range(4):
+                    hidden, _ = forward_ids(model, caches, [1, 1, 1], ids)
+                    rows.append(model.lm_head(hidden[0]).float())
+                    ids = argmax(rows[-1])[None]
+                logits = torch.stack(rows)
+            last = torch.tensor([[1, 2, 3]])  # one more forward reads every entry the chain wrote
+            hidden, _ = forward_ids(model, caches, [1, 1, 1], last)
+            results.append((logits, hidden, [cache.length for cache in caches]))
+    (logits, hidden, lengths), (chained_logits, chained_hidden, chained_lengths) = results
+    torch.testing.assert_close(chained_logits, logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chained_hidden, hidden, atol=1e-4, rtol=1e-4)
+    assert chained_lengths == lengths == [len(prompt) + 5 for prompt in prompts]

@@ -26,7 +26,7 @@ def random_eagle3(target: torch.nn.Module, seed: int = 0) -> Eagle3Draft:
     draft = Eagle3Draft.for_target(target.config, min(PUBLISHED_DRAFT_VOCAB, target.config.vocab_size))
     keep_aux_states(target, draft.aux_layers)
     weight = target.get_input_embeddings().weight
-    return draft.to(weight.device, weight.dtype).eval()
+    return draft.to(weight.device, weight.dtype).eval().run_as(target)
 
 
 def eagle3_costs(

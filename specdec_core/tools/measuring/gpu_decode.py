@@ -120,10 +120,10 @@ def measure(engine: SpeculativeEngine, method: str, sessions: int, args: dict, c
 def decode_section(engine, concurrency: list[int], methods: list[str], args: dict, copy_bytes_s: float) -> list[str]:
     """Each method at each concurrency (`copy_bytes_s` 0: no floor), eager and with CUDA graphs
     where the models have them, as a table; then what recording the graphs cost."""
-    models = (engine.target_model, engine.draft_model)
+    models = stepped(engine)
     rows, warm_up = [], []
-    for steps in ("eager", "graphs") if any(map(graphed, models)) else ("eager",):
-        with steps_as(models, steps):
+    for steps in ("eager", "graphs") if any(graphed(model) for _, model in models) else ("eager",):
+        with steps_as([model for _, model in models], steps):
             clock = time.perf_counter()
             complete_together(engine, requests(RECORDING, 2, 32, 4, 2, args["vocab"]))  # compiles what is compiled
             warm_up.append(f"{steps_name(engine)} {time.perf_counter() - clock:.1f} s")
@@ -148,7 +148,7 @@ def decode_section(engine, concurrency: list[int], methods: list[str], args: dic
     )
     recording = [
         f"{role} {graphs.recorded} graphs in {graphs.recording_seconds:.1f} s"
-        for role, model in (("target", models[0]), ("draft", models[1]))
+        for role, model in models
         if (graphs := graphed(model))
     ]
     if args["temperature"]:
@@ -160,33 +160,41 @@ def decode_section(engine, concurrency: list[int], methods: list[str], args: dic
     return lines + ([f"CUDA graphs recorded at first use: {'; '.join(recording)}", ""] if recording else [])
 
 
+def stepped(engine) -> list[tuple[str, torch.nn.Module]]:
+    """The base models whose steps run eagerly or replay graphs, by role: the target's, the draft
+    model's, an EAGLE-3 layer."""
+    models = [("target", engine.target_model.model)]
+    if engine.draft_model is not None:
+        models.append(("draft", engine.draft_model.model))
+    if "eagle3" in engine.heads:
+        models.append(("eagle3 layer", engine.heads["eagle3"]))
+    return models
+
+
 def steps_name(engine) -> str:
     """How the models' steps run now: eager or graphed, their layers compiled or not."""
-    models = (engine.target_model, engine.draft_model)
-    graphs = "graphs" if any(map(graphed, models)) else "eager"
-    compiled = any(model is not None and layers_compiled(model) for model in models)
+    graphs = "graphs" if any(graphed(model) for _, model in stepped(engine)) else "eager"
+    compiled = any(model is not None and layers_compiled(model) for model in (engine.target_model, engine.draft_model))
     return f"compiled layers, {graphs}" if compiled else graphs
 
 
-def graphed(model: Optional[torch.nn.Module]):
-    """`model`'s StepGraphs (step_graphs.py), None where it runs eagerly."""
-    return runner_of(model.model).graphs if model is not None else None
+def graphed(base_model: torch.nn.Module):
+    """`base_model`'s StepGraphs (step_graphs.py), None where it runs eagerly."""
+    return runner_of(base_model).graphs
 
 
 @contextlib.contextmanager
-def steps_as(models, steps: str):
+def steps_as(base_models, steps: str):
     """The models' steps eager (their graphs set aside) or graphed, as they were loaded."""
-    kept = [graphed(model) for model in models]
+    kept = [graphed(model) for model in base_models]
     if steps == "eager":
-        for model, graphs in zip(models, kept):
-            if graphs is not None:
-                runner_of(model.model).graphs = None
+        for model in base_models:
+            runner_of(model).graphs = None
     try:
         yield
     finally:
-        for model, graphs in zip(models, kept):
-            if graphs is not None:
-                runner_of(model.model).graphs = graphs
+        for model, graphs in zip(base_models, kept):
+            runner_of(model).graphs = graphs
 
 
 def table(rows: list[dict], columns: list[str]) -> str:

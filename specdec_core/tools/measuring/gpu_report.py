@@ -130,7 +130,7 @@ def report(target: ModelSpec, draft: ModelSpec, concurrency: list[int], methods:
         out += [kv_pool_line(engine.target_model), ""]
     out += decode_section(engine, concurrency, methods, args, facts.get("copy_gb_s", 0) * 1e9)
     out += [prefix_cache_line(engine.target_model), ""]
-    with steps_as([engine.target_model], "eager"):
+    with steps_as([engine.target_model.model], "eager"):
         ops = [
             count_step_ops(engine.target_model, n, args["num_draft"] + 1, args["prompt_tokens"]) for n in concurrency
         ]

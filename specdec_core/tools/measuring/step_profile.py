@@ -67,7 +67,7 @@ def profile_step(model: torch.nn.Module, role: str, rows: int, tokens: int, hist
         return forward_rows(sessions)
 
     wall_s = seconds_per_call(call, repeats)  # its warm-up records the step's graph
-    graphs = graphed(model)
+    graphs = graphed(model.model)
     replay = list(graphs.graphs.values())[-1].graph if graphs is not None and graphs.graphs else None
     row = {
         "model": role,
@@ -145,10 +145,10 @@ def step_profile(
     lines, tables = [], []
     for role, spec, tokens in (("target", target, num_draft + 1), ("draft", draft, 1)):
         model = load_model(spec)
-        modes = ("eager", "graphs") if graphed(model) is not None else ("eager",)
+        modes = ("eager", "graphs") if graphed(model.model) is not None else ("eager",)
         profiled = {}
         for mode in modes:
-            with steps_as([model], mode):
+            with steps_as([model.model], mode):
                 for count in rows:
                     profiled[mode, count] = profile_step(model, role, count, tokens, history)
         tables += [result["row"] for result in profiled.values()]
