@@ -28,7 +28,7 @@ from ..models.shard_loader import activation_dtype
 from ..trees.tree import Topology
 from .kv_pool import BLOCK_SIZE, KV_CACHE_DTYPES, KVPool, PagedKV, blocks_for
 from .model_runner import runner_of
-from .paged_layout import paged_rows
+from .paged_layout import host_tensor, paged_layout
 from .ragged_attention import LONG_ROW, RowGroup, StepLayout, attention_backends, on_device, use_ragged_attention
 
 # a compiled step's sizes round up to powers of two below this, to multiples of it above
@@ -86,10 +86,12 @@ def step_layout(
     later steps of a chain advanced on the device (chained_steps.py)."""
     for cache, length in zip(caches, lengths):
         cache.reserve(pool, cache.length + length + ahead)
+    pad = padded_size if padded else int
+    if paged:
+        return paged_layout(pool, caches, lengths, trees, pad, ahead, device)
     history = torch.tensor([cache.length for cache in caches])  # [B]
     new = torch.tensor(list(lengths))  # [B]
     total, size = history + new, pool.block_size
-    pad = padded_size if padded else int
     num_tokens, width = int(new.sum()), pad(int(total.max()) + ahead)
     num_blocks = blocks_for(width, size)
     # [B, blocks]; a shorter row's padding names block 0, whose slots its mask hides
@@ -100,9 +102,6 @@ def step_layout(
     real = queries[None] < new[:, None]  # [B, Q]
     write_slots = read_slots.gather(1, (history[:, None] + queries[None]).clamp(max=width - 1))[real]  # [N]
     scratch = pool.scratch_slot + torch.arange(pad(num_tokens) - num_tokens) % size  # [padding]
-    if paged:
-        rows = paged_rows(history, new, tables, trees, pad, device)
-        return StepLayout(pool, on_device(torch.cat([write_slots, scratch]), device), [], None, rows)
     offsets = torch.cumsum(new, 0) - new  # [B]
     long = new > LONG_ROW
     parts = [members for members in (torch.nonzero(~long)[:, 0], torch.nonzero(long)[:, 0]) if members.numel()]
@@ -239,7 +238,7 @@ def step_inputs(base_model, caches, lengths, trees, inputs: dict, padded: bool, 
     their `caches`: the tokens (`inputs`, `[1, N, ..]`), their positions and the step's layout
     (every size `padded` to its bucket for a compiled or graphed step; `ahead`: step_layout's)."""
     # a chain's tokens follow its history; a tree's root and nodes sit at history + their depth
-    positions = torch.tensor(
+    positions = host_tensor(
         [
             cache.length + offset
             for cache, length, tree in zip(caches, lengths, trees)

@@ -4,6 +4,8 @@ lengths in the same step."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -230,3 +232,39 @@ def test_sizes_pad_to_powers_of_two_then_to_multiples_of_the_step():
 
     assert [padded_size(size) for size in (1, 2, 3, 5, 64, 65, PAD_STEP)] == [1, 2, 4, 8, 64, 128, PAD_STEP]
     assert [padded_size(size) for size in (PAD_STEP + 1, 3 * PAD_STEP - 7)] == [2 * PAD_STEP, 3 * PAD_STEP]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_paged_layout_writes_where_sdpas_does_and_describes_each_row(padded: bool):
+    """paged_layout.py builds its tensors from plain integers; against SDPA's layout of the same
+    step (built by gathers over the block tables): the same write slots, padding included; and
+    each row's keys, blocks, start and view of its new tokens (a chain's causal, a tree's its
+    mask), the padding tokens a row of no keys."""
+    from specdec_core.runtime.batching import step_layout
+    from specdec_core.runtime.kv_pool import BLOCK_SIZE, KVPool, PagedKV
+    from specdec_core.trees.topologies import default_bank
+
+    pool = KVPool(num_layers=1, num_blocks=64, growable=False)
+    tree = default_bank().limited("mc_sim_7b_63", 2)
+    histories, lengths = [3, BLOCK_SIZE - 1, 40, 0], [5, 2, tree.num_nodes + 1, 1]
+    trees = [None, None, tree, None]
+    caches = []
+    for history in histories:
+        cache = PagedKV()
+        cache.reserve(pool, history)
+        cache.advance(history)
+        caches.append(cache)
+    layouts = [step_layout(pool, caches, lengths, trees, "cpu", padded=padded, paged=paged) for paged in (False, True)]
+    sdpa, paged = layouts
+    assert torch.equal(paged.write_slots, sdpa.write_slots)
+    rows = paged.paged
+    pad = padded_size if padded else int
+    assert rows.seq_lens[:4].tolist() == [h + n for h, n in zip(histories, lengths)] and not rows.seq_lens[4:].any()
+    for row, cache in enumerate(caches):
+        assert rows.block_tables[row, : len(cache.table)].tolist() == cache.table
+    counts = lengths + ([pad(sum(lengths)) - sum(lengths)] if padded else [])
+    assert rows.query_start.tolist()[: len(counts) + 1] == [0, *itertools.accumulate(counts)]
+    assert rows.new_mask.shape == (pad(sum(lengths)), pad(max(lengths)))
+    start = sum(lengths[:2])
+    assert torch.equal(rows.new_mask[:5, :5].bool(), torch.ones(5, 5).tril().bool())
+    assert torch.equal(rows.new_mask[start : start + lengths[2], : lengths[2]].bool(), tree.attention_mask)

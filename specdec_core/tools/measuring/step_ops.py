@@ -16,6 +16,8 @@ from ...api.sampling import SamplingParams
 from ...models.loader import ModelSpec, load_model
 from ...models.sources import EMBEDDED
 from ...policies import make_policy
+from ...runtime.batching import step_layout
+from ...runtime.model_runner import runner_of
 from ...target.scorer import Row, TargetScorer, forward_rows
 from .device_clock import seconds_per_call
 
@@ -44,7 +46,22 @@ def count_step_ops(model: torch.nn.Module, num_rows: int, tokens_per_row: int, h
     with OpCounter() as counter:
         forward_rows(rows)
     counts = {"rows": num_rows, "ops": sum(counter.ops.values()), "attention_ops": counter.attention_ops}
-    return {**counts, **step_times(rows)}
+    layouts = {f"{kind} layout ms": layout_ms(rows, kind == "paged") for kind in ("paged", "sdpa")}
+    return {**counts, **layouts, **step_times(rows)}
+
+
+def layout_ms(rows: list[Row], paged: bool, repeats: int = 100) -> float:
+    """The host's milliseconds to lay out the step padded as a graph's (batching.step_layout, its
+    copies to the device queued), for the paged kernel or SDPA, whatever the model attends with:
+    the layout is the host's work before every step, which the device waits for."""
+    model = rows[0].scorer.model
+    caches, lengths = [row.scorer.cache for row in rows], [len(row.tokens) for row in rows]
+    pool = runner_of(model.model).kv_pool()
+
+    def call():
+        return step_layout(pool, caches, lengths, [None] * len(rows), model.device, padded=True, paged=paged)
+
+    return round(seconds_per_call(call, repeats) * 1e3, 3)
 
 
 def verify_rows(model: torch.nn.Module, num_rows: int, tokens_per_row: int, history: int, seed: int = 0) -> list[Row]:
@@ -87,8 +104,8 @@ def step_ops_command(
     history: int = typer.Option(64, min=1, help="prompt tokens each session holds before the step"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON list"),
 ):
-    """Operations one target verify step dispatches over n sessions (and, on CUDA, its wall and
-    device-busy times)."""
+    """Operations one target verify step dispatches over n sessions, the host's time to lay it out
+    (paged kernel, SDPA), and on CUDA its wall and device-busy times."""
     target = load_model(ModelSpec(source=model, dtype=dtype, num_layers=num_layers, cuda_graphs=False))
     counts = [count_step_ops(target, int(size), tokens, history) for size in rows.split(",")]
     print(json.dumps(counts) if as_json else "\n".join(map(str, counts)))
