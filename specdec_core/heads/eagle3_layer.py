@@ -131,7 +131,8 @@ class Eagle3Draft(nn.Module):
         """Outputs `[1, N, H]` (before `norm`) of the packed positions `inputs_embeds` `[1, N, 2H]`."""
         embeds, hidden = inputs_embeds.chunk(2, -1)
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        attention.pop("use_cache", None)
+        for unused in ("use_cache", "attention_mask"):  # the ragged layout masks
+            attention.pop(unused, None)
         output = self.layers[0](embeds, hidden, position_embeddings, **attention)
         return BaseModelOutputWithPast(last_hidden_state=output)
 

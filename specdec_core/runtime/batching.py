@@ -29,7 +29,15 @@ from ..trees.tree import Topology
 from .kv_pool import BLOCK_SIZE, KV_CACHE_DTYPES, KVPool, PagedKV, blocks_for
 from .model_runner import runner_of
 from .paged_layout import host_tensor, paged_layout
-from .ragged_attention import LONG_ROW, RowGroup, StepLayout, attention_backends, on_device, use_ragged_attention
+from .ragged_attention import (
+    LONG_ROW,
+    RowGroup,
+    StepLayout,
+    attention_backends,
+    mask_made,
+    on_device,
+    use_ragged_attention,
+)
 
 # a compiled step's sizes round up to powers of two below this, to multiples of it above
 PAD_STEP = 1024
@@ -255,6 +263,7 @@ def step_inputs(base_model, caches, lengths, trees, inputs: dict, padded: bool, 
         **{name: pad_tokens(tensor, padding) for name, tensor in inputs.items()},
         "position_ids": on_device(pad_tokens(positions[None], padding), base_model.device),
         "use_cache": False,
+        "attention_mask": mask_made(device),
         "ragged": layout,
     }
 

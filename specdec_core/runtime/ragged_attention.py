@@ -9,6 +9,7 @@ Vocabulary: B rows, N new tokens in all, Q the most new tokens of a row, L the l
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -68,6 +69,14 @@ def on_device(tensor: torch.Tensor, device: torch.device, dtype: Optional[torch.
     runs this one. From pageable memory the copy is staged before it returns, so the host tensor
     may go at once."""
     return tensor.to(device, dtype, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=None)
+def mask_made(device: torch.device) -> torch.Tensor:
+    """A ragged step's `attention_mask`: a 4-d placeholder, which transformers takes as a mask
+    already made, so that it builds none (a [N, N] mask each forward, about 1.7 ms of host time
+    at 320 tokens on a CPU); the ragged attention ignores it, its layout says what each token sees."""
+    return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
 
 def attention_backends(device: torch.device):
