@@ -107,7 +107,8 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
         if steps > 1:
             first = {"tokens": torch.cat([chain.argmax_ids[-1][-1:] for chain in chains])}  # [B] on the device
             caches = [chain.forward.cache for chain in chains]
-            logits, top = run_chain(model.model, caches, first, functools.partial(argmax_step, model), steps)
+            logits, top = run_chain(model.model, caches, first, functools.partial(argmax_step, model), "argmax", steps)
+            logits = logits.float()  # [steps, B, V]
             for index, chain in enumerate(chains):
                 chain.add(logits[:, index], top[:, index], steps)
         else:
@@ -141,10 +142,11 @@ def chained_steps(model: torch.nn.Module, chains: Sequence[Chain]) -> int:
 
 def argmax_step(model: torch.nn.Module, step: dict, carried: dict) -> tuple[dict, tuple[torch.Tensor, torch.Tensor]]:
     """A chained forward (chained_steps.ChainStep): the tokens `[N_p]` carried in, their logits
-    `[N_p, V]` and argmax `[N_p]` out, the argmax carried to the next."""
+    `[N_p, V]` and argmax `[N_p]` out, the argmax carried to the next. The logits stay in the
+    model's dtype (a graph's outputs are held for each shape it records; float is exact after)."""
     hidden = model.model(input_ids=carried["tokens"][None], **step).last_hidden_state  # [1, N_p, H]
-    logits = model.lm_head(hidden[0]).float()
-    tokens = argmax(logits)
+    logits = model.lm_head(hidden[0])
+    tokens = argmax(logits)  # the float logits' argmax: widening is exact
     return {"tokens": tokens}, (logits, tokens)
 
 

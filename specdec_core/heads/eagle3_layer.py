@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from ..planning.memory import kv_bytes_per_token
 from ..runtime.model_runner import runner_of
-from ..runtime.ragged_attention import RAGGED_ATTENTION, register_ragged_attention
+from ..runtime.ragged_attention import RAGGED_ATTENTION, paged_kernel_misfit, register_ragged_attention
 from .eagle3_session import Eagle3Session
 
 # the deepest chain or tree an EAGLE-3 layer drafts per step (its `num_heads` for the heads drafter)
@@ -147,7 +147,7 @@ class Eagle3Draft(nn.Module):
         """Its steps run as the target `model`'s do: on the paged kernel, and replaying CUDA graphs
         (a chain guess one graph, runtime/chained_steps.py), where the target's do."""
         target, mine = runner_of(model.model), runner_of(self)
-        mine.paged = target.paged
+        mine.paged = target.paged and paged_kernel_misfit(self) is None
         if target.graphs is not None:
             mine.use_graphs(target.graphs.record)
         return self

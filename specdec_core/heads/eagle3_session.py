@@ -121,7 +121,7 @@ class Eagle3Session:
         carried = {"tokens": torch.tensor([root_token], device=self.pending.device), "states": self.pending[None]}
         try:
             if chains_in_one_graph(self.draft, 1):
-                tokens, probs = run_chain(self.draft, [self.cache], carried, self.chain_step, chain.num_nodes)
+                tokens, probs = run_chain(self.draft, [self.cache], carried, self.chain_step, "eagle3", chain.num_nodes)
             else:
                 depths = []
                 for _ in range(chain.num_nodes):

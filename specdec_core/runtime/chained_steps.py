@@ -50,11 +50,12 @@ def chains_in_one_graph(base_model: torch.nn.Module, rows: int) -> bool:
 
 
 def run_chain(
-    base_model: torch.nn.Module, caches: list[PagedKV], carried: dict, chain_step: ChainStep, steps: int
+    base_model: torch.nn.Module, caches: list[PagedKV], carried: dict, chain_step: ChainStep, name: str, steps: int
 ) -> tuple[torch.Tensor, ...]:
     """`steps` one-token forwards of each of `caches`' rows (`chains_in_one_graph`), the first fed
-    `carried` (`[B, ..]` each, on the device), each next one what `chain_step` carried from the
-    one before. Returns `chain_step`'s outputs stacked, `[steps, B, ..]` each, on the device."""
+    `carried` (`[B, ..]` each, on the device), each next one what `chain_step` (named `name`, its
+    graphs' key) carried from the one before. Returns `chain_step`'s outputs stacked, `[steps, B,
+    ..]` each, on the device."""
     rows, device = len(caches), base_model.device
     use_ragged_attention(base_model)
     inputs = step_inputs(base_model, caches, [1] * rows, [None] * rows, {}, True, steps - 1)
@@ -68,7 +69,7 @@ def run_chain(
     chain["grow_rows"] = on_device(torch.arange(layout.paged.seq_lens.numel()) < rows, device, torch.int32)  # [B_p]
     with attention_backends(device):
         outputs = runner_of(base_model).graphs.replay(
-            {**inputs, "chain": chain}, functools.partial(chained, chain_step, steps), ("chain", steps)
+            {**inputs, "chain": chain}, functools.partial(chained, chain_step, steps), ("chain", name, steps)
         )
     for cache in caches:
         cache.advance(steps)

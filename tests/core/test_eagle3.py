@@ -127,7 +127,7 @@ def test_a_published_eagle3_head_guesses_what_its_reference_drafts_after_every_c
     assert tree.num_nodes == 12 and tree.max_depth <= 5
     if graphed:
         chained = [kind for kind, *_ in graphs.graphs if kind != "step"]  # one per width of the block tables
-        assert chained and set(chained) == {("chain", 4)}
+        assert chained and set(chained) == {("chain", "eagle3", 4)}
 
 
 def test_an_eagle3_layer_runs_as_its_target_does():

@@ -142,7 +142,7 @@ def test_a_greedy_draft_chain_runs_its_followed_forwards_as_one_graph(monkeypatc
         # alone, after its first forward a chain of 5 drafts runs its other 4 as one graph;
         # together with a chain of 3, up to that one's end
         assert steps_run[steps_before] == (4 if decode is alone else 2)
-    assert any(kind == ("chain", 4) for kind, *_ in graphs.graphs)
+    assert any(kind == ("chain", "argmax", 4) for kind, *_ in graphs.graphs)
 
 
 def test_a_chained_graph_advances_each_rows_layout_on_the_device():
@@ -173,7 +173,7 @@ def test_a_chained_graph_advances_each_rows_layout_on_the_device():
             if chained:
                 assert chains_in_one_graph(model.model, 3)
                 step = functools.partial(draft_rounds.argmax_step, model)
-                logits, _ = run_chain(model.model, caches, {"tokens": first[0]}, step, 4)
+                logits, _ = run_chain(model.model, caches, {"tokens": first[0]}, step, "argmax", 4)
             else:
                 assert not chains_in_one_graph(model.model, 3)
                 rows, ids = [], first
