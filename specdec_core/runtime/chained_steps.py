@@ -49,6 +49,7 @@ def chains_in_one_graph(base_model: torch.nn.Module, rows: int) -> bool:
     )
 
 
+@torch.inference_mode()
 def run_chain(
     base_model: torch.nn.Module, caches: list[PagedKV], carried: dict, chain_step: ChainStep, name: str, steps: int
 ) -> tuple[torch.Tensor, ...]:

@@ -50,3 +50,21 @@ def test_step_profile_runs_both_models_on_the_cpu(tmp_path):
     ]
     ops = [int(line.split(" | ")[6].strip(" |")) for line in lines]
     assert ops[1] > ops[0] > 0 and ops[3] > ops[2] > 0
+
+
+def test_a_draft_chain_is_profiled_as_one_graph_where_the_draft_can_chain():
+    """The profile's chain row (profile_chain): a paged draft over graphs' buffers (the CPU's
+    stand-in, the kernel under Triton's interpreter) runs K - 1 forwards as one chain; an eager
+    draft has no chain row."""
+    from specdec_core.runtime.model_runner import runner_of, use_paged_attention, use_step_graphs
+    from specdec_core.tools.measuring.step_profile import profile_chain
+
+    eager, chained = tiny_llama(num_layers=1), tiny_llama(num_layers=1)
+    use_paged_attention(chained)
+    graphs = use_step_graphs(chained, record=False)
+    assert profile_chain(eager, 2, 3, history=8, repeats=1) is None
+    profiled = profile_chain(chained, 2, 3, history=8, repeats=1)
+    assert profiled["row"]["model"] == "draft chain of 3" and profiled["row"]["rows"] == 2
+    assert profiled["row"]["wall ms"] > 0 and profiled["row"]["aten ops"] > 0
+    assert [kind for kind, *_ in graphs.graphs if kind != "step"] == [("chain", "argmax", 3)]
+    assert runner_of(chained.model).pool.keys is not None

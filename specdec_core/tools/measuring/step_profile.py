@@ -1,5 +1,6 @@
 """`specdec step-profile`: where one step's time goes, for the target's verify step (K + 1 tokens a
-row) and the draft model's one-token step, eager and with CUDA graphs: the call's wall time, its
+row), the draft model's one-token step and its chain of K - 1 as one graph (where it chains),
+eager and with CUDA graphs: the call's wall time, its
 graph's replay alone (what remains is the host: the layout, the buffer copies, the LM head's
 launch), the time the device is busy, the kernels it runs, and their time by kind. Issue 50's
 goals (a 7 ms 8B step, a 2 ms 1B draft step) need the replay near the weights' read: this says
@@ -8,6 +9,7 @@ which kernels stand between them."""
 from __future__ import annotations
 
 import cProfile
+import functools
 import pstats
 import re
 from collections import Counter
@@ -17,8 +19,11 @@ from typing import Optional
 import torch
 import typer
 
+from ...drafters.draft_rounds import argmax_step
 from ...models.loader import ModelSpec, load_model
+from ...runtime.chained_steps import chains_in_one_graph, run_chain
 from ...runtime.compiled_layers import layers_compiled
+from ...runtime.ragged_attention import on_device
 from ...target.scorer import forward_rows
 from .device_clock import seconds_per_call, synchronize
 from .gpu_decode import graphed, steps_as, table
@@ -62,17 +67,38 @@ def profile_step(model: torch.nn.Module, role: str, rows: int, tokens: int, hist
     """One step of `rows` sessions, `tokens` new tokens each after `history`, in the model's
     current mode (eager, or graphed where it has graphs): its row of the table, and its kernels."""
     sessions = verify_rows(model, rows, tokens, history)
+    return profile_call(
+        model, {"model": role, "rows": rows, "tokens a row": tokens}, lambda: forward_rows(sessions), repeats
+    )
+
+
+def profile_chain(model: torch.nn.Module, rows: int, steps: int, history: int, repeats: int = 10) -> Optional[dict]:
+    """A draft model's greedy chain over `rows` sessions: its `steps` forwards after the first as
+    one graph (runtime/chained_steps.py), as a K-token draft runs them (None where the model
+    cannot: no graphs, or not the paged kernel)."""
+    sessions = verify_rows(model, rows, 1, history)
+    caches = [row.scorer.cache for row in sessions]
+    if not chains_in_one_graph(model.model, rows):
+        return None
+    first = {"tokens": on_device(torch.zeros(rows, dtype=torch.long), model.device)}  # [B]
+    step = functools.partial(argmax_step, model)
 
     def call():
-        return forward_rows(sessions)
+        for row in sessions:
+            row.scorer.cache.crop(row.scorer.committed_len)
+        return run_chain(model.model, caches, first, step, "argmax", steps)
 
-    wall_s = seconds_per_call(call, repeats)  # its warm-up records the step's graph
+    return profile_call(model, {"model": f"draft chain of {steps}", "rows": rows, "tokens a row": 1}, call, repeats)
+
+
+def profile_call(model: torch.nn.Module, head: dict, call, repeats: int) -> dict:
+    """`call`'s row of the table (after `head`): wall, its last graph's replay, operations, device
+    kernels by kind; its kernels; the host's time in this project's functions."""
+    wall_s = seconds_per_call(call, repeats)  # its warm-up records the call's graph
     graphs = graphed(model.model)
     replay = list(graphs.graphs.values())[-1].graph if graphs is not None and graphs.graphs else None
     row = {
-        "model": role,
-        "rows": rows,
-        "tokens a row": tokens,
+        **head,
         "mode": "graphs" if replay is not None else "eager",
         "wall ms": round(wall_s * 1e3, 2),
         "replay ms": round(seconds_per_call(replay.replay, repeats) * 1e3, 2) if replay is not None else "-",
@@ -152,6 +178,9 @@ def step_profile(
                 for count in rows:
                     profiled[mode, count] = profile_step(model, role, count, tokens, history)
         tables += [result["row"] for result in profiled.values()]
+        if role == "draft" and num_draft > 1:  # its K - 1 forwards after the first, one graph
+            chains = [profile_chain(model, count, num_draft - 1, history) for count in rows]
+            tables += [chain["row"] for chain in chains if chain is not None]
         shown = profiled[modes[-1], rows[0]]
         heading = f"The host's time in this project's functions, the {role}'s step of {rows[0]} row(s), {modes[-1]}:"
         lines += ["", heading, "", table(shown["host"], ["function", "ms a call", "own ms"])]
