@@ -63,11 +63,13 @@ def run_chain(
     layout: StepLayout = inputs["ragged"]
     tokens = layout.write_slots.numel()
     chain = {
-        name: torch.cat([value, value.new_zeros(tokens - rows, *value.shape[1:])]) for name, value in carried.items()
+        "carried": {
+            key: torch.cat([value, value.new_zeros(tokens - rows, *value.shape[1:])]) for key, value in carried.items()
+        },
+        # what a later step adds: 1 to each real token's position, to each real row's keys
+        "grow_tokens": on_device(torch.arange(tokens) < rows, device, torch.long),  # [N_p]
+        "grow_rows": on_device(torch.arange(layout.paged.seq_lens.numel()) < rows, device, torch.int32),  # [B_p]
     }
-    # what a later step adds: 1 to each real token's position, to each real row's keys
-    chain["grow_tokens"] = on_device(torch.arange(tokens) < rows, device, torch.long)  # [N_p]
-    chain["grow_rows"] = on_device(torch.arange(layout.paged.seq_lens.numel()) < rows, device, torch.int32)  # [B_p]
     with attention_backends(device):
         outputs = runner_of(base_model).graphs.replay(
             {**inputs, "chain": chain}, functools.partial(chained, chain_step, steps), ("chain", name, steps)
@@ -79,10 +81,9 @@ def run_chain(
 
 def chained(chain_step: ChainStep, steps: int, inputs: dict) -> tuple[torch.Tensor, ...]:
     """The recorded function: `steps` steps over `inputs` (step_inputs' keyword arguments, and the
-    `chain`'s carried tensors and growths), advancing the layout in place."""
+    `chain`'s first carried tensors and growths), advancing the layout in place."""
     step = {name: value for name, value in inputs.items() if name != "chain"}
-    grow_tokens, grow_rows = inputs["chain"]["grow_tokens"], inputs["chain"]["grow_rows"]
-    carried = {name: value for name, value in inputs["chain"].items() if not name.startswith("grow_")}
+    carried, grow_tokens, grow_rows = (inputs["chain"][part] for part in ("carried", "grow_tokens", "grow_rows"))
     outputs = []
     for index in range(steps):
         if index:

@@ -23,7 +23,6 @@ from ...drafters.draft_rounds import argmax_step
 from ...models.loader import ModelSpec, load_model
 from ...runtime.chained_steps import chains_in_one_graph, run_chain
 from ...runtime.compiled_layers import layers_compiled
-from ...runtime.ragged_attention import on_device
 from ...target.scorer import forward_rows
 from .device_clock import seconds_per_call, synchronize
 from .gpu_decode import graphed, steps_as, table
@@ -80,7 +79,7 @@ def profile_chain(model: torch.nn.Module, rows: int, steps: int, history: int, r
     caches = [row.scorer.cache for row in sessions]
     if not chains_in_one_graph(model.model, rows):
         return None
-    first = {"tokens": on_device(torch.zeros(rows, dtype=torch.long), model.device)}  # [B]
+    first = {"tokens": torch.zeros(rows, dtype=torch.long, device=model.device)}  # [B]
     step = functools.partial(argmax_step, model)
 
     def call():
@@ -178,7 +177,7 @@ def step_profile(
                 for count in rows:
                     profiled[mode, count] = profile_step(model, role, count, tokens, history)
         tables += [result["row"] for result in profiled.values()]
-        if role == "draft" and num_draft > 1:  # its K - 1 forwards after the first, one graph
+        if role == "draft" and num_draft > 1 and graphed(model.model) is not None:  # K - 1 forwards, one graph
             chains = [profile_chain(model, count, num_draft - 1, history) for count in rows]
             tables += [chain["row"] for chain in chains if chain is not None]
         shown = profiled[modes[-1], rows[0]]
