@@ -1,15 +1,15 @@
 """Many requests decoded together in one process: each runs its own speculative loop, and their
 model calls are gathered so that every step is one draft round and one target forward over all
-of them, and their sampled chains' verdicts one decision (policies/sampled_chains.py), as a
+of them, and their sampled chains' and trees' verdicts one decision (policies/step_verdicts.py), as a
 worker's step batcher does (deployments/workers/steps.py) but without threads or gRPC. The
 GPU report and the in-process benchmarks use it to measure a step at a given concurrency.
 
 With a fixed KV pool (`kv_room.py`), requests wait to be admitted, and a step's rows may preempt
 the youngest sessions, which wait (their row parked) until they resume.
 
-Invariant: a step runs only when every live loop waits on a model call, a sampled chain's verdict,
-its admission or its resumption, so each forward holds every session that has work for it, and
-each decision every chain; between them the loops commit in turn."""
+Invariant: a step runs only when every live loop waits on a model call, a sampled verdict, its
+admission or its resumption, so each forward holds every session that has work for it, and each
+decision every sampled chain and tree; between them the loops commit in turn."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ import torch
 
 from ..api.request import Completion, GenerationRequest
 from ..drafters.model import propose_step
-from ..policies.sampled_chains import Check, decide_chains
+from ..policies.sampled_chains import Check
+from ..policies.step_verdicts import decide_together
 from ..runtime.batching import fix_pool
 from ..runtime.model_runner import runner_of
 from ..target.scorer import Row, TargetScorer, forward_rows
@@ -88,7 +89,7 @@ class Lockstep:
         proposals, self.proposals = self.proposals, []
         rows, self.rows = self.rows, []
         if checks:
-            for (_, future), verdict in zip(checks, decide_chains([check for check, _ in checks])):
+            for (_, future), verdict in zip(checks, decide_together([check for check, _ in checks])):
                 future.set_result(verdict)
         if proposals:
             model = self.engine.draft_model
@@ -135,8 +136,9 @@ class Lockstep:
             arrival.future.set_exception(error)
 
     async def decide(self, check: Check) -> Verdict:
-        """A loop's verify: sampled chains wait to be decided with the step's others, the rest at once."""
-        if not check.decided_in_chains:
+        """A loop's verify: sampled chains and trees wait to be decided with the step's others, the
+        rest at once."""
+        if not check.decided_together:
             return check.verdict()
         return await self.wait(self.checks, check)
 

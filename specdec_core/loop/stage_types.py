@@ -146,6 +146,11 @@ class Verdict:
     trace: dict[str, torch.Tensor] = field(default_factory=dict)
     path: Optional[list[int]] = None  # a tree's: the root (0) and the accepted nodes
 
+    @staticmethod
+    def of_path(path: list[int], next_token: int) -> "Verdict":
+        """A tree's verdict: the root (0) and its accepted nodes, then the next token."""
+        return Verdict(len(path) - 1, next_token, {"accepted": torch.ones(len(path) - 1, dtype=torch.bool)}, path)
+
     def kept_tokens(self, draft: DraftBlock) -> list[int]:
         """The accepted draft tokens, in order."""
         if self.path is None:

@@ -41,13 +41,9 @@ class GreedyPolicy(AcceptancePolicy):
             passing = [token == argmax_ids[parent_ids[node]] for node, token in enumerate(draft.token_ids, 1)]
             path = kept_chain(parent_ids, passing)
             if path is not None:
-                return tree_verdict(path, argmax_ids[path[-1]])
+                return Verdict.of_path(path, argmax_ids[path[-1]])
         parents = draft.tree.parents[1:].to(target.logits.device)
         predicted = argmax(target.logits)
         node_accepted = draft.tokens == predicted[parents]
         node_log_probs = target.logits.log_softmax(-1)[parents, draft.tokens]
-        return tree_verdict(*best_path(draft.tree, node_accepted, node_log_probs, predicted.__getitem__))
-
-
-def tree_verdict(path: list[int], next_token: int) -> Verdict:
-    return Verdict(len(path) - 1, next_token, {"accepted": torch.ones(len(path) - 1, dtype=torch.bool)}, path)
+        return Verdict.of_path(*best_path(draft.tree, node_accepted, node_log_probs, predicted.__getitem__))

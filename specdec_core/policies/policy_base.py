@@ -23,6 +23,7 @@ from ..loop.stage_types import DraftBlock, TargetBlock, Verdict
 
 if TYPE_CHECKING:
     from .sampled_chains import SampledChains
+    from .sampled_trees import SampledTrees
 
 
 class PolicyParams(BaseModel):
@@ -54,7 +55,10 @@ class AcceptancePolicy(ABC):
     # True: a sampled chain's verdict follows from `chain_accepts` and `chain_next_weights`, and
     # a step decides many requests' at once (sampled_chains.py)
     decides_chains: ClassVar[bool] = False
-    draws_per_draft: ClassVar[bool] = False  # its chain rule draws a uniform per draft
+    draws_per_draft: ClassVar[bool] = False  # its chain (tree) rule draws a uniform per draft (node)
+    # True: a sampled tree's verdict follows from `tree_paths`, and a step decides many requests' at
+    # once (sampled_trees.py)
+    decides_trees: ClassVar[bool] = False
 
     def __init__(self, params: Optional[PolicyParams] = None):
         self.params = params if params is not None else self.Params()
@@ -116,6 +120,12 @@ class AcceptancePolicy(ABC):
     def chain_next_weights(cls, chains: "SampledChains", num_accepted: torch.Tensor) -> torch.Tensor:
         """With `decides_chains`: the weights `[B, V]` each chain's next token is sampled from,
         after its first `num_accepted [B]` drafts."""
+        raise NotImplementedError
+
+    @classmethod
+    def tree_paths(cls, trees: "SampledTrees") -> tuple[torch.Tensor, torch.Tensor]:
+        """With `decides_trees`: which nodes are on each tree's accepted path `[B, N]` bool, and
+        each tree's next token `[B]`."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -35,9 +35,12 @@ class Check:
         return verify(self.draft, self.target, self.sampling, self.generator)
 
     @property
-    def decided_in_chains(self) -> bool:
-        """Whether its verdict is `decide_chains`' (a sampled chain under a rule that has one)."""
-        return self.policy.decides_chains and self.draft.tree is None and not self.sampling.greedy
+    def decided_together(self) -> bool:
+        """Whether a step decides its verdict with the others' (step_verdicts.py): a sampled chain
+        or tree under a rule that has one for it."""
+        if self.sampling.greedy:
+            return False
+        return self.policy.decides_trees if self.draft.tree is not None else self.policy.decides_chains
 
 
 @dataclass
@@ -98,16 +101,12 @@ def point_mass(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def decide_chains(checks: Sequence[Check]) -> list[Verdict]:
-    """The verdicts of sampled chains (`Check.decided_in_chains`), each as it would be alone; the
+    """The verdicts of sampled chains (`Check.decided_together`), each as it would be alone; the
     only read back is one `[2, B]` tensor at the end."""
     draws = [draw(check) for check in checks]  # on the host, before any device work
-    groups: dict[tuple, list[int]] = {}
-    for index, check in enumerate(checks):  # one rule and one warp of the rows per group
-        sampling = check.sampling
-        key = (type(check.policy), sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
-        groups.setdefault(key, []).append(index)
     order, counts, tokens = [], [], []
-    for (rule, *_), indices in groups.items():
+    for indices in warp_groups(checks):
+        rule = type(checks[indices[0]].policy)
         chains = lay_out([checks[index] for index in indices], [draws[index] for index in indices])
         num_accepted = chains.first_rejections(rule.chain_accepts(chains))  # [B]
         tokens.append(sample_with(rule.chain_next_weights(chains, num_accepted), chains.sample_uniform))
@@ -119,6 +118,16 @@ def decide_chains(checks: Sequence[Check]) -> list[Verdict]:
         flags = torch.arange(checks[index].draft.num_tokens) < num_accepted  # [K] the accepted prefix
         verdicts[index] = Verdict(num_accepted, next_token, {"accepted": flags})
     return verdicts
+
+
+def warp_groups(checks: Sequence[Check]) -> list[list[int]]:
+    """The checks' indices by rule and warp setting: each group's rows are warped and decided together."""
+    groups: dict[tuple, list[int]] = {}
+    for index, check in enumerate(checks):
+        sampling = check.sampling
+        key = (type(check.policy), sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
+        groups.setdefault(key, []).append(index)
+    return list(groups.values())
 
 
 def draw(check: Check) -> tuple[Optional[torch.Tensor], torch.Tensor]:

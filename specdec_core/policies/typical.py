@@ -3,19 +3,21 @@
 p_t is the temperature-warped target distribution; at T = 0 the rule is exact match. After the
 accepted prefix the next token is sampled from p_t at that position (the bonus likewise). In a
 tree (Medusa's own use of the rule) a node passes when its token clears the threshold of p_t at
-its parent; after the best path the next token is sampled from p_t at its last node."""
+its parent; after the best path (the longest whose nodes all pass, ties to the higher total
+log-probability) the next token is sampled from p_t at its last node. A step decides many requests'
+sampled chains at once (sampled_chains.py), and their trees (sampled_trees.py)."""
 
 from __future__ import annotations
 
 import torch
 from pydantic import Field
 
-from ..api.sampling import entropy_of_probs, sample_draws, sample_with, warp_logits
+from ..api.sampling import entropy_of_probs, sample_with
 from ..loop.stage_types import Verdict
-from ..trees.tree_verify import best_path
-from .greedy import GreedyPolicy, tree_verdict
+from .greedy import GreedyPolicy
 from .policy_base import AcceptancePolicy, PolicyParams
 from .sampled_chains import Check, decide_chains
+from .sampled_trees import decide_trees
 
 
 class TypicalParams(PolicyParams):
@@ -28,6 +30,7 @@ class TypicalPolicy(AcceptancePolicy):
     Params = TypicalParams
     supports_trees = True
     decides_chains = True
+    decides_trees = True
 
     def verify(self, draft, target, sampling, generator) -> Verdict:
         if sampling.greedy:
@@ -49,19 +52,29 @@ class TypicalPolicy(AcceptancePolicy):
     def verify_tree(self, draft, target, sampling, generator) -> Verdict:
         if sampling.greedy:
             return GreedyPolicy().verify_tree(draft, target, sampling, generator)
-        parents = draft.tree.parents[1:].to(target.logits.device)
-        warped_logits = warp_logits(target.logits, sampling)
-        target_probs = warped_logits.softmax(-1)
-        node_probs = target_probs[parents, draft.tokens]
-        params = self.params
-        node_entropy = entropy_of_probs(target_probs, warped_logits)[parents]  # [N] each node's parent row's
-        node_accepted = clears(node_probs, node_entropy, params.epsilon, params.alpha)
-        uniform = sample_draws(generator)
+        return decide_trees([Check(self, draft, target, sampling, generator)])[0]
 
-        def sampled_after(node: torch.Tensor) -> torch.Tensor:
-            return sample_with(target_probs[node][None], uniform)[0]
-
-        return tree_verdict(*best_path(draft.tree, node_accepted, node_probs.clamp_min(1e-30).log(), sampled_after))
+    @classmethod
+    def tree_paths(cls, trees) -> tuple[torch.Tensor, torch.Tensor]:
+        # the best path: the longest whose nodes all pass, ties to the higher total log-probability
+        inner_rows, parent_slots = trees.inner_rows()  # [I], [B, N]
+        warped_logits, probs = trees.warped_probs(inner_rows)  # [I, V]
+        node_probs = probs[parent_slots, trees.tokens]  # [B, N] p(c) at c's parent
+        node_entropy = entropy_of_probs(probs, warped_logits)[parent_slots]  # [B, N] H(p) at c's parent
+        params = [check.policy.params for check in trees.checks]
+        epsilon, alpha = (trees.per_tree([getattr(each, name) for each in params]) for name in ("epsilon", "alpha"))
+        passes = trees.real & clears(node_probs, node_entropy, epsilon, alpha)  # [B, N]
+        lineage = trees.square([tree.attention_mask[1:, 1:] for tree in trees.trees])  # [B, N, N] n and its ancestors
+        kept = passes & ~(lineage & ~passes[:, None, :]).any(-1)  # [B, N] it and every ancestor pass
+        log_probs = torch.where(passes, node_probs.clamp_min(1e-30).log(), 0.0).double()  # [B, N]
+        scores = (lineage.double() @ log_probs[:, :, None]).squeeze(-1)  # [B, N] the path to n's total
+        depths = torch.where(kept, trees.padded([tree.depths[1:] for tree in trees.trees]), 0)  # [B, N]
+        longest = kept & (depths == depths.amax(-1, keepdim=True))  # [B, N]
+        last = torch.where(longest, scores, -torch.inf).argmax(-1)  # [B] the best path's last node - 1
+        has_path = kept.any(-1)  # [B]
+        on_path = lineage[torch.arange(len(last), device=last.device), last] & has_path[:, None]  # [B, N]
+        last_rows = trees.roots + torch.where(has_path, last + 1, 0)  # [B]
+        return on_path, sample_with(trees.warped_probs(last_rows)[1], trees.next_uniform)
 
 
 def clears(token_probs: torch.Tensor, row_entropy: torch.Tensor, epsilon, alpha) -> torch.Tensor:

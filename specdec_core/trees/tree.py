@@ -14,7 +14,10 @@ over `[root, nodes...]` and its verification need:
 - `retrieve_indices` [L, D+1]: the root-to-leaf node paths, one per leaf, padded with -1;
 - `levels`: per depth, its nodes, their parents and their last ranks, for drafters that expand a
   tree depth by depth (a draft model, Hydra's heads): node n is its parent's rank-th child;
-- `top1_path`: the nodes of paths (0,), (0, 0), .., root first (the chain of top-1 guesses).
+- `top1_path`: the nodes of paths (0,), (0, 0), .., root first (the chain of top-1 guesses);
+- `earlier_siblings` [N, N] bool: node m (column) shares node n's (row) parent and ranks before it;
+- `inner` [I]: the nodes that have children, the root (0) first; `parent_inner` [N]: where each
+  node's parent lies among them (rules that read p at every node's parent warp only these rows).
 
 A `TopologyBank` builds several once, so switching trees between steps is a lookup."""
 
@@ -65,6 +68,9 @@ class Topology:
     levels: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]  # per depth: (nodes, parents, ranks)
     top_k: int
     top1_path: tuple[int, ...]
+    earlier_siblings: torch.Tensor
+    inner: torch.Tensor
+    parent_inner: torch.Tensor
 
     @classmethod
     def build(cls, name: str, paths: Iterable[Sequence[int]]) -> "Topology":
@@ -94,7 +100,24 @@ class Topology:
             for nodes in (torch.nonzero(depths == depth).flatten() for depth in range(1, width))
         )
         top1_path = (0, *(node_of[(0,) * depth] for depth in range(1, width) if (0,) * depth in node_of))
-        return cls(name, ordered, mask, depths, parents, candidate_index, retrieve, levels, top_k, top1_path)
+        # siblings follow each other in rank order, so an earlier sibling is a lower-numbered one
+        earlier_siblings = (parents[1:, None] == parents[None, 1:]).tril(-1)
+        inner, parent_inner = parents[1:].unique(return_inverse=True)  # sorted: the root first
+        return cls(
+            name,
+            ordered,
+            mask,
+            depths,
+            parents,
+            candidate_index,
+            retrieve,
+            levels,
+            top_k,
+            top1_path,
+            earlier_siblings,
+            inner,
+            parent_inner,
+        )
 
     @property
     def num_nodes(self) -> int:

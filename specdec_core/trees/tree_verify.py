@@ -5,14 +5,9 @@ at its parent; typical: its probability there clears the typical threshold), `be
 keeps its nodes while each is accepted; the best path is the longest kept, ties going to the
 higher total target log-probability of the kept tokens.
 
-Sampled losslessly, `sample_path`: from the root, each node's children are tried in their rank
-order, each as a draft that proposed its token for sure (speculative sampling with a point-mass
-draft: SpecInfer's multi-round rule, as EAGLE verifies its trees): child c is accepted with
-probability p(c) under the target's (residual) distribution p at the node, and when it is
-rejected p loses c and is renormalized. An accepted child becomes the node; when every child is
-rejected (or the node is a leaf) the next token is drawn from what is left of p. Each round is
-the exact rule for its point mass, so the emitted tokens follow the target whatever the tree
-and however its tokens were chosen, as long as they were chosen before the draws."""
+Sampled losslessly (rejection sampling), a tree's path is SpecInfer's point-mass rule,
+policies/sampled_trees.py.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +15,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..api.sampling import SamplingParams, sample, sampling_probs
 from .tree import Topology
 
 
@@ -61,35 +55,3 @@ def kept_chain(parents: Sequence[int], node_accepted: Sequence[bool]) -> Optiona
         if parents[node] == path[-1]:
             path.append(node)
     return path
-
-
-def sample_path(
-    tree: Topology,
-    node_tokens: torch.Tensor,
-    target_logits: torch.Tensor,
-    sampling: SamplingParams,
-    generator: torch.Generator,
-) -> tuple[list[int], int]:
-    """`node_tokens` [N] (each node's token), `target_logits` [N + 1, V] (the target's rows at the
-    root and at each node, warped by `sampling` where the path goes); returns the root (0) and the
-    accepted path, then the next token, drawn by the module's point-mass rule from `generator`."""
-    parents = tree.parents.tolist()
-    children: list[list[int]] = [[] for _ in parents]
-    for node in range(1, len(parents)):  # a tree lists siblings in rank order (tree.check_paths)
-        children[parents[node]].append(node)
-    tokens = node_tokens.tolist()
-    path = [0]
-    while True:
-        probs = sampling_probs(target_logits[path[-1]][None], sampling)[0].double()  # [V]
-        residual = probs.clone()
-        for child in children[path[-1]]:
-            token, mass = tokens[child - 1], float(residual.sum())
-            if float(torch.rand((), generator=generator, dtype=torch.float64)) * mass < float(residual[token]):
-                path.append(child)
-                break
-            residual[token] = 0.0
-        else:
-            # every child rejected: the residual's mass is left (a node whose children held all of
-            # it accepted one for sure), unless rounding emptied it, where p itself is the law
-            weights = residual if float(residual.sum()) > 0 else probs
-            return path, int(sample(weights[None], generator)[0])

@@ -49,11 +49,36 @@ def test_every_policy_decides_on_the_device(cuda_engine, policy):
     assert runs[0] == runs[1] and len(runs[0]) == 32
 
 
+def host_synchronizations(call):
+    """`call()`'s result and the host synchronizations it made (CUDA's sync debug warnings)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = call()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return result, [str(warning.message) for warning in caught if "synchroniz" in str(warning.message)]
+
+
+def decided_once_as_on_the_cpu(checks, decide, outcome) -> list:
+    """`decide`'s verdicts over `checks("cuda")`: one host synchronization (the read back), and
+    each `outcome` as over `checks("cpu")` but for rare fp32 rounding."""
+    on_cuda = checks("cuda")
+    verdicts, syncs = host_synchronizations(lambda: decide(on_cuda))
+    assert len(syncs) == 1, syncs
+    on_cpu = decide(checks("cpu"))
+    agreeing = sum(outcome(a) == outcome(b) for a, b in zip(verdicts, on_cpu))
+    assert agreeing >= len(verdicts) - 2  # fp32 softmax rounding may move a draw across a boundary, rarely
+    return verdicts
+
+
 def test_a_steps_sampled_chains_are_decided_with_one_read_back():
     """policies/sampled_chains.py on the device: 16 requests' chains (rejection and typical, sampled
     and one-hot drafts) synchronize the host once, at the read-back, and decide as on the CPU."""
-    import warnings
-
     from specdec_core.api.sampling import SamplingParams, sampling_probs
     from specdec_core.loop.stage_types import DraftBlock, TargetBlock
     from specdec_core.policies import make_policy
@@ -81,20 +106,37 @@ def test_a_steps_sampled_chains_are_decided_with_one_read_back():
             )
         return made
 
-    on_cuda = checks("cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            verdicts = decide_chains(on_cuda)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(warning.message) for warning in caught if "synchroniz" in str(warning.message)]
-    assert len(syncs) == 1, syncs
-    on_cpu = decide_chains(checks("cpu"))
-    agreeing = sum((a.num_accepted, a.next_token) == (b.num_accepted, b.next_token) for a, b in zip(verdicts, on_cpu))
-    assert agreeing >= 14  # fp32 softmax rounding may move a draw across a boundary, rarely
+    decided_once_as_on_the_cpu(checks, decide_chains, lambda verdict: (verdict.num_accepted, verdict.next_token))
+
+
+def test_a_steps_sampled_trees_are_decided_with_one_read_back():
+    """policies/sampled_trees.py on the device: 16 requests' trees of 4 shapes, under rejection
+    sampling and typical acceptance, synchronize the host once, at the read-back, and decide as on
+    the CPU."""
+    from specdec_core.api.sampling import SamplingParams
+    from specdec_core.loop.stage_types import DraftBlock, TargetBlock
+    from specdec_core.policies import make_policy
+    from specdec_core.policies.sampled_chains import Check
+    from specdec_core.policies.sampled_trees import decide_trees
+    from specdec_core.trees.topologies import default_bank
+
+    bank, sampling = default_bank(), SamplingParams(temperature=0.8, top_p=0.95)
+    shapes = ["mc_sim_7b_63", "medusa_16", "spine_6x3", "chain_4"]
+
+    def checks(device: str) -> list[Check]:
+        made = []
+        for index in range(16):
+            tree = bank.get(shapes[index % 4])
+            target_logits = 3 * torch.randn(tree.num_nodes + 1, 1000, generator=torch.Generator().manual_seed(index))
+            tokens = target_logits[tree.parents[1:]].topk(4).indices[:, index % 4]  # [N] a near guess
+            draft = DraftBlock(tokens.to(device), tree=tree)
+            target = TargetBlock(target_logits.to(device))
+            policy = make_policy("rejection" if index % 2 else "typical")
+            made.append(Check(policy, draft, target, sampling, torch.Generator().manual_seed(index)))
+        return made
+
+    verdicts = decided_once_as_on_the_cpu(checks, decide_trees, lambda verdict: (verdict.path, verdict.next_token))
+    assert any(len(verdict.path) > 1 for verdict in verdicts)
 
 
 def test_cuda_logits_match_the_cpu_in_fp32():

@@ -7,8 +7,7 @@ import pytest
 
 from specdec_core import GenerationRequest
 from specdec_core.loop import lockstep
-from specdec_core.loop.lockstep import StepTimes, complete_together
-from specdec_core.policies.sampled_chains import decide_chains
+from specdec_core.loop.lockstep import StepTimes, complete_together, decide_together
 
 from helpers.tiny_models import repeating_prompt
 
@@ -36,25 +35,29 @@ def test_sampled_requests_together_equal_alone(tiny_engine):
     assert [done.token_ids for done in complete_together(tiny_engine, requests)] == alone
 
 
-def test_a_step_decides_every_sampled_chain_at_once(tiny_engine, monkeypatch):
+def test_a_step_decides_every_sampled_chain_and_tree_at_once(sharp_engine, monkeypatch):
     """Rejection and typical requests under two warps, over a draft model's sampled drafts, prompt
-    lookup's one-hot ones and none: each comes out as it does alone, and each step's verdicts are
-    one decision over every session's chain (policies/sampled_chains.py)."""
+    lookup's one-hot ones, none, and a draft model's trees under both rules (a peaked target, so
+    that nodes are accepted): each comes out as it
+    does alone, and each step's verdicts are one decision over every session's chain and tree
+    (policies/step_verdicts.py)."""
     decisions = []
 
     def counted(checks):
         decisions.append(len(checks))
-        return decide_chains(checks)
+        return decide_together(checks)
 
-    monkeypatch.setattr(lockstep, "decide_chains", counted)
+    monkeypatch.setattr(lockstep, "decide_together", counted)
     kinds = [("rejection", "model", 0.8), ("typical", "model", 0.8), ("rejection", "pld", 1.2)]
-    kinds += [("typical", "none", 0.7), ("rejection", "none", 0.8)]
+    kinds += [("typical", "none", 0.7), ("rejection", "none", 0.8), ("rejection", "model_tree", 0.8)]
+    kinds += [("rejection", "model_tree", 1.2), ("typical", "model_tree", 0.8)]
     requests = [request(seed, drafter, 10, policy, warm) for seed, (policy, drafter, warm) in enumerate(kinds)]
-    alone = [tiny_engine.complete(one).token_ids for one in requests]
-    completions = complete_together(tiny_engine, requests)
+    alone = [sharp_engine.complete(one).token_ids for one in requests]
+    completions = complete_together(sharp_engine, requests)
     assert [done.token_ids for done in completions] == alone
     steps = [done.metrics["num_steps"] for done in completions]
     assert decisions[: min(steps)] == [len(requests)] * min(steps) and sum(decisions) == sum(steps)
+    assert all(done.metrics["mean_acceptance_length"] > 1 for done in completions[-3:])  # the trees accepted nodes
 
 
 def test_each_step_holds_every_live_session(tiny_engine):

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 from scipy.stats import chisquare
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec_core.api.errors import SpecdecError
 from specdec_core.api.sampling import (
@@ -28,8 +27,8 @@ from specdec_core.policies.easd import calibrate_tau_h
 from specdec_core.policies.fly import top3_entropy
 from specdec_core.policies.policy_base import base_decision, first_false, recover_token
 from specdec_core.policies.sampled_chains import Check, decide_chains
-from specdec_core.trees.topologies import default_bank
-from specdec_core.trees.tree import listed_name
+
+from helpers.vocabulary_ops import VocabularyOps
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLE = SamplingParams(temperature=1.0)
@@ -137,37 +136,6 @@ def test_rejection_sampling_reproduces_target_distribution(target_probs, draft_p
     assert result.pvalue > 1e-3, (counts, result)
 
 
-def test_rejection_on_a_tree_reproduces_the_target_distribution():
-    """A tree of 3 root children (the first with 2 of its own) whose tokens were picked by a draft
-    that disagrees with the target, one of them a token the target never emits, warped by
-    temperature and top-k: 20,000 verifies with a fixed seed. The first emitted token follows the
-    root's warped row, and after the first child the next token that child's row (chi-square,
-    fails if p < 1e-3), whether it came from a node or from the residual."""
-    tree = default_bank().get(listed_name([(0,), (1,), (2,), (0, 0), (0, 1)]))
-    tokens = torch.tensor([4, 0, 5, 2, 3])  # root children 4, 0, 5 (5: no mass); under 4: 2, 3
-    root = torch.tensor([0.25, 0.2, 0.15, 0.1, 0.3, 0.0])
-    under_first = torch.tensor([0.1, 0.3, 0.05, 0.35, 0.1, 0.1])
-    rows = logits_of(torch.stack([root, under_first, *[torch.full((6,), 1 / 6)] * 4]))  # [N + 1, V]
-    sampling = SamplingParams(temperature=0.8, top_k=5)
-    policy = make_policy("rejection")
-    generator = rng(99)
-    first, second = torch.zeros(6), torch.zeros(6)
-    for _ in range(20_000):
-        verdict = policy.verify_tree(
-            DraftBlock(tokens=tokens, tree=tree), TargetBlock(logits=rows), sampling, generator
-        )
-        emitted = [*verdict.kept_tokens(DraftBlock(tokens=tokens, tree=tree)), verdict.next_token]
-        first[emitted[0]] += 1
-        if emitted[0] == 4:
-            second[emitted[1]] += 1
-    for counts, row in ((first, rows[0]), (second, rows[1])):
-        expected = sampling_probs(row[None], sampling)[0]
-        support = expected > 0
-        assert counts[~support].sum() == 0
-        result = chisquare(counts[support].numpy(), (counts.sum() * expected[support]).numpy())
-        assert result.pvalue > 1e-3, (counts, result)
-
-
 def test_rejection_at_temperature_zero_is_greedy():
     for seed in range(20):
         draft, target = random_case(seed, sampling=GREEDY)
@@ -249,20 +217,6 @@ def test_sampled_chains_decided_together_are_each_decided_as_alone(seed):
     for check, verdict in zip(mixed_checks(seed), verdicts):  # fresh generators for the reference
         assert verdict_tuple(verdict) == lone_reference(check)
         assert verdict.trace["accepted"].tolist() == [i < verdict.num_accepted for i in range(check.draft.num_tokens)]
-
-
-class VocabularyOps(TorchDispatchMode):
-    """Counts the operations whose output holds vocabulary-wide rows (last dim `vocab_size`)."""
-
-    def __init__(self, vocab_size: int):
-        super().__init__()
-        self.vocab_size, self.count = vocab_size, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        output = func(*args, **(kwargs or {}))
-        outputs = output if isinstance(output, (tuple, list)) else (output,)
-        self.count += any(isinstance(each, torch.Tensor) and each.shape[-1:] == (self.vocab_size,) for each in outputs)
-        return output
 
 
 def test_many_chains_take_the_vocabulary_wide_operations_of_one():
