@@ -84,10 +84,11 @@ class RejectionPolicy(AcceptancePolicy):
         on_path = torch.zeros_like(real)  # [B, N]
         for _ in range(max(tree.max_depth for tree in trees.trees)):
             probs = trees.warped_probs(trees.roots + at)[1]  # [B, V] p at the node
-            first_proposals = torch.where(repeated, 0.0, probs.gather(1, tokens).double())  # [B, N] r(c)
-            earlier_mass = (sums_earlier @ first_proposals[:, :, None]).squeeze(-1)  # [B, N]
-            mass = probs.sum(-1, keepdim=True, dtype=torch.float64) - earlier_mass  # [B, N] |r| when c is tried
-            passes = (parents == at[:, None]) & (trees.uniform * mass < first_proposals)  # [B, N] passing children
+            token_mass = torch.where(repeated, 0.0, probs.gather(1, tokens).double())  # [B, N] r(c) when c is tried
+            earlier_mass = (sums_earlier @ token_mass[:, :, None]).squeeze(-1)  # [B, N]
+            # |r| when c is tried; the difference may round below 0, a sum of r's entries never does
+            mass = (probs.sum(-1, keepdim=True, dtype=torch.float64) - earlier_mass).clamp_min(0)  # [B, N]
+            passes = (parents == at[:, None]) & (trees.uniform * mass < token_mass)  # [B, N] passing children
             taken = passes & ~(earlier_siblings & passes[:, None, :]).any(-1)  # [B, N] the first passing child
             on_path |= taken
             at = torch.where(taken.any(-1), taken.long().argmax(-1) + 1, at)  # a walk that took none stays

@@ -80,8 +80,8 @@ class SampledTrees:
 
     def inner_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of the nodes that have children `[I]` (among the R), and where each node's
-        parent lies among them `[B, N]` (padding: its tree's root's): a rule that reads p at every
-        node's parent warps these I rows, not all R."""
+        parent lies among them `[B, N]` (padding: 0): a rule that reads p at every node's parent
+        warps these I rows, not all R."""
         inner, slots, first = [], [], 0
         for root, tree in zip(self.root_rows, self.trees):
             inner.append(root + tree.inner)
@@ -91,7 +91,8 @@ class SampledTrees:
 
 
 def lay_out(checks: list[Check], draws: list[tuple]) -> SampledTrees:
-    """One rule's trees of one warp, their layout built on the host and moved once."""
+    """One rule's trees of one warp, their layout built on the host and copied to the device
+    without waiting for it."""
     device = checks[0].target.logits.device
 
     def moved(tensor: torch.Tensor) -> torch.Tensor:
@@ -104,7 +105,7 @@ def lay_out(checks: list[Check], draws: list[tuple]) -> SampledTrees:
     # the tokens lie on the device: padded by one copy into place, not one a tree
     slots = [row * width + node for row, tree in enumerate(trees) for node in range(tree.num_nodes)]  # [sum of N_b]
     slots = moved(torch.tensor(slots))
-    tokens = joined([check.draft.tokens for check in checks])  # [sum of N_b]
+    tokens = moved(joined([check.draft.tokens for check in checks]))  # [sum of N_b]
     tokens = tokens.new_zeros(len(trees) * width).index_copy_(0, slots, tokens).view(len(trees), width)  # [B, N]
     uniform = pad_sequence([per_node for per_node, _ in draws], True) if draws[0][0] is not None else None
     return SampledTrees(
@@ -161,7 +162,11 @@ def stacked_rows(blocks: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     offsets = [block.storage_offset() for block in blocks]
     low = min(offsets)
     if all(
-        block.is_contiguous() and block.untyped_storage().data_ptr() == storage and (offset - low) % width == 0
+        block.is_contiguous()
+        and block.untyped_storage().data_ptr() == storage
+        and block.dtype == first.dtype
+        and block.shape[-1] == width
+        and (offset - low) % width == 0
         for block, offset in zip(blocks, offsets)
     ):
         high = max(offset + block.numel() for block, offset in zip(blocks, offsets))

@@ -56,7 +56,8 @@ class TypicalPolicy(AcceptancePolicy):
 
     @classmethod
     def tree_paths(cls, trees) -> tuple[torch.Tensor, torch.Tensor]:
-        # the best path: the longest whose nodes all pass, ties to the higher total log-probability
+        # the best path: the longest whose nodes all pass, ties to the higher total log-probability,
+        # then to the first leaf's (tree_verify.best_path's order)
         inner_rows, parent_slots = trees.inner_rows()  # [I], [B, N]
         warped_logits, probs = trees.warped_probs(inner_rows)  # [I, V]
         node_probs = probs[parent_slots, trees.tokens]  # [B, N] p(c) at c's parent
@@ -70,7 +71,10 @@ class TypicalPolicy(AcceptancePolicy):
         scores = (lineage.double() @ log_probs[:, :, None]).squeeze(-1)  # [B, N] the path to n's total
         depths = torch.where(kept, trees.padded([tree.depths[1:] for tree in trees.trees]), 0)  # [B, N]
         longest = kept & (depths == depths.amax(-1, keepdim=True))  # [B, N]
-        last = torch.where(longest, scores, -torch.inf).argmax(-1)  # [B] the best path's last node - 1
+        best_scores = torch.where(longest, scores, -torch.inf)  # [B, N]
+        best = longest & (best_scores == best_scores.amax(-1, keepdim=True))  # [B, N]
+        first_leaves = trees.padded([tree.first_leaf for tree in trees.trees])  # [B, N]
+        last = torch.where(best, first_leaves, torch.iinfo(torch.long).max).argmin(-1)  # [B] the last node - 1
         has_path = kept.any(-1)  # [B]
         on_path = lineage[torch.arange(len(last), device=last.device), last] & has_path[:, None]  # [B, N]
         last_rows = trees.roots + torch.where(has_path, last + 1, 0)  # [B]

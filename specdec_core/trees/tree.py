@@ -17,7 +17,9 @@ over `[root, nodes...]` and its verification need:
 - `top1_path`: the nodes of paths (0,), (0, 0), .., root first (the chain of top-1 guesses);
 - `earlier_siblings` [N, N] bool: node m (column) shares node n's (row) parent and ranks before it;
 - `inner` [I]: the nodes that have children, the root (0) first; `parent_inner` [N]: where each
-  node's parent lies among them (rules that read p at every node's parent warp only these rows).
+  node's parent lies among them (rules that read p at every node's parent warp only these rows);
+- `first_leaf` [N]: the first row of `retrieve_indices` through each node (which of two equally
+  good paths a rule takes: the first leaf's, as `tree_verify.best_path` does).
 
 A `TopologyBank` builds several once, so switching trees between steps is a lookup."""
 
@@ -71,6 +73,7 @@ class Topology:
     earlier_siblings: torch.Tensor
     inner: torch.Tensor
     parent_inner: torch.Tensor
+    first_leaf: torch.Tensor
 
     @classmethod
     def build(cls, name: str, paths: Iterable[Sequence[int]]) -> "Topology":
@@ -103,6 +106,9 @@ class Topology:
         # siblings follow each other in rank order, so an earlier sibling is a lower-numbered one
         earlier_siblings = (parents[1:, None] == parents[None, 1:]).tril(-1)
         inner, parent_inner = parents[1:].unique(return_inverse=True)  # sorted: the root first
+        first_leaf = torch.tensor(
+            [next(row for row, leaf in enumerate(leaves) if leaf[: len(path)] == path) for path in ordered]
+        )
         return cls(
             name,
             ordered,
@@ -117,6 +123,7 @@ class Topology:
             earlier_siblings,
             inner,
             parent_inner,
+            first_leaf,
         )
 
     @property

@@ -1,13 +1,10 @@
-"""Which path of a candidate tree (tree.py) the target accepts.
+"""Which path of a candidate tree (tree.py) the target accepts under a per-node rule, one tree at
+a time: greedy's, where the step's argmax rows were not read back (processed rows).
 
-Given per-node accept flags from a policy's rule (greedy: the node's token is the target's argmax
-at its parent; typical: its probability there clears the typical threshold), `best_path`: a path
-keeps its nodes while each is accepted; the best path is the longest kept, ties going to the
-higher total target log-probability of the kept tokens.
-
-Sampled losslessly (rejection sampling), a tree's path is SpecInfer's point-mass rule,
-policies/sampled_trees.py.
-"""
+Given per-node accept flags (a node's token is the target's argmax at its parent), `best_path`: a
+path keeps its nodes while each is accepted; the best path is the longest kept, ties going to the
+higher total target log-probability of the kept tokens, then to the first leaf's. Sampled trees,
+many at once: policies/sampled_trees.py."""
 
 from __future__ import annotations
 

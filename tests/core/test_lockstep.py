@@ -38,9 +38,8 @@ def test_sampled_requests_together_equal_alone(tiny_engine):
 def test_a_step_decides_every_sampled_chain_and_tree_at_once(sharp_engine, monkeypatch):
     """Rejection and typical requests under two warps, over a draft model's sampled drafts, prompt
     lookup's one-hot ones, none, and a draft model's trees under both rules (a peaked target, so
-    that nodes are accepted): each comes out as it
-    does alone, and each step's verdicts are one decision over every session's chain and tree
-    (policies/step_verdicts.py)."""
+    that nodes are accepted): each comes out as it does alone, and each step's verdicts are one
+    decision over every session's chain and tree (policies/step_verdicts.py)."""
     decisions = []
 
     def counted(checks):

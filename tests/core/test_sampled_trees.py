@@ -5,6 +5,8 @@ decided alike in a batch or alone; and 12 trees launch as many vocabulary-wide o
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -89,7 +91,7 @@ def tree_check(
     target_logits = 2.0 * torch.randn(tree.num_nodes + 1, vocab, generator=generator)  # [N + 1, V]
     near = target_logits[tree.parents[1:]] + torch.randn(tree.num_nodes, vocab, generator=generator)
     tokens = torch.multinomial(near.softmax(-1), 1, generator=generator).squeeze(-1)  # [N]
-    params = {"epsilon": 0.05 + 0.1 * (seed % 3), "alpha": 0.1 + 0.2 * (seed % 2)} if policy == "typical" else None
+    params = {"epsilon": 0.05 + 0.4 * (seed % 3), "alpha": 0.1 + 0.6 * (seed % 2)} if policy == "typical" else None
     return Check(
         make_policy(policy, params),
         DraftBlock(tokens=tokens, tree=tree),
@@ -99,26 +101,48 @@ def tree_check(
     )
 
 
-def checks(count: int, policy: str = "rejection") -> list[Check]:
-    return [tree_check(seed, TREES[seed % len(TREES)], WARPS[seed % 3 % 2], policy=policy) for seed in range(count)]
+def checks(count: int, policy: str = "rejection", vocab: int = 24) -> list[Check]:
+    return [tree_check(seed, TREES[seed % len(TREES)], WARPS[seed % 3 % 2], vocab, policy) for seed in range(count)]
 
 
-def test_trees_decided_together_take_the_sequential_rules_path():
-    """30 trees of 5 shapes under two warps: each verdict is the walk's for the same uniforms."""
-    verdicts = decide_trees(checks(30))
-    for check, verdict in zip(checks(30), verdicts):  # fresh generators for the reference
+@pytest.mark.parametrize("vocab", [24, 3])
+def test_trees_decided_together_take_the_sequential_rules_path(vocab):
+    """30 trees of 5 shapes under two warps (over 3 tokens: siblings repeat tokens, and top-k or
+    top-p leave some none): each verdict is the walk's for the same uniforms."""
+    verdicts = decide_trees(checks(30, vocab=vocab))
+    for check, verdict in zip(checks(30, vocab=vocab), verdicts):  # fresh generators for the reference
         path, next_token = sequential_path(check)
         assert (verdict.path, verdict.next_token) == (path, next_token)
         assert verdict.num_accepted == len(path) - 1
 
 
-def test_typical_trees_decided_together_take_the_best_kept_path():
-    """30 trees of 5 shapes under two warps and three settings: each verdict is the per-tree
-    rule's for the same draw, and some paths go past the root."""
-    verdicts = decide_trees(checks(30, "typical"))
-    for check, verdict in zip(checks(30, "typical"), verdicts):
+@pytest.mark.parametrize("vocab", [24, 3])
+def test_typical_trees_decided_together_take_the_best_kept_path(vocab):
+    """30 trees of 5 shapes under two warps and three settings (over 3 tokens: many paths tie):
+    each verdict is the per-tree rule's for the same draw, and some paths go past the root."""
+    verdicts = decide_trees(checks(30, "typical", vocab))
+    for check, verdict in zip(checks(30, "typical", vocab), verdicts):
         assert (verdict.path, verdict.next_token) == typical_reference(check)
     assert sum(len(verdict.path) > 1 for verdict in verdicts) > 5
+
+
+def test_typical_ties_go_to_the_first_leafs_path_and_no_pass_to_the_root():
+    """Root children 1 and 2 of the same token, equally likely; node 3 (under 1) fails: the paths
+    [0, 1] and [0, 2] tie in length and log-probability, and the first leaf's, node 2's (leaves in
+    (depth, ranks) order), is taken, as tree_verify.best_path takes it. Where no node passes, the
+    path is the root alone and the next token is drawn from the root's row."""
+    tree = BANK.get(listed_name([(0,), (1,), (0, 0)]))
+    rows = torch.full((4, 8), -4.0)
+    rows[:, 3] = 2.0  # every row: token 3 likely, the rest unlikely
+
+    def check(tokens: list[int]) -> Check:
+        policy = make_policy("typical", {"epsilon": 0.05, "alpha": 0.3})
+        sampling, generator = SamplingParams(temperature=1.0), torch.Generator().manual_seed(0)
+        return Check(policy, DraftBlock(torch.tensor(tokens), tree=tree), TargetBlock(rows), sampling, generator)
+
+    for tokens, path in (([3, 3, 0], [0, 2]), ([0, 1, 3], [0])):
+        verdict = decide_trees([check(tokens)])[0]
+        assert verdict.path == path and (verdict.path, verdict.next_token) == typical_reference(check(tokens))
 
 
 @pytest.mark.parametrize("policy", ["rejection", "typical"])
@@ -182,7 +206,8 @@ def test_many_trees_take_the_vocabulary_wide_operations_of_two(policy):
 
 def test_trees_scored_in_one_forward_are_read_in_place():
     """A step's trees are row ranges of its one LM head output (forward_rows splits it): their rows
-    are read where they lie, whatever the order of the checks, and decide as copies of them do."""
+    are read where they lie, whatever the order of the checks, and decide as copies of them do;
+    where one lies elsewhere, all are copied together."""
     copies = checks(6)
     step_rows = torch.cat([torch.zeros(3, 24), *(check.target.logits for check in reversed(copies))])  # [R, V]
     in_place = checks(6)
@@ -192,6 +217,14 @@ def test_trees_scored_in_one_forward_are_read_in_place():
     rows, roots = stacked_rows([check.target.logits for check in in_place])
     assert rows.data_ptr() == parts[0].data_ptr()  # the lowest block's first row: no copy
     assert all(torch.equal(rows[root], check.target.logits[0]) for root, check in zip(roots, in_place))
-    assert [(v.path, v.next_token) for v in decide_trees(in_place)] == [
-        (v.path, v.next_token) for v in decide_trees(copies)
+    expected = [(v.path, v.next_token) for v in decide_trees(copies)]
+    assert [(v.path, v.next_token) for v in decide_trees(in_place)] == expected
+    mixed = checks(6)
+    for check, part in zip(mixed[1:], reversed(parts[:-1])):
+        check.target = TargetBlock(logits=part)
+    rows, roots = stacked_rows([check.target.logits for check in mixed])
+    assert rows.data_ptr() != parts[0].data_ptr() and roots == [
+        0,
+        *itertools.accumulate(len(c.target.logits) for c in mixed[:-1]),
     ]
+    assert [(v.path, v.next_token) for v in decide_trees(mixed)] == expected

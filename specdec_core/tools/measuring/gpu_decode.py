@@ -22,8 +22,14 @@ from ...runtime.compiled_layers import layers_compiled
 from ...runtime.model_runner import runner_of
 from .recorded_drafter import Recording, recorded_drafters
 
-DRAFTERS = {"target": "none", "greedy+model": "model", "greedy+pld": "pld", "greedy+eagle3": "eagle3"}
-DRAFTERS["greedy+model_tree"] = "model_tree"  # the draft model's trees (at T > 0: rejection sampling's tree rule)
+# greedy+model_tree: the draft model's trees (at T > 0: rejection sampling's tree rule)
+DRAFTERS = {
+    "target": "none",
+    "greedy+model": "model",
+    "greedy+pld": "pld",
+    "greedy+eagle3": "eagle3",
+    "greedy+model_tree": "model_tree",
+}
 # greedy+model@a: the draft model's forwards paid, the target's continuation as greedy+model's
 # run recorded it proposed (recorded_drafter.py): acceptance length a at K = 4, where random
 # weights accept nothing; greedy+eagle3@a likewise over a random EAGLE-3 layer's chains
