@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -100,9 +100,29 @@ def point_mass(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits.scatter_(1, tokens[:, None], 0.0)
 
 
+@dataclass
+class Decided:
+    """Verdicts decided on the device, waiting for the read back they share with the step's others."""
+
+    read: torch.Tensor  # [X] int64 on the device: what the verdicts need on the host
+    verdicts: Callable[[list[int]], list[Verdict]]  # the verdicts, from `read`'s values
+
+
+def read_back(decided: Sequence[Decided]) -> list[list[Verdict]]:
+    """Each decision's verdicts, from one read back of all of their tensors."""
+    values = torch.cat([each.read for each in decided]).tolist()  # the one read back
+    starts = [0, *itertools.accumulate(len(each.read) for each in decided)]
+    return [each.verdicts(values[start:end]) for each, start, end in zip(decided, starts, starts[1:])]
+
+
 def decide_chains(checks: Sequence[Check]) -> list[Verdict]:
-    """The verdicts of sampled chains (`Check.decided_together`), each as it would be alone; the
-    only read back is one `[2, B]` tensor at the end."""
+    """The verdicts of sampled chains (`Check.decided_together`), each as it would be alone, with
+    one read back."""
+    return read_back([chains_decided(checks)])[0]
+
+
+def chains_decided(checks: Sequence[Check]) -> Decided:
+    """Sampled chains decided on the device: their accepted counts `[B]`, then next tokens `[B]`, to read."""
     draws = [draw(check) for check in checks]  # on the host, before any device work
     order, counts, tokens = [], [], []
     for indices in warp_groups(checks):
@@ -112,12 +132,15 @@ def decide_chains(checks: Sequence[Check]) -> list[Verdict]:
         tokens.append(sample_with(rule.chain_next_weights(chains, num_accepted), chains.sample_uniform))
         counts.append(num_accepted)
         order += indices
-    read = torch.stack([torch.cat(counts), torch.cat(tokens)]).tolist()  # the one read back
-    verdicts: list[Optional[Verdict]] = [None] * len(checks)
-    for index, num_accepted, next_token in zip(order, *read):
-        flags = torch.arange(checks[index].draft.num_tokens) < num_accepted  # [K] the accepted prefix
-        verdicts[index] = Verdict(num_accepted, next_token, {"accepted": flags})
-    return verdicts
+
+    def verdicts(values: list[int]) -> list[Verdict]:
+        made: list[Optional[Verdict]] = [None] * len(checks)
+        for index, num_accepted, next_token in zip(order, values[: len(checks)], values[len(checks) :]):
+            flags = torch.arange(checks[index].draft.num_tokens) < num_accepted  # [K] the accepted prefix
+            made[index] = Verdict(num_accepted, next_token, {"accepted": flags})
+        return made
+
+    return Decided(torch.cat([*counts, *tokens]), verdicts)
 
 
 def warp_groups(checks: Sequence[Check]) -> list[list[int]]:

@@ -22,7 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..api.sampling import SamplingParams, sample_draws, warp_logits
 from ..loop.stage_types import Verdict
 from ..trees.tree import Topology
-from .sampled_chains import Check, joined, warp_groups
+from .sampled_chains import Check, Decided, joined, read_back, warp_groups
 
 
 @dataclass
@@ -121,26 +121,35 @@ def lay_out(checks: list[Check], draws: list[tuple]) -> SampledTrees:
 
 
 def decide_trees(checks: Sequence[Check]) -> list[Verdict]:
-    """The verdicts of sampled trees (`Check.decided_together`), each as it would be alone; the
-    only read back is one tensor: every node's flag (on the path or not), then every next token."""
+    """The verdicts of sampled trees (`Check.decided_together`), each as it would be alone, with
+    one read back."""
+    return read_back([trees_decided(checks)])[0]
+
+
+def trees_decided(checks: Sequence[Check]) -> Decided:
+    """Sampled trees decided on the device: per warp group, every node's flag (on the path or not)
+    `[B * N]`, then every next token `[B]`, to read."""
     draws = [draw(check) for check in checks]  # on the host, before any device work
     groups = warp_groups(checks)
     decided = []
     for indices in groups:
         rule = type(checks[indices[0]].policy)
         decided.append(rule.tree_paths(lay_out([checks[i] for i in indices], [draws[i] for i in indices])))
-    read = torch.cat([part for on_path, next_tokens in decided for part in (on_path.flatten().long(), next_tokens)])
-    read = read.tolist()  # the one read back
-    verdicts: list[Optional[Verdict]] = [None] * len(checks)
-    offset = 0
-    for indices, (on_path, _) in zip(groups, decided):
-        width = on_path.shape[1]
-        for row, index in enumerate(indices):
-            flags = read[offset + row * width : offset + row * width + checks[index].draft.num_tokens]
-            path = [0, *(node for node, taken in enumerate(flags, 1) if taken)]
-            verdicts[index] = Verdict.of_path(path, read[offset + len(indices) * width + row])
-        offset += len(indices) * (width + 1)
-    return verdicts
+
+    def verdicts(values: list[int]) -> list[Verdict]:
+        made: list[Optional[Verdict]] = [None] * len(checks)
+        offset = 0
+        for indices, (on_path, _) in zip(groups, decided):
+            width = on_path.shape[1]
+            for row, index in enumerate(indices):
+                flags = values[offset + row * width : offset + row * width + checks[index].draft.num_tokens]
+                path = [0, *(node for node, taken in enumerate(flags, 1) if taken)]
+                made[index] = Verdict.of_path(path, values[offset + len(indices) * width + row])
+            offset += len(indices) * (width + 1)
+        return made
+
+    parts = [part for on_path, next_tokens in decided for part in (on_path.flatten().long(), next_tokens)]
+    return Decided(torch.cat(parts), verdicts)
 
 
 def draw(check: Check) -> tuple[Optional[torch.Tensor], torch.Tensor]:

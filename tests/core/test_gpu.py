@@ -64,80 +64,86 @@ def host_synchronizations(call):
     return result, [str(warning.message) for warning in caught if "synchroniz" in str(warning.message)]
 
 
-def decided_once_as_on_the_cpu(checks, decide, outcome) -> list:
+def decided_once_as_on_the_cpu(checks, decide) -> list:
     """`decide`'s verdicts over `checks("cuda")`: one host synchronization (the read back), and
-    each `outcome` as over `checks("cpu")` but for rare fp32 rounding."""
+    each as over `checks("cpu")` but for rare fp32 rounding."""
     on_cuda = checks("cuda")
     verdicts, syncs = host_synchronizations(lambda: decide(on_cuda))
     assert len(syncs) == 1, syncs
     on_cpu = decide(checks("cpu"))
-    agreeing = sum(outcome(a) == outcome(b) for a, b in zip(verdicts, on_cpu))
+    outcomes = [[(each.num_accepted, each.next_token, each.path) for each in run] for run in (verdicts, on_cpu)]
+    agreeing = sum(a == b for a, b in zip(*outcomes))
     assert agreeing >= len(verdicts) - 2  # fp32 softmax rounding may move a draw across a boundary, rarely
     return verdicts
 
 
-def test_a_steps_sampled_chains_are_decided_with_one_read_back():
-    """policies/sampled_chains.py on the device: 16 requests' chains (rejection and typical, sampled
-    and one-hot drafts) synchronize the host once, at the read-back, and decide as on the CPU."""
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
+
+
+def chain_checks(device: str) -> list:
+    """16 requests' sampled chains, rejection and typical, sampled and one-hot drafts."""
     from specdec_core.api.sampling import SamplingParams, sampling_probs
     from specdec_core.loop.stage_types import DraftBlock, TargetBlock
     from specdec_core.policies import make_policy
-    from specdec_core.policies.sampled_chains import Check, decide_chains
+    from specdec_core.policies.sampled_chains import Check
 
-    sampling = SamplingParams(temperature=0.8, top_p=0.95)
-
-    def checks(device: str) -> list[Check]:
-        made = []
-        for index in range(16):
-            target_logits = 3 * torch.randn(5, 1000, generator=torch.Generator().manual_seed(index))
-            draft_logits = target_logits[:4] + torch.randn(4, 1000, generator=torch.Generator().manual_seed(99 + index))
-            tokens = draft_logits.argmax(-1)
-            probs = sampling_probs(draft_logits, sampling).gather(-1, tokens[:, None]).squeeze(-1)
-            draft = DraftBlock(tokens, draft_logits, probs) if index % 3 else DraftBlock(tokens)
-            policy = make_policy("rejection" if index % 2 else "typical")
-            made.append(
-                Check(
-                    policy,
-                    draft.to(torch.device(device)),
-                    TargetBlock(target_logits.to(device)),
-                    sampling,
-                    torch.Generator().manual_seed(index),
-                )
-            )
-        return made
-
-    decided_once_as_on_the_cpu(checks, decide_chains, lambda verdict: (verdict.num_accepted, verdict.next_token))
+    sampling, made = SamplingParams(**SAMPLED), []
+    for index in range(16):
+        target_logits = 3 * torch.randn(5, 1000, generator=torch.Generator().manual_seed(index))
+        draft_logits = target_logits[:4] + torch.randn(4, 1000, generator=torch.Generator().manual_seed(99 + index))
+        tokens = draft_logits.argmax(-1)
+        probs = sampling_probs(draft_logits, sampling).gather(-1, tokens[:, None]).squeeze(-1)
+        draft = DraftBlock(tokens, draft_logits, probs) if index % 3 else DraftBlock(tokens)
+        policy = make_policy("rejection" if index % 2 else "typical")
+        target = TargetBlock(target_logits.to(device))
+        made.append(
+            Check(policy, draft.to(torch.device(device)), target, sampling, torch.Generator().manual_seed(index))
+        )
+    return made
 
 
-def test_a_steps_sampled_trees_are_decided_with_one_read_back():
-    """policies/sampled_trees.py on the device: 16 requests' trees of 4 shapes, under rejection
-    sampling and typical acceptance, synchronize the host once, at the read-back, and decide as on
-    the CPU."""
+def tree_checks(device: str) -> list:
+    """16 requests' sampled trees of 4 shapes, each shape under rejection and typical."""
     from specdec_core.api.sampling import SamplingParams
     from specdec_core.loop.stage_types import DraftBlock, TargetBlock
     from specdec_core.policies import make_policy
     from specdec_core.policies.sampled_chains import Check
-    from specdec_core.policies.sampled_trees import decide_trees
     from specdec_core.trees.topologies import default_bank
 
-    bank, sampling = default_bank(), SamplingParams(temperature=0.8, top_p=0.95)
-    shapes = ["mc_sim_7b_63", "medusa_16", "spine_6x3", "chain_4"]
+    bank, sampling, made = default_bank(), SamplingParams(**SAMPLED), []
+    for index in range(16):
+        tree = bank.get(["mc_sim_7b_63", "medusa_16", "spine_6x3", "chain_4"][index // 2 % 4])
+        target_logits = 3 * torch.randn(tree.num_nodes + 1, 1000, generator=torch.Generator().manual_seed(index))
+        tokens = target_logits[tree.parents[1:]].topk(4).indices[:, index % 4]  # [N] a near guess
+        draft, target = DraftBlock(tokens.to(device), tree=tree), TargetBlock(target_logits.to(device))
+        policy = make_policy("rejection" if index % 2 else "typical")
+        made.append(Check(policy, draft, target, sampling, torch.Generator().manual_seed(index)))
+    return made
 
-    def checks(device: str) -> list[Check]:
-        made = []
-        for index in range(16):
-            tree = bank.get(shapes[index // 2 % 4])  # each shape under each rule
-            target_logits = 3 * torch.randn(tree.num_nodes + 1, 1000, generator=torch.Generator().manual_seed(index))
-            tokens = target_logits[tree.parents[1:]].topk(4).indices[:, index % 4]  # [N] a near guess
-            draft = DraftBlock(tokens.to(device), tree=tree)
-            target = TargetBlock(target_logits.to(device))
-            policy = make_policy("rejection" if index % 2 else "typical")
-            made.append(Check(policy, draft, target, sampling, torch.Generator().manual_seed(index)))
-        return made
 
-    verdicts = decided_once_as_on_the_cpu(checks, decide_trees, lambda verdict: (verdict.path, verdict.next_token))
-    for rule in (0, 1):  # typical's (even), rejection's (odd): some paths past the root
+def test_a_steps_sampled_chains_are_decided_with_one_read_back():
+    """policies/sampled_chains.py on the device: the chains synchronize the host once, at the read
+    back, and decide as on the CPU."""
+    from specdec_core.policies.sampled_chains import decide_chains
+
+    decided_once_as_on_the_cpu(chain_checks, decide_chains)
+
+
+def test_a_steps_sampled_trees_are_decided_with_one_read_back():
+    """policies/sampled_trees.py on the device: the trees synchronize the host once, at the read
+    back, and decide as on the CPU; each rule takes some paths past the root."""
+    from specdec_core.policies.sampled_trees import decide_trees
+
+    verdicts = decided_once_as_on_the_cpu(tree_checks, decide_trees)
+    for rule in (0, 1):  # typical's (even), rejection's (odd)
         assert any(len(verdict.path) > 1 for verdict in verdicts[rule::2])
+
+
+def test_a_steps_chains_and_trees_share_one_read_back():
+    """policies/step_verdicts.py: a step of both chains and trees synchronizes the host once."""
+    from specdec_core.policies.step_verdicts import decide_together
+
+    decided_once_as_on_the_cpu(lambda device: chain_checks(device) + tree_checks(device), decide_together)
 
 
 def test_cuda_logits_match_the_cpu_in_fp32():

@@ -1,7 +1,8 @@
 """policies/sampled_trees.py: many requests' sampled trees decided at once. Rejection sampling's
 walk takes the sequential rule's path for the same draws and follows the target's distribution;
 typical acceptance takes the best kept path of its per-node rule (tree_verify.best_path); a tree is
-decided alike in a batch or alone; and 12 trees launch as many vocabulary-wide operations as 2."""
+decided alike in a batch or alone; 12 trees launch as many vocabulary-wide operations as 2; and a
+step's chains and trees share one read back."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from specdec_core.api.sampling import (
 )
 from specdec_core.loop.stage_types import DraftBlock, TargetBlock
 from specdec_core.policies import make_policy
-from specdec_core.policies.sampled_chains import Check
+from specdec_core.policies.sampled_chains import Check, decide_chains
 from specdec_core.policies.sampled_trees import decide_trees, stacked_rows
+from specdec_core.policies.step_verdicts import decide_together
 from specdec_core.policies.typical import clears
 from specdec_core.trees.topologies import default_bank
 from specdec_core.trees.tree import listed_name
@@ -228,3 +230,31 @@ def test_trees_scored_in_one_forward_are_read_in_place():
         *itertools.accumulate(len(c.target.logits) for c in mixed[:-1]),
     ]
     assert [(v.path, v.next_token) for v in decide_trees(mixed)] == expected
+
+
+def test_a_steps_chains_and_trees_are_read_back_at_once(monkeypatch):
+    """step_verdicts.decide_together over a step's sampled chains and trees, interleaved: one read
+    back for all, and each verdict as its kind's decision alone gives it."""
+
+    def chain_check(seed: int) -> Check:
+        generator = torch.Generator().manual_seed(seed)
+        target_logits = 2.0 * torch.randn(5, 24, generator=generator)  # [K + 1, V]
+        tokens = torch.multinomial(target_logits[:4].softmax(-1), 1, generator=generator).squeeze(-1)  # [K]
+        policy = make_policy("rejection" if seed % 2 else "typical")
+        return Check(
+            policy, DraftBlock(tokens), TargetBlock(target_logits), WARPS[0], torch.Generator().manual_seed(seed)
+        )
+
+    def step() -> list[Check]:
+        trees = checks(6, "rejection") + checks(4, "typical")
+        return [check for pair in zip([chain_check(seed) for seed in range(10)], trees) for check in pair]
+
+    alone = decide_chains(step()[0::2]), decide_trees(step()[1::2])
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda tensor: reads.append(tensor.shape) or tolist(tensor))
+    together = decide_together(step())
+    assert len(reads) == 1
+    outcome = [(verdict.num_accepted, verdict.next_token, verdict.path) for verdict in together]
+    assert outcome[0::2] == [(verdict.num_accepted, verdict.next_token, verdict.path) for verdict in alone[0]]
+    assert outcome[1::2] == [(verdict.num_accepted, verdict.next_token, verdict.path) for verdict in alone[1]]
