@@ -44,6 +44,7 @@ from .draft_rounds import DraftForward, ScoredForward, propose_together
 from .drafter_base import Drafter, DraftSource, ahead_outcome, common_prefix_length, sync_cache
 from .first_level import first_level
 from .model_params import ModelDrafterParams, MultiLevelParams
+from .model_tree import ModelTreeDrafter, draft_together
 from .suffix_cache import SuffixCache
 
 
@@ -265,14 +266,17 @@ def propose_step(
 ) -> list[DraftBlock]:
     """One draft step over drafter sessions, each with its `(max_tokens, batch_rows, after)`
     (`after`: run-ahead's assumed tokens, drafters that draft ahead only): the chain model
-    drafters' forwards (sessions of `model`) in lockstep, the others propose on their own."""
-    together = [
-        drafter.drafting_after(after, *limits)
-        for drafter, *limits, after in proposals
-        if isinstance(drafter, ModelDrafter)
-    ]
-    blocks = iter(propose_together(model, together) if together else ())
+    drafters' forwards (sessions of `model`) in lockstep, the tree model drafters' likewise, the
+    others propose on their own."""
+    blocks: list[Optional[DraftBlock]] = [None] * len(proposals)
+    for kind, run_together in ((ModelDrafter, propose_together), (ModelTreeDrafter, draft_together)):
+        indices = [index for index, (drafter, *_) in enumerate(proposals) if isinstance(drafter, kind)]
+        draftings = [
+            drafter.drafting_after(after, *limits) for drafter, *limits, after in map(proposals.__getitem__, indices)
+        ]
+        for index, block in zip(indices, run_together(model, draftings) if draftings else ()):
+            blocks[index] = block
     return [
-        next(blocks) if isinstance(drafter, ModelDrafter) else drafter.propose(*limits, *([after] if after else []))
-        for drafter, *limits, after in proposals
+        block if block is not None else drafter.propose(*limits, *([after] if after else []))
+        for block, (drafter, *limits, after) in zip(blocks, proposals)
     ]

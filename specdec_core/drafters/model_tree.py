@@ -15,7 +15,7 @@ their verify on the target's device (tree_budget.py)."""
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, NamedTuple, Optional, Sequence
+from typing import Any, Callable, ClassVar, Generator, NamedTuple, Optional, Sequence
 
 import torch
 from pydantic import Field, field_validator
@@ -46,7 +46,21 @@ class DraftedTree(NamedTuple):
     forwards: int  # draft forwards it took
 
 
-@torch.inference_mode()
+class TreeForward(NamedTuple):
+    """A forward a tree's drafting asks for: `row` after what `cache` holds (`above`'s nodes
+    where it is a tree), and the draft's `top_k` at its last `keep` tokens."""
+
+    cache: PagedKV
+    row: list[int]
+    above: Optional[Topology]
+    keep: int
+    top_k: int
+
+
+TopK = tuple[torch.Tensor, torch.Tensor]  # [keep, top_k] the draft's likeliest tokens, their probabilities (host)
+TreeDrafting = Generator[TreeForward, TopK, Any]  # its forwards, answered; returns what it drafted
+
+
 def draft_tree(
     model: torch.nn.Module,
     cache: PagedKV,
@@ -55,25 +69,22 @@ def draft_tree(
     tree: Topology,
     lookup: Lookup = no_guess,
 ) -> DraftedTree:
+    """`tree_drafting`'s tree, its forwards run alone."""
+    return draft_together(model, [tree_drafting(cache, cached, context, tree, lookup)])[0]
+
+
+def tree_drafting(
+    cache: PagedKV, cached: list[int], context: Sequence[int], tree: Topology, lookup: Lookup = no_guess
+) -> Generator[TreeForward, TopK, DraftedTree]:
     """The nodes of `tree` (a named tree of the default bank) after `context`, whose last token
-    is the root. `cached`: the tokens `cache` holds, kept in step with it (a prefix shared with
-    the context is reused). `lookup`: its guesses of the top-1 path, checked by each of the
-    path's forwards."""
+    is the root, asking for each forward (`draft_together` runs them). `cached`: the tokens
+    `cache` holds, kept in step with it (a prefix shared with the context is reused). `lookup`:
+    its guesses of the top-1 path, checked by each of the path's forwards."""
     context = list(context)
     node_top = torch.zeros(tree.num_nodes + 1, tree.top_k, dtype=torch.long)  # each node's draft top-k
     node_top_probs = torch.zeros(tree.num_nodes + 1, tree.top_k)  # and their probabilities
     known = torch.zeros(tree.num_nodes + 1, dtype=torch.bool)
-
     forwards = 0
-
-    def top_k(row: list[int], keep: int, above: Optional[Topology] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The draft's top-k tokens and their probabilities `[keep, k]` at the last `keep` tokens
-        of `row` (the tree `above`'s)."""
-        nonlocal forwards
-        forwards += 1
-        hidden, _ = forward_ragged(model, [cache], [row], [above])
-        top = model.lm_head(hidden[0, -keep:]).float().softmax(-1).topk(tree.top_k, dim=-1)
-        return top.indices.cpu(), top.values.cpu()
 
     path = torch.tensor(tree.top1_path)
     path_parents = path[torch.isin(path, tree.parents)]
@@ -82,7 +93,8 @@ def draft_tree(
         sequence = context + path_tokens
         sync_cache(cache, cached, sequence)
         pending, guess = sequence[len(cached) :], lookup(sequence, len(path) - 1 - len(path_tokens))
-        top, top_probs = top_k(pending + guess, len(guess) + 1)
+        top, top_probs = yield TreeForward(cache, pending + guess, None, len(guess) + 1, tree.top_k)
+        forwards += 1
         cached.extend(pending + guess)
         checked = common_prefix_length(guess, top[:, 0].tolist(), len(guess)) + 1  # rows on the path
         nodes = path[len(path_tokens) : len(path_tokens) + checked]
@@ -97,11 +109,47 @@ def draft_tree(
             sync_cache(cache, cached, context)  # the path's forwards cached the context: its last token is the root
             above = default_bank().limited(tree.name, depth - 1) if depth > 1 else None
             count = above.num_nodes + 1 if above else 1
-            node_top[:count], node_top_probs[:count] = top_k(tokens[:count].tolist(), count, above)
+            node_top[:count], node_top_probs[:count] = yield TreeForward(
+                cache, tokens[:count].tolist(), above, count, tree.top_k
+            )
+            forwards += 1
             known[:count] = True
             cache.crop(len(cached))  # tree rows never stay
         tokens[nodes], probs[nodes] = node_top[parents, ranks], node_top_probs[parents, ranks]
     return DraftedTree(tokens[1:].tolist(), probs[1:], forwards)
+
+
+@torch.inference_mode()
+def draft_together(model: torch.nn.Module, draftings: Sequence[TreeDrafting]) -> list[Any]:
+    """Run tree draftings (sessions of `model`) in lockstep: each round is one ragged forward over
+    the next forward of every drafting still drafting, one LM head call over the rows they keep and
+    one read back of their top-k. Returns what each drafted."""
+    drafted: list[Any] = [None] * len(draftings)
+    asked: dict[int, TreeForward] = {}
+
+    def advance(index: int, answer: Optional[TopK]) -> None:
+        try:
+            asked[index] = draftings[index].send(answer)
+        except StopIteration as done:
+            drafted[index] = done.value
+            asked.pop(index, None)
+
+    for index in range(len(draftings)):
+        advance(index, None)
+    while asked:
+        indices, calls = list(asked), list(asked.values())
+        hidden, _ = forward_ragged(
+            model, [call.cache for call in calls], [call.row for call in calls], [call.above for call in calls]
+        )
+        parts = hidden[0].split([len(call.row) for call in calls])  # [T_i, H] each
+        kept = torch.cat([part[-call.keep :] for part, call in zip(parts, calls)])  # [sum of keep, H]
+        # the top-k of the widest tree holds each narrower one's first (topk sorts them)
+        top = model.lm_head(kept).float().softmax(-1).topk(max(call.top_k for call in calls), dim=-1)
+        top_ids, top_probs = top.indices.cpu(), top.values.cpu()  # the one read back
+        sizes = [call.keep for call in calls]
+        for index, call, ids, probs in zip(indices, calls, top_ids.split(sizes), top_probs.split(sizes)):
+            advance(index, (ids[:, : call.top_k], probs[:, : call.top_k]))
+    return drafted
 
 
 @torch.inference_mode()
@@ -131,11 +179,11 @@ class MultiLevelTreeParams(ModelTreeParams, FirstLevelParams):
 
 
 class ModelTreeDrafter(Drafter):
-    """`model_tree`: a candidate tree per step from the draft model's top-k (`draft_tree`),
-    verified in one target forward by a policy with a tree rule (greedy, typical). Adaptive, its
-    depth is the length the cost model (block_length.py) gives a chain for the rate at which the
-    target keeps the tree's top-1 path and the draft's forwards per depth so far; near
-    `max_tokens` it proposes the tree's part that fits."""
+    """`model_tree`: a candidate tree per step from the draft model's top-k (`tree_drafting`),
+    verified in one target forward by a policy with a tree rule (greedy, rejection, typical).
+    Adaptive, its depth is the length the cost model (block_length.py) gives a chain for the rate
+    at which the target keeps the tree's top-1 path and the draft's forwards per depth so far;
+    near `max_tokens` it proposes the tree's part that fits."""
 
     name = "model_tree"
     Params = ModelTreeParams
@@ -169,12 +217,19 @@ class ModelTreeDrafter(Drafter):
         return learning_block(self.estimate.rate, max_depth, self.params.verify_cost, cost, batch_rows).length
 
     def propose(self, max_tokens: int, batch_rows: int = 1, after: Sequence[int] = ()) -> DraftBlock:
-        """`after` (run_ahead.py: the top-1 path the target verifies now): the draft's guess of the
-        target's next token after it, then the tree after that guess (tokens `[1 + nodes]`)."""
+        return draft_together(self.model, [self.drafting_after(after, max_tokens, batch_rows)])[0]
+
+    def drafting_after(
+        self, after: Sequence[int], max_tokens: int, batch_rows: int = 1
+    ) -> Generator[TreeForward, TopK, DraftBlock]:
+        """`propose`, asking for each forward (a draft step runs many sessions' together,
+        `draft_together`). `after` (run_ahead.py: the top-1 path the target verifies now): the
+        draft's guess of the target's next token after it, then the tree after that guess (tokens
+        `[1 + nodes]`)."""
         context, guess = [*self.context, *after], []
         if after:
             guess = [draft_next(self.model, self.cache, self.cached, context)]
-        block = self.drafted_block(context, guess, max_tokens, batch_rows)
+        block = yield from self.drafted_block(context, guess, max_tokens, batch_rows)
         # what the estimate learns from at the commit that shows whether this block was verified
         path = [] if block.num_tokens <= len(guess) else assumed_tokens(block, len(guess))
         if after:
@@ -183,12 +238,14 @@ class ModelTreeDrafter(Drafter):
             self.path = path
         return block
 
-    def drafted_block(self, context: list[int], guess: list[int], max_tokens: int, batch_rows: int) -> DraftBlock:
+    def drafted_block(
+        self, context: list[int], guess: list[int], max_tokens: int, batch_rows: int
+    ) -> Generator[TreeForward, TopK, DraftBlock]:
         depth = self.depth(min(max_tokens, default_bank().get(self.params.tree).max_depth), batch_rows)
         if depth <= 0:
             return DraftBlock(tokens=torch.tensor(guess, dtype=torch.long), tree=None)
         tree = default_bank().limited(self.params.tree, depth)
-        drafted = draft_tree(self.model, self.cache, self.cached, context + guess, tree, self.path_lookup())
+        drafted = yield from tree_drafting(self.cache, self.cached, context + guess, tree, self.path_lookup())
         self.forwards, self.depths = self.forwards + drafted.forwards, self.depths + tree.max_depth
         block = torch.tensor(guess + drafted.tokens, dtype=torch.long)
         if not self.params.adaptive:

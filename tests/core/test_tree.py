@@ -285,3 +285,34 @@ def test_a_tree_drafter_needs_a_policy_with_a_tree_rule_and_a_known_tree(tiny_en
         tiny_engine.frontend.prepare(
             GenerationRequest(prompt_ids=[1, 2, 3], drafter={"name": "model_tree", "params": {"tree": "nope"}})
         )
+
+
+def test_trees_drafted_together_are_each_drafted_as_alone_in_the_rounds_of_the_longest(monkeypatch):
+    """draft_together over four sessions' tree draftings (three shapes, contexts of their own, one
+    with a lookup guessing part of its path): each tree is the one its drafting gives alone, and
+    the forwards run in as many rounds as the drafting that takes most."""
+    from specdec_core.drafters import model_tree
+    from specdec_core.runtime.kv_pool import PagedKV
+
+    from helpers.tiny_models import repeating_prompt, tiny_llama
+
+    draft_model = tiny_llama(seed=1)
+    shapes = ["mc_sim_7b_63", "spine_6x2", "medusa_16", "mc_sim_7b_63"]
+    contexts = [repeating_prompt(seed) for seed in range(4)]
+
+    def draftings(alone: bool) -> list:
+        made = []
+        for index, (shape, context) in enumerate(zip(shapes, contexts)):
+            lookup = (lambda sequence, limit: context[2 : 2 + limit]) if index == 3 else model_tree.no_guess
+            made.append(model_tree.tree_drafting(PagedKV(), [], context, default_bank().get(shape), lookup))
+        return [[each] for each in made] if alone else [made]
+
+    alone = [model_tree.draft_together(draft_model, one)[0] for one in draftings(alone=True)]
+    rounds = []
+    real_forward = model_tree.forward_ragged
+    monkeypatch.setattr(model_tree, "forward_ragged", lambda *args: rounds.append(len(args[1])) or real_forward(*args))
+    together = model_tree.draft_together(draft_model, draftings(alone=False)[0])
+    for one, both in zip(alone, together):
+        assert one.tokens == both.tokens and torch.allclose(one.probs, both.probs, atol=1e-5)
+        assert one.forwards == both.forwards
+    assert len(rounds) == max(one.forwards for one in alone) and rounds[0] == 4
