@@ -26,6 +26,7 @@ from ..runtime.batching import forward_ids
 from ..runtime.chained_steps import chains_in_one_graph, run_chain
 from ..runtime.kv_pool import PagedKV
 from ..runtime.ragged_attention import on_device
+from .drafter_base import InLockstep
 
 
 class ScoredForward(NamedTuple):
@@ -89,18 +90,8 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
     """Run proposals (`drafting` generators of sessions of `model`) in lockstep: each round is
     one ragged forward over the next forward of every proposal still drafting, and one LM head
     call over the rows they keep. Returns each proposal's block."""
-    blocks: list[Optional[DraftBlock]] = [None] * len(proposals)
-    waiting: dict[int, Chain] = {}
-
-    def advance(index: int, scored: Optional[ScoredForward]) -> None:
-        try:
-            waiting[index] = Chain(proposals[index].send(scored))
-        except StopIteration as done:
-            blocks[index] = done.value
-            waiting.pop(index, None)
-
-    for index in range(len(proposals)):
-        advance(index, None)
+    rounds = InLockstep(proposals, Chain)
+    waiting = rounds.asked  # [index] the chain of each proposal still drafting
     while waiting:
         chains = list(waiting.values())
         steps = chained_steps(model, chains)
@@ -127,8 +118,9 @@ def propose_together(model: torch.nn.Module, proposals: Sequence[Generator]) -> 
             if chain.forward.by_argmax:
                 count = sum(len(row) for row in chain.argmax_ids)
                 ids, read = read[:count], read[count:]
-            advance(index, ScoredForward(chain.logits[0] if len(chain.logits) == 1 else torch.cat(chain.logits), ids))
-    return blocks
+            chain_logits = chain.logits[0] if len(chain.logits) == 1 else torch.cat(chain.logits)
+            rounds.answer(index, ScoredForward(chain_logits, ids))
+    return rounds.results
 
 
 def chained_steps(model: torch.nn.Module, chains: Sequence[Chain]) -> int:

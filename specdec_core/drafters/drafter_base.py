@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from enum import Enum
-from typing import ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Generator, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -102,3 +102,24 @@ class NoDrafter(Drafter):
 
     def propose(self, max_tokens: int, batch_rows: int = 1) -> DraftBlock:
         return DraftBlock.empty()
+
+
+class InLockstep:
+    """Generators run in lockstep, each asking for one forward at a time (a draft step's proposals):
+    `asked` holds what each still drafting asks next (as `wrap` makes it), `results` what each
+    returned once done."""
+
+    def __init__(self, generators: Sequence[Generator], wrap: Callable[[Any], Any] = lambda asked: asked):
+        self.generators, self.wrap = generators, wrap
+        self.asked: dict[int, Any] = {}
+        self.results: list[Any] = [None] * len(generators)
+        for index in range(len(generators)):
+            self.answer(index, None)
+
+    def answer(self, index: int, answer: Any) -> None:
+        """Send generator `index` the answer to what it asked; it asks again or is done."""
+        try:
+            self.asked[index] = self.wrap(self.generators[index].send(answer))
+        except StopIteration as done:
+            self.results[index] = done.value
+            self.asked.pop(index, None)

@@ -26,7 +26,7 @@ from ..runtime.kv_pool import PagedKV
 from ..trees.topologies import DEFAULT_DRAFT_TREE, default_bank
 from ..trees.tree import Topology
 from .block_length import AcceptanceEstimate, DraftCostParams, cost_per_draft, learning_block, least_drafts
-from .drafter_base import Drafter, DraftSource, assumed_tokens, common_prefix_length, sync_cache
+from .drafter_base import Drafter, DraftSource, InLockstep, assumed_tokens, common_prefix_length, sync_cache
 from .first_level import FirstLevelParams, first_level
 from .suffix_cache import SuffixCache
 from .tree_budget import budget_tree
@@ -124,20 +124,9 @@ def draft_together(model: torch.nn.Module, draftings: Sequence[TreeDrafting]) ->
     """Run tree draftings (sessions of `model`) in lockstep: each round is one ragged forward over
     the next forward of every drafting still drafting, one LM head call over the rows they keep and
     one read back of their top-k. Returns what each drafted."""
-    drafted: list[Any] = [None] * len(draftings)
-    asked: dict[int, TreeForward] = {}
-
-    def advance(index: int, answer: Optional[TopK]) -> None:
-        try:
-            asked[index] = draftings[index].send(answer)
-        except StopIteration as done:
-            drafted[index] = done.value
-            asked.pop(index, None)
-
-    for index in range(len(draftings)):
-        advance(index, None)
-    while asked:
-        indices, calls = list(asked), list(asked.values())
+    rounds = InLockstep(draftings)
+    while rounds.asked:
+        indices, calls = list(rounds.asked), list(rounds.asked.values())
         hidden, _ = forward_ragged(
             model, [call.cache for call in calls], [call.row for call in calls], [call.above for call in calls]
         )
@@ -148,8 +137,8 @@ def draft_together(model: torch.nn.Module, draftings: Sequence[TreeDrafting]) ->
         top_ids, top_probs = top.indices.cpu(), top.values.cpu()  # the one read back
         sizes = [call.keep for call in calls]
         for index, call, ids, probs in zip(indices, calls, top_ids.split(sizes), top_probs.split(sizes)):
-            advance(index, (ids[:, : call.top_k], probs[:, : call.top_k]))
-    return drafted
+            rounds.answer(index, (ids[:, : call.top_k], probs[:, : call.top_k]))
+    return rounds.results
 
 
 @torch.inference_mode()
