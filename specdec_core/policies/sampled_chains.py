@@ -153,10 +153,12 @@ def warp_groups(checks: Sequence[Check]) -> list[list[int]]:
     return list(groups.values())
 
 
-def draw(check: Check) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """A check's uniforms in its rule's order: one per draft where the rule draws them `[K]`, then
-    the next token's `[1, 1]`."""
-    per_draft = torch.rand(check.draft.num_tokens, generator=check.generator) if check.policy.draws_per_draft else None
+def draw(check: Check, dtype: torch.dtype = torch.float32) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """A check's uniforms in its rule's order: one per draft (a tree's node) where the rule draws
+    them `[K]` (`dtype`), then the next token's `[1, 1]`."""
+    per_draft = None
+    if check.policy.draws_per_draft:
+        per_draft = torch.rand(check.draft.num_tokens, generator=check.generator, dtype=dtype)
     return per_draft, sample_draws(check.generator)
 
 

@@ -19,10 +19,10 @@ from typing import Optional, Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ..api.sampling import SamplingParams, sample_draws, warp_logits
+from ..api.sampling import SamplingParams, warp_logits
 from ..loop.stage_types import Verdict
 from ..trees.tree import Topology
-from .sampled_chains import Check, Decided, joined, read_back, warp_groups
+from .sampled_chains import Check, Decided, draw, joined, read_back, warp_groups
 
 
 @dataclass
@@ -129,7 +129,8 @@ def decide_trees(checks: Sequence[Check]) -> list[Verdict]:
 def trees_decided(checks: Sequence[Check]) -> Decided:
     """Sampled trees decided on the device: per warp group, every node's flag (on the path or not)
     `[B * N]`, then every next token `[B]`, to read."""
-    draws = [draw(check) for check in checks]  # on the host, before any device work
+    # on the host, before any device work; float64, as the masses the node draws are weighed against
+    draws = [draw(check, torch.float64) for check in checks]
     groups = warp_groups(checks)
     decided = []
     for indices in groups:
@@ -150,15 +151,6 @@ def trees_decided(checks: Sequence[Check]) -> Decided:
 
     parts = [part for on_path, next_tokens in decided for part in (on_path.flatten().long(), next_tokens)]
     return Decided(torch.cat(parts), verdicts)
-
-
-def draw(check: Check) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """A tree's uniforms in its rule's order: one per node `[N_b]` (float64) where the rule draws
-    them, then the next token's `[1, 1]`."""
-    per_node = None
-    if check.policy.draws_per_draft:
-        per_node = torch.rand(check.draft.num_tokens, generator=check.generator, dtype=torch.float64)
-    return per_node, sample_draws(check.generator)
 
 
 def stacked_rows(blocks: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
