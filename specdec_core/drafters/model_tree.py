@@ -61,18 +61,6 @@ TopK = tuple[torch.Tensor, torch.Tensor]  # [keep, top_k] the draft's likeliest 
 TreeDrafting = Generator[TreeForward, TopK, Any]  # its forwards, answered; returns what it drafted
 
 
-def draft_tree(
-    model: torch.nn.Module,
-    cache: PagedKV,
-    cached: list[int],
-    context: Sequence[int],
-    tree: Topology,
-    lookup: Lookup = no_guess,
-) -> DraftedTree:
-    """`tree_drafting`'s tree, its forwards run alone."""
-    return draft_together(model, [tree_drafting(cache, cached, context, tree, lookup)])[0]
-
-
 def tree_drafting(
     cache: PagedKV, cached: list[int], context: Sequence[int], tree: Topology, lookup: Lookup = no_guess
 ) -> Generator[TreeForward, TopK, DraftedTree]:
@@ -143,7 +131,7 @@ def draft_together(model: torch.nn.Module, draftings: Sequence[TreeDrafting]) ->
 
 @torch.inference_mode()
 def draft_next(model: torch.nn.Module, cache: PagedKV, cached: list[int], context: Sequence[int]) -> int:
-    """The draft's likeliest token after `context` (`cached` as in `draft_tree`)."""
+    """The draft's likeliest token after `context` (`cached` as in `tree_drafting`)."""
     sync_cache(cache, cached, context)
     pending = list(context[len(cached) :])
     hidden, _ = forward_ragged(model, [cache], [pending])

@@ -171,7 +171,7 @@ def test_tree_decoding_is_greedy_decoding_and_keeps_the_cache_consistent_across_
     against the target: the tokens equal target-only greedy decoding, some nodes are accepted,
     and after the accepted paths were moved into place the next step's logits equal a fresh
     forward over the committed tokens (1e-5)."""
-    from specdec_core.drafters.model_tree import draft_tree
+    from specdec_core.drafters.model_tree import draft_together, tree_drafting
     from specdec_core.runtime.kv_pool import PagedKV
     from specdec_core.target.scorer import TargetScorer
 
@@ -186,7 +186,8 @@ def test_tree_decoding_is_greedy_decoding_and_keeps_the_cache_consistent_across_
     draft_cache, draft_cached, committed, accepted = PagedKV(), [], list(prompt), 0
     for name in ("medusa_8", "chain_4", "mc_sim_7b_63", "medusa_16", "chain_2", "mc_sim_7b_63", "medusa_32"):
         tree = default_bank().get(name)
-        nodes = draft_tree(draft_model, draft_cache, draft_cached, committed, tree).tokens
+        drafting = tree_drafting(draft_cache, draft_cached, committed, tree)
+        nodes = draft_together(draft_model, [drafting])[0].tokens
         draft = DraftBlock(tokens=torch.tensor(nodes), tree=tree)
         block = scorer.score_tree([committed[-1], *nodes], tree)
         verdict = greedy.verify_tree(draft, block, SamplingParams(), torch.Generator())
@@ -216,7 +217,10 @@ def test_mla_trees_hold_the_draft_models_tokens_in_fewer_forwards(tree_name, mon
 
     draft_model, context, tree = tiny_llama(seed=1), repeating_prompt(3), default_bank().get(tree_name)
     cache, cached = PagedKV(), []
-    reference, probs, _ = model_tree.draft_tree(draft_model, cache, cached, context, tree)  # also caches the context
+    # also caches the context
+    reference, probs, _ = model_tree.draft_together(
+        draft_model, [model_tree.tree_drafting(cache, cached, context, tree)]
+    )[0]
     forwards = []
 
     def counted(*args, **kwargs):
@@ -230,9 +234,8 @@ def test_mla_trees_hold_the_draft_models_tokens_in_fewer_forwards(tree_name, mon
     for guess, matched in [(path, len(path)), (path[:2] + wrong[2:], 2), (wrong, 0), ([], 0)]:
         forwards.clear()
         lookup = lambda sequence, limit: guess[len(sequence) - len(context) :][:limit]  # noqa: E731
-        tokens, tokens_probs, counted_forwards = model_tree.draft_tree(
-            draft_model, cache, cached, context, tree, lookup
-        )
+        drafting = model_tree.tree_drafting(cache, cached, context, tree, lookup)
+        tokens, tokens_probs, counted_forwards = model_tree.draft_together(draft_model, [drafting])[0]
         assert tokens == reference and torch.allclose(tokens_probs, probs, atol=1e-6)
         assert counted_forwards == len(forwards)
         assert cache.length == len(cached) and cached[: len(context) - 1] == context[:-1]
