@@ -33,7 +33,7 @@ from ..planning.memory import shard_problem
 from ..runtime.batching import set_kv_cache_dtype
 from ..runtime.compiled_step import compile_step
 from .fp8_checkpoint import checkpoint_fp8_scheme
-from .loader import DTYPES, ModelSpec, truncate_layers
+from .loader import DTYPES, ModelSpec, truncate_layers, use_step_settings
 from .pipeline import make_stage, stage_layers
 from .shard_loader import load_shard
 from .sources import resolve_source
@@ -134,6 +134,8 @@ def load_sharded_model(spec: ModelSpec, backend: TpBackend, pp_size: int = 1) ->
     set_kv_cache_dtype(model, spec.kv_cache_dtype)
     if spec.compile:
         compile_step(model)
+    else:
+        use_step_settings(model, spec)
     return model.eval()
 
 

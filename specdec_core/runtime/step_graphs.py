@@ -10,11 +10,12 @@ address; where it moves (a growable pool grew) every graph is dropped and record
 
 Steps that no graph covers run eagerly: a row of more than `ragged_attention.LONG_ROW` new tokens (a
 prompt chunk), a step of more than `GRAPH_MAX_TOKENS`, the first forward (it allocates the pool),
-pipeline stages and ranks of a tensor-parallel group (their collectives stay outside graphs for
-now). A greedy draft chain's later forwards are one graph of their own (chained_steps.py), in
-the same pool. Graphs stay until the pool moves: a bucket of keys more per 1,024 tokens of context adds
-graphs, each holding its static inputs (the largest, a 64-row mask, a few MB); the pool's
-intermediates are shared."""
+and pipeline stages (their sends and receives). A rank of a tensor-parallel group records its
+collectives in its graphs: its ranks run the same steps in the same order (their worker's rank 0
+sends them), so they record and replay the same graphs together. A greedy draft chain's later
+forwards are one graph of their own (chained_steps.py), in the same pool. Graphs stay until the pool
+moves: a bucket of keys more per 1,024 tokens of context adds graphs, each holding its static inputs
+(the largest, a 64-row mask, a few MB); the pool's intermediates are shared."""
 
 from __future__ import annotations
 

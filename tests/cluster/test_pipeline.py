@@ -24,11 +24,12 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize(("world_size", "pp"), [(2, 2), (4, 2)])
-def test_every_rank_of_a_pipeline_scores_as_one_process(checkpoint, world_size, pp):
+@pytest.mark.parametrize(("world_size", "pp", "attention"), [(2, 2, "paged"), (4, 2, "sdpa")])
+def test_every_rank_of_a_pipeline_scores_as_one_process(checkpoint, world_size, pp, attention):
+    """A stage's short rows take the paged kernel where asked (here under Triton's interpreter)."""
     with torch.no_grad():
         reference = steps(tiny_llama(seed=3, prepared=False, num_layers=3))
-    outputs = sharded_steps(checkpoint, "transformers", world_size, pp)
+    outputs = sharded_steps(checkpoint, "transformers", world_size, pp, attention=attention)
     assert_every_rank_scores_as(outputs, reference)
     tp = world_size // pp
     for rank, (_, _, ends) in outputs.items():

@@ -13,6 +13,7 @@ from specdec_core.api.sampling import SamplingParams
 from specdec_core.models.loader import ModelSpec, load_model
 from specdec_core.models.parallel import join_group, load_sharded_model, run_local_ranks, shard_problem
 from specdec_core.policies import make_policy
+from specdec_core.runtime.model_runner import runner_of, use_step_graphs
 from specdec_core.target.scorer import Row, TargetScorer, forward_rows
 
 from helpers.tiny_models import TINY_VOCAB, tiny_llama
@@ -55,15 +56,30 @@ def vocabulary_rows(module) -> int | None:
     return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
 
 
-def rank_main(rank: int, world_size: int, port: int, checkpoint: str, backend: str, pp: int, num_layers=None):
+def rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    checkpoint: str,
+    backend: str,
+    pp: int,
+    num_layers=None,
+    attention: str = "sdpa",
+    graphs: bool = False,
+):
+    """`graphs`: the steps over static buffers as CUDA graphs replay them (use_step_graphs without
+    recording, the CPU's stand-in); the ends then report how many graphs the rank recorded."""
     torch.set_num_threads(1)
     group = join_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
-    model = load_sharded_model(ModelSpec(source=checkpoint, num_layers=num_layers), backend, pp)
+    model = load_sharded_model(ModelSpec(source=checkpoint, num_layers=num_layers, attention=attention), backend, pp)
+    step_graphs = use_step_graphs(model, record=False) if graphs else None
     smallest_budget = ControlChannel(group).smallest(10.0 * (rank + 1))  # how the ranks size their pools
     with torch.no_grad():
         # numpy arrays travel by value (a tensor's shared memory would die with this process)
         scored = [(logits.numpy(), paths.numpy()) for logits, paths in steps(model)]
     ends = (vocabulary_rows(model.get_input_embeddings()), vocabulary_rows(model.get_output_embeddings()))
+    if step_graphs is not None:
+        ends = (runner_of(model.model).paged, step_graphs.recorded)
     dist.destroy_process_group()
     return scored, smallest_budget, ends
 
@@ -85,11 +101,13 @@ def fp8_checkpoint(tmp_path_factory):
     return str(path)
 
 
-def sharded_steps(checkpoint: str, backend: str, world_size: int = 2, pp: int = 1, num_layers=None) -> dict:
+def sharded_steps(checkpoint: str, backend: str, world_size: int = 2, pp: int = 1, num_layers=None, **steps_on) -> dict:
     """Each rank's (steps, smallest budget, vocabulary rows of its embedding and LM head) from
     `world_size` processes loading `checkpoint` (its first `num_layers`) sharded: `pp` pipeline
-    stages of world_size / pp tensor-parallel ranks."""
-    outputs = run_local_ranks(world_size, rank_main, checkpoint, backend, pp, num_layers, timeout_s=180)
+    stages of world_size / pp tensor-parallel ranks (`steps_on`: rank_main's attention, graphs)."""
+    outputs = run_local_ranks(
+        world_size, rank_main, checkpoint, backend, pp, num_layers, *steps_on.values(), timeout_s=180
+    )
     return dict(enumerate(outputs))
 
 
@@ -111,6 +129,18 @@ def test_every_rank_of_a_sharded_target_scores_as_one_process(checkpoint, backen
         fresh = reference_model(torch.tensor([committed])).logits[0, -len(SECOND_BLOCK) :]
     assert torch.allclose(reference[1][0], fresh, atol=1e-5)
     assert_every_rank_scores_as(sharded_steps(checkpoint, backend), reference)
+
+
+def test_tensor_parallel_ranks_step_on_the_paged_kernel_and_graphs_static_buffers(checkpoint):
+    """A rank of a tensor-parallel group takes the paged kernel (here under Triton's interpreter) and
+    its steps replay graphs with its collectives inside (on the CPU, eagerly over the graphs' static
+    buffers): every rank scores as one eager process, and all ranks recorded the same graphs."""
+    with torch.no_grad():
+        reference = steps(tiny_llama(seed=3, prepared=False))
+    outputs = sharded_steps(checkpoint, "transformers", attention="paged", graphs=True)
+    assert_every_rank_scores_as(outputs, reference)
+    recorded = {ends for _, _, ends in outputs.values()}
+    assert len(recorded) == 1 and next(iter(recorded))[0] and next(iter(recorded))[1] >= 3, recorded
 
 
 def test_an_fp8_checkpoint_shards_its_fp8_linears_and_scores_as_one_process(fp8_checkpoint):

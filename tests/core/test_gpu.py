@@ -324,3 +324,33 @@ def test_the_paged_attention_kernel_equals_sdpa_and_replays_in_a_cuda_graph(rows
     arguments["seq_lens"].sub_(tokens)  # and shorter rows
     graph.replay()
     torch.testing.assert_close(captured, paged_attention(**arguments), atol=0, rtol=0)
+
+
+def test_a_tensor_parallel_ranks_graphs_hold_its_nccl_collectives(tmp_path):
+    """A rank of a tensor-parallel group (load_sharded_model; here a group of one on NCCL, the
+    card being one) records its steps' graphs with the group's collectives inside: an all-reduce
+    on each layer's attention output, where a row-wise projection's would be. Greedy speculation
+    over its graphs equals the same rank's eager target-only output."""
+    import torch.distributed as dist
+
+    from specdec_core.models.loader import ModelSpec
+    from specdec_core.models.parallel import join_group, load_sharded_model, open_store
+
+    tiny_llama(seed=0, prepared=False).save_pretrained(tmp_path)
+    store = open_store("127.0.0.1", 1, 60)
+    join_group(0, 1, "127.0.0.1", store.port, 60, store=store)
+    try:
+        engines = {}
+        for graphs in (True, False):
+            model = load_sharded_model(ModelSpec(source=str(tmp_path), cuda_graphs=graphs), "transformers")
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.register_forward_hook(lambda _module, _inputs, output: dist.all_reduce(output))
+            engines[graphs] = SpeculativeEngine(model, None, None, profile=lambda *_: tiny_profile())
+        assert runner_of(engines[True].target_model.model).graphs.record
+        assert runner_of(engines[False].target_model.model).graphs is None
+        target_only = engines[False].complete(request("greedy", "none")).token_ids
+        for drafter in ("none", "pld", "none"):  # the first request records, the last replays
+            assert engines[True].complete(request("greedy", drafter)).token_ids == target_only, drafter
+        assert runner_of(engines[True].target_model.model).graphs.recorded > 0
+    finally:
+        dist.destroy_process_group()
