@@ -15,7 +15,7 @@ from ..planning.memory import load_model_config
 from ..runtime.batching import set_kv_cache_dtype
 from ..runtime.compiled_layers import compile_layers
 from ..runtime.compiled_step import compile_step
-from ..runtime.model_runner import runner_of, use_paged_attention, use_step_graphs
+from ..runtime.model_runner import use_paged_attention, use_step_graphs
 from ..runtime.ragged_attention import paged_kernel_misfit
 from .fp8_checkpoint import checkpoint_fp8_scheme
 from .kernels import prepare_model
@@ -165,15 +165,15 @@ def use_step_settings(model: torch.nn.Module, spec: ModelSpec) -> None:
     """What `spec` asks of a loaded (eager, or layer-compiled) model's steps, on every rank alike:
     the paged kernel for short rows, and on CUDA the steps' graphs. A tensor-parallel rank's graphs
     hold its collectives: every rank records and replays the same steps in the same order, as it
-    runs them (vLLM and SGLang capture theirs so). A pipeline stage runs eagerly (its sends and
-    receives between micro-batches)."""
+    runs them (vLLM and SGLang capture theirs so); a pipeline stage's hold a micro-batch's layers,
+    its sends and receives between them (step_graphs.py)."""
     if spec.paged_attention:
         misfit = paged_kernel_misfit(model, spec.kv_cache_dtype)
         if misfit is None:
             use_paged_attention(model)
         elif spec.attention == "paged":  # asked for; auto keeps SDPA
             raise ValueError(f"attention: paged cannot run {spec.source}: {misfit}")
-    if spec.cuda_graphs and model.device.type == "cuda" and runner_of(model.model).stage is None:
+    if spec.cuda_graphs and model.device.type == "cuda":
         use_step_graphs(model)
 
 

@@ -23,6 +23,7 @@ Every rank splits a step alike, since every rank runs the same step."""
 from __future__ import annotations
 
 import itertools
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -89,10 +90,15 @@ class PipelineStage:
     def __call__(self, **kwargs) -> BaseModelOutputWithPast:
         return self.run_each([kwargs])[0]
 
-    def run_each(self, calls: list[dict]) -> list[BaseModelOutputWithPast]:
+    def run_each(
+        self, calls: list[dict], layers: Optional[Callable[[dict], torch.Tensor]] = None
+    ) -> list[BaseModelOutputWithPast]:
         """The forwards of a step's micro-batches (`calls`: each one's keyword arguments), in
         order: each goes on to the next stage as soon as it is computed, and the final hidden
-        states come back to every rank after the last one."""
+        states come back to every rank after the last one. `layers(kwargs)`: a part's hidden
+        states `[1, N_part, H]` through this stage's layers (a graph's replay, step_graphs.py:
+        the sends and receives stay outside it); by default the stage's eager forward."""
+        layers = layers or (lambda kwargs: self.forward(**kwargs).last_hidden_state)
         sends, outputs = [], []
         for kwargs in calls:
             if self.stage > 0:
@@ -102,7 +108,7 @@ class PipelineStage:
                 )
                 passing(dist.recv, received, src=self.previous)
                 kwargs = {**kwargs, "input_ids": None, "inputs_embeds": received}
-            hidden = self.forward(**kwargs).last_hidden_state.contiguous()  # [1, N_part, H]
+            hidden = layers(kwargs).contiguous()  # [1, N_part, H]
             if len(calls) > 1:  # a CUDA graph's output is overwritten by the next part's replay
                 hidden = hidden.clone()
             if self.stage < self.num_stages - 1:

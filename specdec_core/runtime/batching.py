@@ -225,10 +225,10 @@ def run_ragged(
         for part in parts
     ]
     with attention_backends(base_model.device), torch.compiler.set_stance("force_eager" if first else "default"):
-        if graphed:
+        if stage is not None:  # a graph a micro-batch, its sends and receives outside
+            outputs = [output.last_hidden_state for output in stage.run_each(calls, graphs.run if graphed else None)]
+        elif graphed:
             outputs = [graphs.run(calls[0])]
-        elif stage is not None:
-            outputs = [output.last_hidden_state for output in stage.run_each(calls)]
         else:
             outputs = [base_model(**calls[0]).last_hidden_state]
     for cache, length in zip(caches, lengths):

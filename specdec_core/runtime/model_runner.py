@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -23,10 +23,11 @@ class PipelineStepper(Protocol):
     micro-batches, and their forwards run stage by stage."""
 
     num_stages: int
+    forward: Callable[..., Any]  # the stage's own layers (the base model's forward before it became the stage)
 
     def microbatches(self, lengths: Sequence[int]) -> list[range]: ...
 
-    def run_each(self, calls: list[dict]) -> list[Any]: ...
+    def run_each(self, calls: list[dict], layers: Optional[Callable[[dict], torch.Tensor]] = None) -> list[Any]: ...
 
 
 @dataclass(eq=False)
@@ -49,10 +50,9 @@ class ModelRunner:
 
     def use_graphs(self, record: bool = True) -> StepGraphs:
         """From now on the steps a graph covers replay one (`record` False: over the static
-        buffers eagerly, the CPU's stand-in). One rank's whole model only: not a pipeline stage."""
-        if self.stage is not None:
-            raise ValueError("a pipeline stage's step sends and receives between ranks: it runs eagerly")
-        self.graphs = StepGraphs(self.base_model.forward, lambda: self.kept_states, record)
+        buffers eagerly, the CPU's stand-in); a pipeline stage's, one a micro-batch."""
+        forward = self.stage.forward if self.stage is not None else self.base_model.forward
+        self.graphs = StepGraphs(forward, lambda: self.kept_states, record)
         return self.graphs
 
     def drop_graphs(self) -> None:

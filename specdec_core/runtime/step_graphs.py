@@ -9,13 +9,14 @@ to a few buckets, so a bounded set of graphs covers decoding). The pool's storag
 address; where it moves (a growable pool grew) every graph is dropped and recorded again.
 
 Steps that no graph covers run eagerly: a row of more than `ragged_attention.LONG_ROW` new tokens (a
-prompt chunk), a step of more than `GRAPH_MAX_TOKENS`, the first forward (it allocates the pool),
-and pipeline stages (their sends and receives). A rank of a tensor-parallel group records its
-collectives in its graphs: its ranks run the same steps in the same order (their worker's rank 0
-sends them), so they record and replay the same graphs together. A greedy draft chain's later
-forwards are one graph of their own (chained_steps.py), in the same pool. Graphs stay until the pool
-moves: a bucket of keys more per 1,024 tokens of context adds graphs, each holding its static inputs
-(the largest, a 64-row mask, a few MB); the pool's intermediates are shared."""
+prompt chunk), a step of more than `GRAPH_MAX_TOKENS`, and the first forward (it allocates the
+pool). A rank of a tensor-parallel group records its collectives in its graphs: its ranks run the
+same steps in the same order (their worker's rank 0 sends them), so they record and replay the same
+graphs together. A pipeline stage replays a graph a micro-batch, of its own layers; its sends and
+receives run between replays (pipeline.py). A greedy draft chain's later forwards are one graph of
+their own (chained_steps.py), in the same pool. Graphs stay until the pool moves: a bucket of keys
+more per 1,024 tokens of context adds graphs, each holding its static inputs (the largest, a 64-row
+mask, a few MB); the pool's intermediates are shared."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tensor_parallel import assert_every_rank_scores_as, sharded_steps, steps
+from test_tensor_parallel import assert_every_rank_scores_as, assert_every_rank_steps_on_graphs, sharded_steps, steps
 
 from specdec_core.models.loader import ModelSpec
 from specdec_core.models.parallel import join_group, load_sharded_model, run_local_ranks
@@ -24,15 +24,18 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize(("world_size", "pp", "attention"), [(2, 2, "paged"), (4, 2, "sdpa")])
-def test_every_rank_of_a_pipeline_scores_as_one_process(checkpoint, world_size, pp, attention):
-    """A stage's short rows take the paged kernel where asked (here under Triton's interpreter)."""
+@pytest.mark.parametrize(("world_size", "pp", "attention", "graphs"), [(2, 2, "paged", True), (4, 2, "sdpa", False)])
+def test_every_rank_of_a_pipeline_scores_as_one_process(checkpoint, world_size, pp, attention, graphs):
+    """A stage's short rows take the paged kernel where asked (here under Triton's interpreter), and
+    its micro-batches replay graphs of its layers (on the CPU, eagerly over their static buffers)."""
     with torch.no_grad():
         reference = steps(tiny_llama(seed=3, prepared=False, num_layers=3))
-    outputs = sharded_steps(checkpoint, "transformers", world_size, pp, attention=attention)
+    outputs = sharded_steps(checkpoint, "transformers", world_size, pp, attention=attention, graphs=graphs)
     assert_every_rank_scores_as(outputs, reference)
+    if graphs:
+        assert_every_rank_steps_on_graphs(outputs, paged=attention == "paged")
     tp = world_size // pp
-    for rank, (_, _, ends) in outputs.items():
+    for rank, (_, _, ends, _) in outputs.items():
         first = rank < tp
         assert ends == ((TINY_VOCAB, None) if first else (None, TINY_VOCAB // tp)), rank
 

@@ -68,7 +68,8 @@ def rank_main(
     graphs: bool = False,
 ):
     """`graphs`: the steps over static buffers as CUDA graphs replay them (use_step_graphs without
-    recording, the CPU's stand-in); the ends then report how many graphs the rank recorded."""
+    recording, the CPU's stand-in). Returns the steps' (logits, paths), the smallest budget, the
+    vocabulary rows of its ends and (whether it took the paged kernel, graphs recorded or None)."""
     torch.set_num_threads(1)
     group = join_group(rank, world_size, "127.0.0.1", port, timeout_s=120)
     model = load_sharded_model(ModelSpec(source=checkpoint, num_layers=num_layers, attention=attention), backend, pp)
@@ -78,10 +79,9 @@ def rank_main(
         # numpy arrays travel by value (a tensor's shared memory would die with this process)
         scored = [(logits.numpy(), paths.numpy()) for logits, paths in steps(model)]
     ends = (vocabulary_rows(model.get_input_embeddings()), vocabulary_rows(model.get_output_embeddings()))
-    if step_graphs is not None:
-        ends = (runner_of(model.model).paged, step_graphs.recorded)
+    steps_on = (runner_of(model.model).paged, step_graphs.recorded if step_graphs is not None else None)
     dist.destroy_process_group()
-    return scored, smallest_budget, ends
+    return scored, smallest_budget, ends, steps_on
 
 
 @pytest.fixture(scope="module")
@@ -101,18 +101,24 @@ def fp8_checkpoint(tmp_path_factory):
     return str(path)
 
 
-def sharded_steps(checkpoint: str, backend: str, world_size: int = 2, pp: int = 1, num_layers=None, **steps_on) -> dict:
-    """Each rank's (steps, smallest budget, vocabulary rows of its embedding and LM head) from
-    `world_size` processes loading `checkpoint` (its first `num_layers`) sharded: `pp` pipeline
-    stages of world_size / pp tensor-parallel ranks (`steps_on`: rank_main's attention, graphs)."""
-    outputs = run_local_ranks(
-        world_size, rank_main, checkpoint, backend, pp, num_layers, *steps_on.values(), timeout_s=180
-    )
+def sharded_steps(
+    checkpoint: str,
+    backend: str,
+    world_size: int = 2,
+    pp: int = 1,
+    num_layers=None,
+    attention: str = "sdpa",
+    graphs: bool = False,
+) -> dict:
+    """Each rank's rank_main outcome from `world_size` processes loading `checkpoint` (its first
+    `num_layers`) sharded: `pp` pipeline stages of world_size / pp tensor-parallel ranks."""
+    arguments = (checkpoint, backend, pp, num_layers, attention, graphs)
+    outputs = run_local_ranks(world_size, rank_main, *arguments, timeout_s=180)
     return dict(enumerate(outputs))
 
 
 def assert_every_rank_scores_as(outputs: dict, reference) -> None:
-    for rank, (rank_steps, smallest_budget, _) in outputs.items():
+    for rank, (rank_steps, smallest_budget, *_) in outputs.items():
         assert smallest_budget == 10.0
         for (logits, paths), (want_logits, want_paths) in zip(rank_steps, reference):
             assert (torch.from_numpy(logits) - want_logits).abs().max() < 1e-5, rank
@@ -139,8 +145,15 @@ def test_tensor_parallel_ranks_step_on_the_paged_kernel_and_graphs_static_buffer
         reference = steps(tiny_llama(seed=3, prepared=False))
     outputs = sharded_steps(checkpoint, "transformers", attention="paged", graphs=True)
     assert_every_rank_scores_as(outputs, reference)
-    recorded = {ends for _, _, ends in outputs.values()}
-    assert len(recorded) == 1 and next(iter(recorded))[0] and next(iter(recorded))[1] >= 3, recorded
+    assert_every_rank_steps_on_graphs(outputs, paged=True)
+
+
+def assert_every_rank_steps_on_graphs(outputs: dict, paged: bool) -> None:
+    """Every rank took the paged kernel or not, and recorded the same number of graphs (several)."""
+    steps_on = {steps_on for *_, steps_on in outputs.values()}
+    assert len(steps_on) == 1, steps_on
+    took_paged, recorded = steps_on.pop()
+    assert took_paged == paged and recorded >= 3, (took_paged, recorded)
 
 
 def test_an_fp8_checkpoint_shards_its_fp8_linears_and_scores_as_one_process(fp8_checkpoint):
@@ -151,7 +164,7 @@ def test_an_fp8_checkpoint_shards_its_fp8_linears_and_scores_as_one_process(fp8_
     outputs = sharded_steps(fp8_checkpoint, "transformers")
     assert_every_rank_scores_as(outputs, reference)
     # the embedding whole on each rank, the (untied) LM head split over the vocabulary
-    assert {ends for _, _, ends in outputs.values()} == {(TINY_VOCAB, TINY_VOCAB // 2)}
+    assert {ends for _, _, ends, _ in outputs.values()} == {(TINY_VOCAB, TINY_VOCAB // 2)}
 
 
 def test_a_model_splits_only_over_a_divisor_of_its_heads():
