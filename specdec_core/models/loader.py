@@ -165,8 +165,8 @@ def use_step_settings(model: torch.nn.Module, spec: ModelSpec) -> None:
     """What `spec` asks of a loaded (eager, or layer-compiled) model's steps, on every rank alike:
     the paged kernel for short rows, and on CUDA the steps' graphs. A tensor-parallel rank's graphs
     hold its collectives: every rank records and replays the same steps in the same order, as it
-    runs them (vLLM and SGLang capture theirs so); a pipeline stage's hold a micro-batch's layers,
-    its sends and receives between them (step_graphs.py)."""
+    runs them; a pipeline stage's hold a micro-batch's layers, its sends and receives between
+    them (step_graphs.py, docs/architecture.md)."""
     if spec.paged_attention:
         misfit = paged_kernel_misfit(model, spec.kv_cache_dtype)
         if misfit is None:

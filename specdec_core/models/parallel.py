@@ -17,6 +17,7 @@ pipeline stages (pipeline.py), or an FP8 checkpoint, each rank reads its part it
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import sys
@@ -32,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ..planning.memory import shard_problem
 from ..runtime.batching import set_kv_cache_dtype
 from ..runtime.compiled_step import compile_step
+from ..runtime.model_runner import runner_of
 from .fp8_checkpoint import checkpoint_fp8_scheme
 from .loader import DTYPES, ModelSpec, truncate_layers, use_step_settings
 from .pipeline import make_stage, stage_layers
@@ -58,6 +60,17 @@ def join_group(rank: int, world_size: int, store_host: str, store_port: int, tim
         backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+
+def leave_group(*models: torch.nn.Module) -> None:
+    """Destroy the process group, `models`' CUDA graphs first: NCCL's teardown waits for every graph
+    that captured one of its collectives to be freed (pytorch#115388)."""
+    for model in models:
+        runner_of(model.model).drop_graphs()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.destroy_process_group()
 
 
 def run_local_ranks(world_size: int, main: Callable[..., Any], *args: Any, timeout_s: float = 600) -> list:
@@ -132,6 +145,7 @@ def load_sharded_model(spec: ModelSpec, backend: TpBackend, pp_size: int = 1) ->
         if spec.num_layers is not None:
             truncate_layers(model, spec.num_layers)
     set_kv_cache_dtype(model, spec.kv_cache_dtype)
+    runner_of(model.model).tp_ranks = tp
     if spec.compile:
         compile_step(model)
     else:

@@ -42,6 +42,7 @@ def chains_in_one_graph(base_model: torch.nn.Module, rows: int) -> bool:
         graphs is not None
         and runner.paged
         and runner.stage is None
+        and runner.tp_ranks == 1  # an LM head split over ranks gathers through DTensor: not captured
         and not runner.kept_layers
         and pool is not None
         and pool.keys is not None

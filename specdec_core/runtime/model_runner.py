@@ -38,7 +38,8 @@ class ModelRunner:
     padded: bool = False  # a compiled step: every size padded to its bucket (batching.padded_size)
     paged: bool = False  # short rows attend with the paged kernel (kernels/paged_attention.py)
     graphs: Optional[StepGraphs] = None  # None: every step eager
-    stage: Optional[PipelineStepper] = None  # None: the whole model on this rank
+    stage: Optional[PipelineStepper] = None  # None: every layer on this rank
+    tp_ranks: int = 1  # the tensor-parallel ranks each layer is split over
     kept_layers: Optional[tuple[int, ...]] = None  # the decoder layers whose inputs each forward keeps
     kept_states: dict[int, torch.Tensor] = field(default_factory=dict)  # [1, N, H] each, the last forward's
 

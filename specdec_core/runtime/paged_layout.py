@@ -5,7 +5,9 @@ slot each writes. Built on the host once a step (batching.step_layout), from pla
 tables was most of a step's layout; each tensor here is one buffer handed to torch whole.
 
 Padded for a CUDA graph, every size rounds up to its bucket and the padding tokens form one more
-row of no keys (the kernel gives them 0), so the tensors' shapes take a bounded set of values.
+row of no keys (the kernel gives them 0), so the tensors' shapes take a bounded set of values; the
+block tables' width, a power of two, so that a growing context changes a step's graph each time it
+doubles, not each 1,024 tokens (vLLM's tables take the longest context's width, always).
 
 Vocabulary: B rows (B_p padded), N new tokens (N_p), Q the most of a row (Q_p), `blocks` columns
 of block tables."""
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import array
 import itertools
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -26,7 +28,7 @@ from .ragged_attention import PagedRows, StepLayout, on_device
 TYPECODES = {torch.int64: "q", torch.int32: "i"}
 
 
-def host_tensor(values: Sequence[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def host_tensor(values: Iterable[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A 1-d tensor of `values`, through one buffer (not element by element)."""
     buffer = array.array(TYPECODES[dtype], values)
     if not buffer:  # torch.frombuffer refuses an empty buffer
@@ -54,12 +56,15 @@ def paged_layout(
     num_rows, tokens = (pad(rows + 1), pad(num_tokens)) if padded else (rows, num_tokens)
     # [B_p] new tokens a row; padded, the padding tokens are one more row, of no keys
     counts = [*lengths, *([tokens - num_tokens] if padded else []), *[0] * (num_rows - rows - padded)]
-    num_blocks = blocks_for(pad(max(totals) + ahead), size)
-    # [B_p, blocks]; a shorter row's padding names block 0, past its keys
-    tables = [
-        block for cache in caches for block in (*cache.table[:num_blocks], *[0] * (num_blocks - len(cache.table)))
-    ]
-    block_tables = host_tensor(tables + [0] * ((num_rows - rows) * num_blocks), torch.int32)
+    num_blocks = blocks_for(max(totals) + ahead, size)
+    if padded:  # the kernel reads a row's keys only: wider costs bytes, not work
+        num_blocks = 1 << (num_blocks - 1).bit_length()
+    # [B_p, blocks] each row's blocks, then block 0 (past its keys)
+    held = host_tensor([min(len(cache.table), num_blocks) for cache in caches])  # [B]
+    block_tables = torch.zeros(num_rows, num_blocks, dtype=torch.int32)
+    block_tables[:rows][torch.arange(num_blocks) < held[:, None]] = host_tensor(
+        itertools.chain.from_iterable(cache.table[:num_blocks] for cache in caches), torch.int32
+    )
     # [N_p] each new token's slot: its row's block at its position; a padding token's, the scratch block's
     write_slots = [
         cache.table[position // size] * size + position % size
@@ -76,7 +81,7 @@ def paged_layout(
             width = tree.num_nodes + 1
             new_mask[starts[row] : starts[row] + width, :width] = tree.attention_mask
     rows_read = PagedRows(
-        on_device(block_tables.view(num_rows, num_blocks), device),
+        on_device(block_tables, device),
         on_device(host_tensor([*totals, *[0] * (num_rows - rows)], torch.int32), device),  # [B_p] keys a row
         on_device(host_tensor(starts, torch.int32), device),
         on_device(new_mask, device, torch.int8),

@@ -15,8 +15,9 @@ same steps in the same order (their worker's rank 0 sends them), so they record 
 graphs together. A pipeline stage replays a graph a micro-batch, of its own layers; its sends and
 receives run between replays (pipeline.py). A greedy draft chain's later forwards are one graph of
 their own (chained_steps.py), in the same pool. Graphs stay until the pool moves: a bucket of keys
-more per 1,024 tokens of context adds graphs, each holding its static inputs (the largest, a 64-row
-mask, a few MB); the pool's intermediates are shared."""
+more per 1,024 tokens of context adds graphs (on the paged kernel, a doubling: paged_layout.py),
+each holding its static inputs (the largest, a 64-row mask, a few MB); the pool's intermediates are
+shared."""
 
 from __future__ import annotations
 

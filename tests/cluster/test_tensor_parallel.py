@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from deployments.workers.tensor_parallel import ControlChannel
 from specdec_core.api.sampling import SamplingParams
 from specdec_core.models.loader import ModelSpec, load_model
-from specdec_core.models.parallel import join_group, load_sharded_model, run_local_ranks, shard_problem
+from specdec_core.models.parallel import join_group, leave_group, load_sharded_model, run_local_ranks, shard_problem
 from specdec_core.policies import make_policy
 from specdec_core.runtime.model_runner import runner_of, use_step_graphs
 from specdec_core.target.scorer import Row, TargetScorer, forward_rows
@@ -80,7 +79,7 @@ def rank_main(
         scored = [(logits.numpy(), paths.numpy()) for logits, paths in steps(model)]
     ends = (vocabulary_rows(model.get_input_embeddings()), vocabulary_rows(model.get_output_embeddings()))
     steps_on = (runner_of(model.model).paged, step_graphs.recorded if step_graphs is not None else None)
-    dist.destroy_process_group()
+    leave_group(model)
     return scored, smallest_budget, ends, steps_on
 
 

@@ -268,3 +268,28 @@ def test_the_paged_layout_writes_where_sdpas_does_and_describes_each_row(padded:
     start = sum(lengths[:2])
     assert torch.equal(rows.new_mask[:5, :5].bool(), torch.ones(5, 5).tril().bool())
     assert torch.equal(rows.new_mask[start : start + lengths[2], : lengths[2]].bool(), tree.attention_mask)
+
+
+def test_a_padded_paged_layouts_block_tables_widen_only_as_the_context_doubles():
+    """A graphed step's block tables are a power of two blocks wide (a graph a width): one
+    session's context from 1 to 4,096 positions meets 9 widths, where its keys' 1,024-token buckets
+    would add one for each 1,024 more. Each row lists its blocks, then block 0."""
+    from specdec_core.runtime.batching import step_layout
+    from specdec_core.runtime.kv_pool import BLOCK_SIZE, KVPool, PagedKV
+
+    pool = KVPool(num_layers=1, num_blocks=300, growable=False)
+    growing, short = PagedKV(), PagedKV()
+    short.reserve(pool, 3)
+    short.advance(3)
+    widths = set()
+    for length in range(1, 4096, 13):
+        growing.reserve(pool, length)
+        growing.advance(length - growing.length)
+        tables = step_layout(pool, [growing, short], [1, 1], [None, None], "cpu", padded=True, paged=True)
+        tables = tables.paged.block_tables  # [B_p, blocks]
+        widths.add(tables.shape[1])
+        assert tables.shape[1] >= -(-(length + 1) // BLOCK_SIZE)
+        for row, cache in enumerate((growing, short)):
+            assert tables[row].tolist() == cache.table + [0] * (tables.shape[1] - len(cache.table))
+        assert not tables[2:].any()
+    assert widths == {1 << power for power in range(9)}

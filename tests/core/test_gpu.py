@@ -334,13 +334,13 @@ def test_a_tensor_parallel_ranks_graphs_hold_its_nccl_collectives(tmp_path):
     import torch.distributed as dist
 
     from specdec_core.models.loader import ModelSpec
-    from specdec_core.models.parallel import join_group, load_sharded_model, open_store
+    from specdec_core.models.parallel import join_group, leave_group, load_sharded_model, open_store
 
     tiny_llama(seed=0, prepared=False).save_pretrained(tmp_path)
     store = open_store("127.0.0.1", 1, 60)
     join_group(0, 1, "127.0.0.1", store.port, 60, store=store)
+    engines = {}
     try:
-        engines = {}
         for graphs in (True, False):
             model = load_sharded_model(ModelSpec(source=str(tmp_path), cuda_graphs=graphs), "transformers")
             for layer in model.model.layers:
@@ -353,4 +353,4 @@ def test_a_tensor_parallel_ranks_graphs_hold_its_nccl_collectives(tmp_path):
             assert engines[True].complete(request("greedy", drafter)).token_ids == target_only, drafter
         assert runner_of(engines[True].target_model.model).graphs.recorded > 0
     finally:
-        dist.destroy_process_group()
+        leave_group(*(engine.target_model for engine in engines.values()))

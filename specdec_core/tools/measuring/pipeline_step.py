@@ -12,12 +12,11 @@ import statistics
 import sys
 
 import torch
-import torch.distributed as dist
 import typer
 
 from ...models.kernels.cpu import configure_cpu
 from ...models.loader import ModelSpec, load_model
-from ...models.parallel import join_group, load_sharded_model, run_local_ranks
+from ...models.parallel import join_group, leave_group, load_sharded_model, run_local_ranks
 from ...runtime.model_runner import runner_of
 from ...target.scorer import forward_rows
 from ..cli_common import TargetDtypeOpt, TargetOpt, fail, print_table
@@ -66,7 +65,7 @@ def rank_main(rank: int, world_size: int, port: int, spec: ModelSpec, pp: int, o
     # one rank: the model as a single-process worker loads it (its own kernels)
     model = load_sharded_model(spec, "transformers", pp) if world_size > 1 else load_model(spec)
     timings = time_steps(model, **options)
-    dist.destroy_process_group()
+    leave_group(model)
     return timings
 
 
