@@ -16,18 +16,24 @@ _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64
 
 
 def tensor_to_proto(tensor: torch.Tensor) -> pb.Tensor:
+    """bf16 (a GPU target's logits) travels as its two bytes an entry (numpy has no bf16), half
+    of float32's: a sampled request's rows are whole, [K + 1, V] a step."""
     tensor = tensor.detach().cpu().contiguous()
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.float()
     dtype = str(tensor.dtype).removeprefix("torch.")
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
     return pb.Tensor(dtype=dtype, shape=list(tensor.shape), data=tensor.numpy().tobytes())
 
 
 def tensor_from_proto(message: pb.Tensor) -> torch.Tensor:
-    if message.dtype not in _NUMPY_DTYPES:
+    """The tensor sent; bf16 arrives as float32 (exactly: every bf16 is a float32), which the
+    host's policies compute in."""
+    bf16 = message.dtype == "bfloat16"
+    if message.dtype not in _NUMPY_DTYPES and not bf16:
         raise ValueError(f"unsupported tensor dtype on the wire: {message.dtype!r}")
-    array = np.frombuffer(message.data, dtype=_NUMPY_DTYPES[message.dtype]).reshape(tuple(message.shape))
-    return torch.from_numpy(array.copy())
+    numpy_dtype = np.int16 if bf16 else _NUMPY_DTYPES[message.dtype]
+    tensor = torch.from_numpy(np.frombuffer(message.data, dtype=numpy_dtype).reshape(tuple(message.shape)).copy())
+    return tensor.view(torch.bfloat16).float() if bf16 else tensor
 
 
 def sampling_to_proto(sampling: SamplingParams) -> pb.Sampling:

@@ -1,0 +1,39 @@
+"""Tensors on the wire (deployments/coordination/wire.py): every dtype round-trips exactly; bf16
+travels in its own two bytes an entry and arrives as float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deployments.coordination.wire import tensor_from_proto, tensor_to_proto
+from protos import specdec_pb2 as pb
+
+
+def through_the_wire(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`tensor` after encoding, serializing, parsing and decoding; and its message's data bytes."""
+    message = pb.Tensor()
+    message.ParseFromString(tensor_to_proto(tensor).SerializeToString())
+    return tensor_from_proto(message), len(message.data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64, torch.int32, torch.bool])
+def test_a_tensor_round_trips_exactly(dtype):
+    tensor = (torch.randn(3, 5, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
+    received, size = through_the_wire(tensor)
+    assert received.dtype == dtype and torch.equal(received, tensor)
+    assert size == tensor.numel() * tensor.element_size()
+
+
+def test_bf16_rows_travel_in_two_bytes_and_arrive_as_their_float32_values():
+    """A GPU target's bf16 logits, extremes included: half of float32's bytes, the same values."""
+    rows = torch.randn(9, 1000, generator=torch.Generator().manual_seed(1)).mul(30).to(torch.bfloat16)
+    rows[0, :4] = torch.tensor([float("-inf"), float("inf"), 3.3895e38, -1e-38])
+    received, size = through_the_wire(rows)
+    assert size == rows.numel() * 2
+    assert received.dtype == torch.float32 and torch.equal(received, rows.float())
+
+
+def test_an_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="unsupported tensor dtype"):
+        tensor_from_proto(pb.Tensor(dtype="complex64", shape=[1], data=b"\0" * 8))
