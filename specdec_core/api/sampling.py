@@ -124,13 +124,32 @@ def warp_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = nucleus(logits, sampling.top_p)
     return logits
+
+
+# on the CPU, where a server's host decides sampled verdicts over whole rows, the nucleus is looked
+# for among a row's top entries first: sorting 9 rows of a 128k vocabulary took 120 ms there
+NUCLEUS_CANDIDATES = (256, 4096)
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`logits [..., V]` with each token outside its row's top-p nucleus at -inf: a token is dropped
+    when the mass strictly before it, in descending order, already reaches top_p (keeps >= 1). On
+    the CPU the first candidate count whose entries hold top_p of every row's mass decides (the
+    same sums as a full sort's prefix), else a full sort; on a device, a full sort (a check
+    would read back)."""
+    vocab_size = logits.shape[-1]
+    log_total = logits.logsumexp(-1, keepdim=True)  # [..., 1]
+    counts = [count for count in NUCLEUS_CANDIDATES if count < vocab_size] if logits.device.type == "cpu" else []
+    for count in (*counts, vocab_size):
+        top, order = torch.topk(logits, count, dim=-1)  # [..., count] descending (count = V: sorted)
+        probs = (top - log_total).exp()
+        before = probs.cumsum(-1) - probs  # [..., count] the mass strictly before each
+        if count < vocab_size and not bool((before[..., -1] + probs[..., -1] >= top_p).all()):
+            continue  # a row's nucleus reaches past these candidates
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, before < top_p)
+        return logits.masked_fill(~keep, float("-inf"))
 
 
 def sampling_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

@@ -1,0 +1,53 @@
+"""The warp's top-p (api/sampling.py `nucleus`): looked for among a row's top entries on the CPU,
+it keeps exactly what a sort of the whole vocabulary keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_core.api import sampling
+from specdec_core.api.sampling import SamplingParams, nucleus, warp_logits
+
+VOCAB = 10_000  # past both candidate counts (256, 4,096)
+
+
+def rows(scales: list[float], seed: int = 0) -> torch.Tensor:
+    """`[len(scales), VOCAB]` logits, sharper the larger the scale. A row's nucleus at top_p 0.5,
+    0.9, 0.99: at scale 8, 1, 3 and 7 tokens; at 2, 162, 2,135 and 6,090; at 0.5, 3,070, 7,830
+    and 9,664 (so every candidate count decides some case, and the full sort others)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randn(VOCAB, generator=generator) * scale for scale in scales])
+
+
+def sorted_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The rule by a sort of every row's whole vocabulary, the reference."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(-1)
+    drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+    return logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+
+
+@pytest.mark.parametrize("scales", [[8.0, 8.0], [8.0, 2.0], [2.0, 2.0], [8.0, 0.5], [0.5]])
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_the_nucleus_among_the_top_entries_is_the_whole_sorts(scales, top_p, monkeypatch):
+    """Whichever candidate count decides (the sharpest row's, or a full sort where one row is flat),
+    the kept tokens are the sort's, bit for bit, and the nucleus is minimal: its mass reaches top_p
+    and without its least likely token it does not."""
+    logits = rows(scales)
+    kept = nucleus(logits, top_p)
+    assert torch.equal(kept, sorted_nucleus(logits, top_p))
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", ())
+    assert torch.equal(kept, nucleus(logits, top_p))
+    probs = logits.softmax(-1)
+    for row, kept_row in zip(probs, kept):
+        mass = row[kept_row.isfinite()]
+        assert mass.sum() >= top_p - 1e-6 and mass.sum() - mass.min() < top_p
+
+
+def test_the_warp_applies_the_nucleus_after_temperature_and_top_k():
+    logits = rows([4.0, 1.0], seed=3)
+    warp = SamplingParams(temperature=0.7, top_k=300, top_p=0.8)
+    expected = logits / 0.7
+    expected = expected.masked_fill(expected < expected.topk(300).values[:, -1:], float("-inf"))
+    assert torch.equal(warp_logits(logits, warp), sorted_nucleus(expected, 0.8))
