@@ -1,5 +1,6 @@
 """The `specdec` commands that check a running service (or its start and redeploys) from outside:
-`probe`, `clients-check`, `start-check`, `rollout-check`, `drain-check` (deployments/checks/ does the work).
+`probe`, `clients-check`, `start-check`, `rollout-check`, `drain-check`, and `served-rows`, the host's cost of a
+sampled request's rows (deployments/checks/ does the work).
 deployments/cli.py imports this module, which adds them to the app."""
 
 from __future__ import annotations
@@ -234,3 +235,29 @@ def drain_check(
         console.print(failure, style="red", markup=False)
     if drain.streams["cut"] or drain.streams["hung"]:
         raise typer.Exit(1)
+
+
+@app.command("served-rows", rich_help_panel=SERVE)
+def served_rows(
+    target: str = typer.Option("embedded:smollm2-135m-instruct", "--target", help="whose rows"),
+    num_rows: int = typer.Option(9, "--rows", min=1, help="rows a request's step sends: K + 1"),
+    vocab: int = typer.Option(0, "--vocab", min=0, help="pad the rows to this vocabulary's size (128256: Llama 3)"),
+    temperature: float = typer.Option(0.8, "--temperature", min=0.01),
+    top_p: float = typer.Option(0.9, "--top-p", min=0.01, max=1.0),
+    repeats: int = typer.Option(20, "--repeats", min=1),
+):
+    """Per request and step, what a sampled verdict's whole target rows cost the server's host:
+    their bytes and wire time as float32 and as bf16 (a GPU target's), and their warp's."""
+    import torch
+
+    from specdec_core.models.loader import ModelSpec, load_model, load_tokenizer
+    from specdec_core.tools.cli_common import print_table
+
+    from .checks.served_rows import row_costs, target_rows
+
+    torch.set_num_threads(1)
+    spec = ModelSpec(source=target)
+    rows = target_rows(load_model(spec), load_tokenizer(spec), num_rows, vocab)
+    console.print(f"{num_rows} rows of {rows.shape[-1]} tokens, T {temperature}, top_p {top_p}; ms, medians")
+    columns = ["dtype", "MB", "wire ms", "warp ms", "warp ms, full sort", "nucleus tokens"]
+    print_table(row_costs(rows, temperature, top_p, repeats), columns, left=("dtype",))

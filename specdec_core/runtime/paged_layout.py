@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import array
 import itertools
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ from .ragged_attention import PagedRows, StepLayout, on_device
 TYPECODES = {torch.int64: "q", torch.int32: "i"}
 
 
-def host_tensor(values: Iterable[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def host_tensor(values: Sequence[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A 1-d tensor of `values`, through one buffer (not element by element)."""
     buffer = array.array(TYPECODES[dtype], values)
     if not buffer:  # torch.frombuffer refuses an empty buffer
@@ -59,12 +59,15 @@ def paged_layout(
     num_blocks = blocks_for(max(totals) + ahead, size)
     if padded:  # the kernel reads a row's keys only: wider costs bytes, not work
         num_blocks = 1 << (num_blocks - 1).bit_length()
-    # [B_p, blocks] each row's blocks, then block 0 (past its keys)
-    held = host_tensor([min(len(cache.table), num_blocks) for cache in caches])  # [B]
-    block_tables = torch.zeros(num_rows, num_blocks, dtype=torch.int32)
-    block_tables[:rows][torch.arange(num_blocks) < held[:, None]] = host_tensor(
-        itertools.chain.from_iterable(cache.table[:num_blocks] for cache in caches), torch.int32
-    )
+    # [B_p, blocks] each row's blocks, then block 0 (past its keys): one buffer, filled row by row
+    tables = array.array(TYPECODES[torch.int32])
+    zeros = memoryview(bytes(tables.itemsize * num_blocks))
+    for cache in caches:
+        blocks = cache.table[:num_blocks]
+        tables.fromlist(blocks)
+        tables.frombytes(zeros[: tables.itemsize * (num_blocks - len(blocks))])
+    tables.frombytes(bytes(tables.itemsize * num_blocks * (num_rows - rows)))
+    block_tables = torch.frombuffer(tables, dtype=torch.int32).view(num_rows, num_blocks)
     # [N_p] each new token's slot: its row's block at its position; a padding token's, the scratch block's
     write_slots = [
         cache.table[position // size] * size + position % size

@@ -37,3 +37,17 @@ def test_bf16_rows_travel_in_two_bytes_and_arrive_as_their_float32_values():
 def test_an_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="unsupported tensor dtype"):
         tensor_from_proto(pb.Tensor(dtype="complex64", shape=[1], data=b"\0" * 8))
+
+
+def test_served_rows_costs_each_wire_dtype_and_both_warps():
+    """`specdec served-rows`'s table (timings are reported, not checked): bf16 takes half the
+    bytes, and the nucleus is reported as the warp keeps it."""
+    from deployments.checks.served_rows import row_costs
+
+    rows = torch.randn(9, 5000, generator=torch.Generator().manual_seed(2)) * 6
+    costs = row_costs(rows, temperature=0.8, top_p=0.9, repeats=1)
+    assert [cost["dtype"] for cost in costs] == ["float32", "bfloat16"]
+    assert costs[0]["MB"] == round(9 * 5000 * 4 / 1e6, 2) and costs[1]["MB"] == round(9 * 5000 * 2 / 1e6, 2)
+    assert {"wire ms", "warp ms", "warp ms, full sort"} <= costs[0].keys()
+    low, high = map(int, costs[0]["nucleus tokens"].split("-"))
+    assert 1 <= low <= high < 256
