@@ -136,9 +136,9 @@ NUCLEUS_CANDIDATES = (256, 4096)
 def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """`logits [..., V]` with each token outside its row's top-p nucleus at -inf: a token is dropped
     when the mass strictly before it, in descending order, already reaches top_p (keeps >= 1). On
-    the CPU the first candidate count whose entries hold top_p of every row's mass decides (the
-    same sums as a full sort's prefix), else a full sort; on a device, a full sort (a check
-    would read back)."""
+    the CPU the first candidate count whose last entry every row drops decides: the same prefix
+    sums as a full sort's, so the same tokens kept; else a full sort. On a device, a full sort (a
+    check would read back)."""
     vocab_size = logits.shape[-1]
     log_total = logits.logsumexp(-1, keepdim=True)  # [..., 1]
     counts = [count for count in NUCLEUS_CANDIDATES if count < vocab_size] if logits.device.type == "cpu" else []
@@ -146,8 +146,8 @@ def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         top, order = torch.topk(logits, count, dim=-1)  # [..., count] descending (count = V: sorted)
         probs = (top - log_total).exp()
         before = probs.cumsum(-1) - probs  # [..., count] the mass strictly before each
-        if count < vocab_size and not bool((before[..., -1] + probs[..., -1] >= top_p).all()):
-            continue  # a row's nucleus reaches past these candidates
+        if count < vocab_size and not bool((before[..., -1] >= top_p).all()):
+            continue  # a row keeps its last candidate: its nucleus may reach past them
         keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, before < top_p)
         return logits.masked_fill(~keep, float("-inf"))
 

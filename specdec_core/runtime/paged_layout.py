@@ -67,7 +67,9 @@ def paged_layout(
         tables.fromlist(blocks)
         tables.frombytes(zeros[: tables.itemsize * (num_blocks - len(blocks))])
     tables.frombytes(bytes(tables.itemsize * num_blocks * (num_rows - rows)))
-    block_tables = torch.frombuffer(tables, dtype=torch.int32).view(num_rows, num_blocks)
+    block_tables = (torch.frombuffer(tables, dtype=torch.int32) if tables else torch.zeros(0, dtype=torch.int32)).view(
+        num_rows, num_blocks
+    )
     # [N_p] each new token's slot: its row's block at its position; a padding token's, the scratch block's
     write_slots = [
         cache.table[position // size] * size + position % size

@@ -16,8 +16,8 @@ graphs together. A pipeline stage replays a graph a micro-batch, of its own laye
 receives run between replays (pipeline.py). A greedy draft chain's later forwards are one graph of
 their own (chained_steps.py), in the same pool. Graphs stay until the pool moves: a bucket of keys
 more per 1,024 tokens of context adds graphs (on the paged kernel, a doubling: paged_layout.py),
-each holding its static inputs (the largest, a 64-row mask, a few MB); the pool's intermediates are
-shared."""
+each holding its static inputs (on SDPA the largest, a 64-row mask, a few MB; on the paged kernel
+the block tables, 8 MB at 64 rows of 128k positions); the pool's intermediates are shared."""
 
 from __future__ import annotations
 
