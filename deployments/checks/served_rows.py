@@ -8,7 +8,6 @@ the model's, the sizes are the larger vocabulary's)."""
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable
 
 import torch
@@ -16,6 +15,7 @@ import torch
 from protos import specdec_pb2 as pb
 from specdec_core.api import sampling
 from specdec_core.api.sampling import SamplingParams, warp_logits
+from specdec_core.tools.measuring.device_clock import seconds_per_call
 
 from ..coordination.wire import tensor_from_proto, tensor_to_proto
 
@@ -37,16 +37,13 @@ def target_rows(model, tokenizer, num_rows: int, vocab: int) -> torch.Tensor:
 
 
 def median_ms(call: Callable[[], object], repeats: int) -> float:
+    """The median of `repeats` timed calls, after one untimed."""
     call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e3, 2)
+    return round(statistics.median(seconds_per_call(call, warm_up=False) for _ in range(repeats)) * 1e3, 2)
 
 
 def through_the_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` after encoding, serializing, parsing and decoding, as a worker's reply takes it."""
     received = pb.Tensor()
     received.ParseFromString(tensor_to_proto(tensor).SerializeToString())
     return tensor_from_proto(received)

@@ -30,7 +30,11 @@ TYPECODES = {torch.int64: "q", torch.int32: "i"}
 
 def host_tensor(values: Sequence[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A 1-d tensor of `values`, through one buffer (not element by element)."""
-    buffer = array.array(TYPECODES[dtype], values)
+    return buffer_tensor(array.array(TYPECODES[dtype], values), dtype)
+
+
+def buffer_tensor(buffer: array.array, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-d tensor over `buffer`'s memory (of `dtype`'s typecode), not copied."""
     if not buffer:  # torch.frombuffer refuses an empty buffer
         return torch.zeros(0, dtype=dtype)
     return torch.frombuffer(buffer, dtype=dtype)
@@ -67,9 +71,7 @@ def paged_layout(
         tables.fromlist(blocks)
         tables.frombytes(zeros[: tables.itemsize * (num_blocks - len(blocks))])
     tables.frombytes(bytes(tables.itemsize * num_blocks * (num_rows - rows)))
-    block_tables = (torch.frombuffer(tables, dtype=torch.int32) if tables else torch.zeros(0, dtype=torch.int32)).view(
-        num_rows, num_blocks
-    )
+    block_tables = buffer_tensor(tables, torch.int32).view(num_rows, num_blocks)
     # [N_p] each new token's slot: its row's block at its position; a padding token's, the scratch block's
     write_slots = [
         cache.table[position // size] * size + position % size

@@ -6,15 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deployments.checks import served_rows
 from deployments.coordination.wire import tensor_from_proto, tensor_to_proto
 from protos import specdec_pb2 as pb
 
 
 def through_the_wire(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """`tensor` after encoding, serializing, parsing and decoding; and its message's data bytes."""
-    message = pb.Tensor()
-    message.ParseFromString(tensor_to_proto(tensor).SerializeToString())
-    return tensor_from_proto(message), len(message.data)
+    """`tensor` after the wire (served_rows.through_the_wire), and its message's data bytes."""
+    return served_rows.through_the_wire(tensor), len(tensor_to_proto(tensor).data)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64, torch.int32, torch.bool])
@@ -42,10 +41,8 @@ def test_an_unknown_dtype_is_refused():
 def test_served_rows_costs_each_wire_dtype_and_both_warps():
     """`specdec served-rows`'s table (timings are reported, not checked): bf16 takes half the
     bytes, and the nucleus is reported as the warp keeps it."""
-    from deployments.checks.served_rows import row_costs
-
     rows = torch.randn(9, 5000, generator=torch.Generator().manual_seed(2)) * 6
-    costs = row_costs(rows, temperature=0.8, top_p=0.9, repeats=1)
+    costs = served_rows.row_costs(rows, temperature=0.8, top_p=0.9, repeats=1)
     assert [cost["dtype"] for cost in costs] == ["float32", "bfloat16"]
     assert costs[0]["MB"] == round(9 * 5000 * 4 / 1e6, 2) and costs[1]["MB"] == round(9 * 5000 * 2 / 1e6, 2)
     assert {"wire ms", "warp ms", "warp ms, full sort"} <= costs[0].keys()
