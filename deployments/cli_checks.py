@@ -245,15 +245,18 @@ def served_rows(
     temperature: float = typer.Option(0.8, "--temperature", min=0.01),
     top_p: float = typer.Option(0.9, "--top-p", min=0.01, max=1.0),
     repeats: int = typer.Option(20, "--repeats", min=1),
+    sessions: str = typer.Option("1,16,64", "--sessions", help="comma list: sampled sessions a step decides"),
 ):
     """Per request and step, what a sampled verdict's whole target rows cost the server's host:
-    their bytes and wire time as float32 and as bf16 (a GPU target's), and their warp's."""
+    their bytes and wire time as float32 and as bf16 (a GPU target's), and their warp's; then a
+    step's verdicts at each of `--sessions`, decided on the server from rows, against on the target
+    beside them (which sends verdicts only)."""
     import torch
 
     from specdec_core.models.loader import ModelSpec, load_model, load_tokenizer
     from specdec_core.tools.cli_common import print_table
 
-    from .checks.served_rows import row_costs, target_rows
+    from .checks.served_rows import row_costs, step_costs, target_rows
 
     torch.set_num_threads(1)
     spec = ModelSpec(source=target)
@@ -261,3 +264,6 @@ def served_rows(
     console.print(f"{num_rows} rows of {rows.shape[-1]} tokens, T {temperature}, top_p {top_p}; ms, medians")
     columns = ["dtype", "MB", "wire ms", "warp ms", "warp ms, full sort", "nucleus tokens"]
     print_table(row_costs(rows, temperature, top_p, repeats), columns, left=("dtype",))
+    console.print("a step of sampled rejection chains, ms, medians: on the server from rows, on the target beside them")
+    steps = [step_costs(rows, count, temperature, top_p, repeats) for count in map(int, sessions.split(","))]
+    print_table(steps, ["sessions", "server ms", "target ms"])

@@ -33,7 +33,14 @@ from specdec_core.trees.topologies import default_bank
 from specdec_core.trees.tree import Topology
 
 from ..ingress.error_replies import WorkerOverloaded, WorkerUnavailable
-from .wire import component_to_proto, prompt_scores_from_proto, sampling_to_proto, tensor_from_proto
+from .wire import (
+    component_to_proto,
+    prompt_scores_from_proto,
+    sampling_to_proto,
+    tensor_from_proto,
+    tensor_to_proto,
+    verdict_from_proto,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +77,11 @@ class RemoteTarget:
         self.pending_keep = 0  # a commit not yet sent: it rides on the next Score
         self.pending_path: list[int] = []  # likewise after a tree
         self.takes_forwarded = False  # the draft worker forwards ahead blocks here (run_ahead.py)
+        # set: the target is asked to decide the verdicts (target/verdicts.py), these the stops
+        # min_tokens holds back; `decides_verdicts`: whether its Reset said it will
+        self.verdict_stop_ids: Optional[list[int]] = None
+        self.decides_verdicts = False
+        self.sends_draft_rows = False  # with decides_verdicts: the rule reads a sampled draft's rows
         self.forwarded_blocks = 0  # Scores answered from them
 
     async def reset(
@@ -86,15 +98,22 @@ class RemoteTarget:
             policy=component_to_proto(ComponentSpec(name=policy.name, params=policy.params.model_dump())),
             heads_kind=heads_kind or "",
             takes_forwarded=self.takes_forwarded,
+            decides_verdicts=self.verdict_stop_ids is not None,
+            stop_ids=self.verdict_stop_ids or [],
         )
         try:
             reply = await self.stub.Reset(request, timeout=self.deadline_s * RESET_DEADLINES)
         except grpc.RpcError as error:
             raise classify(error, "target") from None
         scores = prompt_scores_from_proto(reply.prompt) if reply.HasField("prompt") else None
-        return Prefilled(scores, reply.prefix_cache_queries, reply.prefix_cache_hits)
+        # an older target leaves it unset: the server decides from the rows, as before
+        self.decides_verdicts = reply.decides_verdicts
+        self.sends_draft_rows = policy.reads_draft_rows
+        return Prefilled(scores, reply.prefix_cache_queries, reply.prefix_cache_hits, reply.decides_verdicts)
 
-    async def score(self, tokens: Sequence[int], tree: Optional[Topology] = None) -> TargetBlock:
+    async def score(
+        self, tokens: Sequence[int], draft: Optional[DraftBlock] = None, tree: Optional[Topology] = None
+    ) -> TargetBlock:
         request = pb.ScoreRequest(
             session_id=self.session_id,
             tokens=list(tokens),
@@ -102,6 +121,10 @@ class RemoteTarget:
             commit_path=self.pending_path,
             tree=tree.name if tree is not None else "",
         )
+        if self.decides_verdicts and draft is not None and draft.sampled:  # what the rule reads of it
+            request.draft_token_probs.extend(draft.token_probs.tolist())
+            if self.sends_draft_rows:
+                request.draft_logits.CopyFrom(tensor_to_proto(draft.logits))
         try:
             reply = await self.stub.Score(request, timeout=self.deadline_s)
             # Held: the session waits for KV blocks (preempted) and its stream pauses, for as long
@@ -117,6 +140,13 @@ class RemoteTarget:
         self.forwarded_blocks += reply.forwarded
         self.bytes_received += reply.ByteSize()
         self.full_rows_bytes += len(tokens) * reply.vocab_size * 4
+        if reply.HasField("verdict"):  # decided on the target: no rows travel
+            return TargetBlock(
+                logits=torch.zeros(0, reply.vocab_size),
+                batch_rows=max(1, reply.step_rows),
+                preemptions=reply.preemptions,
+                verdict=verdict_from_proto(reply.verdict, len(tokens) - 1),
+            )
         if reply.HasField("logits"):
             logits = tensor_from_proto(reply.logits)
         else:
@@ -133,8 +163,10 @@ class RemoteTarget:
             preemptions=reply.preemptions,
         )
 
-    async def score_tree(self, tokens: Sequence[int], tree: Topology) -> TargetBlock:
-        return await self.score(tokens, tree)
+    async def score_tree(
+        self, tokens: Sequence[int], tree: Topology, draft: Optional[DraftBlock] = None
+    ) -> TargetBlock:
+        return await self.score(tokens, draft, tree)
 
     def commit(self, num_keep: int) -> None:
         self.pending_keep = num_keep

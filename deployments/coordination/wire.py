@@ -8,9 +8,10 @@ import numpy as np
 import torch
 
 from protos import specdec_pb2 as pb
+from specdec_core.api.errors import SpecdecError
 from specdec_core.api.request import ComponentSpec
 from specdec_core.api.sampling import SamplingParams
-from specdec_core.loop.stage_types import PromptScores
+from specdec_core.loop.stage_types import PromptScores, Verdict
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32, "bool": np.bool_}
 
@@ -34,6 +35,28 @@ def tensor_from_proto(message: pb.Tensor) -> torch.Tensor:
     numpy_dtype = np.int16 if bf16 else _NUMPY_DTYPES[message.dtype]
     tensor = torch.from_numpy(np.frombuffer(message.data, dtype=numpy_dtype).reshape(tuple(message.shape)).copy())
     return tensor.view(torch.bfloat16).float() if bf16 else tensor
+
+
+def wire_tensor(message: pb.Tensor, field: str) -> torch.Tensor:
+    """A tensor a caller sent: one that does not decode is the caller's error, named by its field."""
+    try:
+        return tensor_from_proto(message)
+    except ValueError as error:
+        raise SpecdecError(f"{field}: {error}") from None
+
+
+def verdict_to_proto(verdict: Verdict) -> pb.ScoreVerdict:
+    return pb.ScoreVerdict(num_accepted=verdict.num_accepted, next_token=verdict.next_token, path=verdict.path or [])
+
+
+def verdict_from_proto(message: pb.ScoreVerdict, num_drafts: int) -> Verdict:
+    """A chain's verdict (of `num_drafts` drafts), or a tree's path's."""
+    if not 0 <= message.num_accepted <= num_drafts or (message.path and len(message.path) != message.num_accepted + 1):
+        raise RuntimeError(f"the target sent a verdict of {message.num_accepted} drafts kept of {num_drafts}")
+    if message.path:
+        return Verdict.of_path(list(message.path), message.next_token)
+    accepted = torch.arange(num_drafts) < message.num_accepted  # [K] the accepted prefix
+    return Verdict(message.num_accepted, message.next_token, {"accepted": accepted})
 
 
 def sampling_to_proto(sampling: SamplingParams) -> pb.Sampling:

@@ -30,6 +30,7 @@ from specdec_core.drafters import DraftSource, drafter_source, make_drafter
 from specdec_core.loop.engine import speculative_loop
 from specdec_core.loop.frontend import Frontend, PreparedRequest
 from specdec_core.loop.run_ahead import RunAhead
+from specdec_core.target.verdicts import decides_on_target
 
 from ..coordination.event_loop import EventLoopThread
 from ..coordination.proxies import RemoteDrafter, RemoteTarget, classify
@@ -180,8 +181,11 @@ class RemoteEngine:
                 if request.policy.decided_by_target_rows(request.sampling) and not request.sampling.processes_logits:
                     target.takes_forwarded = True
                     remote_drafter.forward_to = self.addresses[target_stub]
+        output = self.frontend.output(request)
+        if decides_on_target(request.policy, request.sampling):  # the rows stay there: only verdicts travel
+            target.verdict_stop_ids = sorted(output.stop_ids)
         timings, last_chunk_at = RequestTimings(), arrival
-        loop = speculative_loop(request, drafter, target, self.frontend.output(request))
+        loop = speculative_loop(request, drafter, target, output)
         try:
             async with contextlib.aclosing(loop) as chunks:
                 async for chunk in chunks:
@@ -202,6 +206,7 @@ class RemoteEngine:
                             wire_bytes_per_step=round(received / steps, 1),
                             full_logits_bytes_per_step=round(target.full_rows_bytes / steps, 1),
                             draft_fallback=remote_drafter is not None and remote_drafter.failed is not None,
+                            verdicts_on_target=target.decides_verdicts,
                         )
                         timings.latency_s = now - arrival
                         self.metrics.finished(request, chunk.metrics, timings)

@@ -20,7 +20,14 @@ from specdec_core.api.errors import GroupBroken, SpecdecError
 from specdec_core.drafters.drafter_base import ahead_outcome
 from specdec_core.loop.run_ahead import next_block
 
-from ..coordination.wire import component_from_proto, prompt_scores_to_proto, sampling_from_proto, tensor_to_proto
+from ..coordination.wire import (
+    component_from_proto,
+    prompt_scores_to_proto,
+    sampling_from_proto,
+    tensor_to_proto,
+    verdict_to_proto,
+    wire_tensor,
+)
 from ..ingress.auth import RequireSecret
 from .admission import Overloaded
 from .draft_service import DraftService
@@ -149,12 +156,14 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
             sampling,
             request.heads_kind or None,
             request.takes_forwarded,
+            list(request.stop_ids) if request.decides_verdicts else None,
         )
         scores = prefilled.prompt_scores
         return pb.TargetResetReply(
             prompt=prompt_scores_to_proto(scores) if scores is not None else None,
             prefix_cache_queries=prefilled.prefix_cache_queries,
             prefix_cache_hits=prefilled.prefix_cache_hits,
+            decides_verdicts=prefilled.decides_verdicts,
         )
 
     @checked
@@ -165,8 +174,18 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
             scored = self.service.score_held(request.session_id, wait_s)
         else:
             tokens, commit_path = list(request.tokens), list(request.commit_path)
+            draft_logits = (
+                wire_tensor(request.draft_logits, "draft_logits") if request.HasField("draft_logits") else None
+            )
             scored = self.service.score(
-                request.session_id, tokens, request.commit_keep, commit_path, request.tree, wait_s
+                request.session_id,
+                tokens,
+                request.commit_keep,
+                commit_path,
+                request.tree,
+                wait_s,
+                list(request.draft_token_probs),
+                draft_logits,
             )
         if scored is None:
             return pb.ScoreReply(held=True)
@@ -177,7 +196,9 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
             forwarded=scored.forwarded,
             preemptions=block.preemptions,
         )
-        if scored.top_ids is None:
+        if block.verdict is not None:
+            reply.verdict.CopyFrom(verdict_to_proto(block.verdict))
+        elif scored.top_ids is None:
             reply.logits.CopyFrom(tensor_to_proto(block.logits))
         else:
             reply.top_ids.CopyFrom(tensor_to_proto(scored.top_ids))

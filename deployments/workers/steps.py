@@ -34,6 +34,7 @@ class PendingRow:
     row: Any  # the session's part of the step (worker_ops.DraftRow or TargetRow)
     future: Future
     reply: Optional[Callable[[Any], Any]] = None  # builds the answer from the row's result, on the torch thread
+    attached: Any = None  # what its answer reads beside its result (a target row's: its draft, for its verdict)
 
     @property
     def session_id(self) -> str:
@@ -54,14 +55,17 @@ class StepBatcher:
         window_s: float,
         chunk: int,
         plan: Callable[[list[PendingRow]], list[PendingRow]] = list,
+        settle: Callable[[list[PendingRow], list[Any]], None] = lambda rows, results: None,
     ):
         """`run_step(rows)`: one step over the rows (worker_ops' rows), a result (None for a prompt
         chunk) per row; `check_row` raises for a row that may not run (and
         may set its `reply`); `open_sessions()`: how many rows a full step would hold;
         `plan(rows)`: those of the checked rows that run now (it keeps the others, to `requeue`
-        or answer them later)."""
+        or answer them later); `settle(rows, results)`: what the step's rows decide together from
+        their results before any is answered (the target's verdicts; it fails a row it cannot
+        settle by the row's future)."""
         self.executor, self.run_step, self.check_row, self.open_sessions = executor, run_step, check_row, open_sessions
-        self.plan = plan
+        self.plan, self.settle = plan, settle
         self.window_s, self.chunk = window_s, chunk
         self.pending: list[PendingRow] = []
         self.arrived = threading.Condition()
@@ -70,10 +74,10 @@ class StepBatcher:
         self.rows = 0
         self.step_seconds = 0.0  # the steps' time on the torch thread
 
-    def submit(self, step_row: Any) -> Future:
+    def submit(self, step_row: Any, attached: Any = None) -> Future:
         """A row for the next step; its future gives the row's result (`reply(result)` when
         `check_row` set one), or None once a prompt (prefill=True, tokens) is prefilled."""
-        row = PendingRow(step_row, Future())
+        row = PendingRow(step_row, Future(), attached=attached)
         with self.arrived:
             self.pending.append(row)
             self.arrived.notify()
@@ -148,6 +152,13 @@ class StepBatcher:
         except Exception as error:  # noqa: BLE001 - the forward failed for every row in it
             for row in rows:
                 row.future.set_exception(error)
+            return
+        try:
+            self.settle(rows, results)
+        except Exception as error:  # noqa: BLE001 - a bug: the step's rows fail, the worker goes on
+            for row in rows:
+                if not row.future.done():
+                    row.future.set_exception(error)
             return
         self.step_seconds += time.perf_counter() - clock
         self.steps += 1

@@ -1,15 +1,13 @@
 """The target worker's service: scorer sessions over the target model, whose verify blocks and
 prompt chunks of one step share a forward (`forward_rows`), the heads' guesses, and the target's
-profile. A verify row's answer is made compact here, on the torch thread: top-k rows where the
-request's policy reads no more (compact.py)."""
+profile. A verify row's answer (its verdict, or its rows) is verify_answers.py's."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
-import logging
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -24,8 +22,8 @@ from specdec_core.loop.stage_types import Prefilled, TargetBlock
 from specdec_core.models.loader import ModelSpec
 from specdec_core.policies import make_policy
 from specdec_core.runtime.model_runner import runner_of
-from specdec_core.target.compact import compact_rows, wire_top_k
 from specdec_core.target.scorer import PREFILL_CHUNK, Row, TargetScorer, forward_rows
+from specdec_core.target.verdicts import SessionVerdicts, decides_on_target
 from specdec_core.trees.dynamic_tree import check_guess_tree
 from specdec_core.trees.topologies import default_bank
 
@@ -35,10 +33,9 @@ from .held_answers import HeldAnswers
 from .pool_scheduler import PoolScheduler, apply_pool_operation
 from .steps import PendingRow
 from .tensor_parallel import ControlChannel
+from .verify_answers import checked_draft, settle_verdicts, verify_answer
 from .worker_ops import Admit, Guess, MeasureProfile, OpenTarget, Preempt, Release, Resume, TargetRow, TargetStep
 from .worker_service import WorkerService
-
-logger = logging.getLogger(__name__)
 
 
 class TargetService(WorkerService):
@@ -92,10 +89,15 @@ class TargetService(WorkerService):
         sampling: SamplingParams,
         heads_kind: Optional[str],
         takes_forwarded: bool = False,
+        stop_ids: Optional[list[int]] = None,
     ) -> Prefilled:
         """Open a session and prefill its prompt (in steps); the prompt's scores when asked.
-        `takes_forwarded`: the draft worker forwards the session's ahead blocks (`forward`)."""
+        `takes_forwarded`: the draft worker forwards the session's ahead blocks (`forward`);
+        `stop_ids` (those min_tokens holds back): decide its verdicts here where its rule allows."""
         policy_object = make_policy(policy.name, policy.params)
+        if stop_ids is not None:
+            check_token_ids(stop_ids, self.vocab_size, "stop_ids")
+            stop_ids = stop_ids if decides_on_target(policy_object, sampling) else None
         if takes_forwarded and not policy_object.decided_by_target_rows(sampling):
             raise SpecdecError(f"policy {policy.name!r} decides with the server: it takes no forwarded blocks")
         if policy_object.needs_profile:
@@ -112,6 +114,7 @@ class TargetService(WorkerService):
             sampling=sampling.seeded(),
             heads_kind=heads_kind,
             admitted=self.scheduler is None,
+            stop_ids=stop_ids,
         )
         prefill = self.open_session(op, self.heads[heads_kind].cache_bytes_per_token() if heads_kind else 0.0)
         if self.scheduler is not None:
@@ -136,6 +139,8 @@ class TargetService(WorkerService):
         scorer = TargetScorer(self.target_model, self.heads)
         policy = make_policy(op.policy.name, op.policy.params)
         prefill = scorer.start(op.prompt_ids, policy, op.sampling, op.heads_kind, op.admitted)
+        if op.stop_ids is not None:
+            scorer.verdicts = SessionVerdicts.of(policy, op.sampling, op.stop_ids)
         self.table.put(op.session_id, scorer)
         return prefill
 
@@ -157,19 +162,24 @@ class TargetService(WorkerService):
         commit_path: list[int],
         tree: str,
         wait_s: Optional[float] = None,
+        draft_token_probs: Sequence[float] = (),
+        draft_logits: Optional[torch.Tensor] = None,
     ) -> Optional[ScoredRows]:
         """Commit the last score (`commit_keep` tokens or a tree's `commit_path`), then score
-        `[last committed, drafts]` (or a tree's root and nodes) in the next step. None where the
-        answer is not ready within `wait_s` (its session waits for KV blocks): it is held for
-        `score_held`."""
+        `[last committed, drafts]` (or a tree's root and nodes) in the next step, and decide its
+        verdict where its session does (by the drafts' probabilities, verify_answers.py). None where
+        the answer is not ready within `wait_s` (its session waits for KV blocks): held for `score_held`."""
         tokens = self.check_block(tokens, tree)
+        topology = default_bank().get(tree) if tree else None
+        scorer = self.session(session_id)
+        draft = checked_draft(scorer, tokens, topology, draft_token_probs, draft_logits, self.vocab_size)
         row = TargetRow(
             session_id=session_id, tokens=tokens, commit_keep=commit_keep, commit_path=commit_path, tree=tree
         )
         scored_ahead, row = self.forwarded.claim(row)
         if scored_ahead is not None:
             return dataclasses.replace(scored_ahead.result(), forwarded=True)
-        return self.answer(session_id, self.batcher.submit(row), wait_s)
+        return self.answer(session_id, self.batcher.submit(row, draft), wait_s)
 
     def score_held(self, session_id: str, wait_s: Optional[float] = None) -> Optional[ScoredRows]:
         """The answer of the session's Score held before (as `score`)."""
@@ -248,20 +258,7 @@ class TargetService(WorkerService):
         reach = scorer.committed_len + step_row.commit_keep + len(step_row.commit_path) + len(step_row.tokens)
         if reach > self.max_positions:
             raise SpecdecError(f"the session would exceed {self.max_positions} positions")
-        row.reply = functools.partial(self.scored_rows, scorer, step_row)
-
-    def scored_rows(self, scorer: TargetScorer, row: TargetRow, block: TargetBlock) -> ScoredRows:
-        # the server changes these rows before its policy reads them (stop tokens masked within
-        # min_tokens, penalties, logit_bias): a top-k row could miss what they promote, so ship it whole
-        whole = scorer.within_min_tokens() or scorer.sampling.processes_logits
-        top_k = None if whole else wire_top_k(scorer.policy, scorer.sampling)
-        scored = ScoredRows(block) if top_k is None else ScoredRows(block, *compact_rows(block.logits, top_k))
-        if not whole and self.forwarded.takes(row.session_id):
-            try:
-                self.forwarded.decide(scorer, row, scored)
-            except Exception:  # noqa: BLE001 - logged; the block's answer stands, only its head start is lost
-                logger.exception("session %s: deciding its verdict on the target failed", row.session_id)
-        return scored
+        row.reply = functools.partial(verify_answer, scorer, step_row, self.forwarded)
 
     def guess(
         self, session_id: str, commit_keep: int, commit_path: list[int], root_token: int, tree: str
@@ -281,6 +278,9 @@ class TargetService(WorkerService):
         scorer.check_commit(op.commit_keep, op.commit_path)
         scorer.commit_scored(op.commit_keep, op.commit_path)
         return scorer.guess(op.root_token, op.tree)
+
+    def settle_step(self, rows: list[PendingRow], results: list) -> None:
+        settle_verdicts(rows, results, self.session)
 
     def step_of(self, rows: list[TargetRow]) -> TargetStep:
         return TargetStep(rows=rows)

@@ -46,6 +46,9 @@ class OpenTarget(Message):
     sampling: SamplingParams
     heads_kind: Optional[str]  # the kind of the target's heads the drafter reads; None: none
     admitted: bool = True  # False: it waits for its pool's `Admit` before it holds any block
+    stop_ids: Optional[list[int]] = (
+        None  # set: it decides its verdicts (target/verdicts.py), these held back in min_tokens
+    )
 
 
 class Admit(Message):

@@ -89,6 +89,7 @@ class WorkerService:
             open_sessions=self.sessions_in_steps,
             window_s=batch_window_s,
             chunk=prefill_chunk,
+            settle=self.settle_step,
         )
         self.operations: dict[type, Callable[[Any], Any]] = {Release: self.release}
 
@@ -175,6 +176,9 @@ class WorkerService:
     def step_of(self, rows: list) -> Message:
         """The operation of one step over `rows`."""
         raise NotImplementedError
+
+    def settle_step(self, rows: list[PendingRow], results: list) -> None:
+        """What a step's rows decide together from its results before they are answered (`StepBatcher`)."""
 
     def check_row(self, row: PendingRow) -> None:
         """What a row may do given its session's state (on the torch thread, before its step);

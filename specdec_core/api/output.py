@@ -6,14 +6,14 @@
 - a stop string cuts the text before it (after it with `include_stop_str_in_output`); the token
   ids that made it stay;
 - nothing stops the output within its first `min_tokens` tokens: the target's distribution
-  there has no stop tokens (`suppress_early_stops`), and a stop string counts only where it ends
+  there has no stop tokens (`early_stops_masked`), and a stop string counts only where it ends
   past their text;
 - `stop_reason` is the stop token id or string that ended it (None for EOS or length)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Collection, Optional, Sequence, Union
 
 import torch
 
@@ -47,16 +47,9 @@ class OutputTracker:
         return self.sampling.max_tokens - len(self.token_ids)
 
     def suppress_early_stops(self, block: TargetBlock, tree: Optional[Topology]) -> TargetBlock:
-        """`block` with the stop tokens at -inf in the rows that decide one of the first
-        `min_tokens` tokens (vLLM's min-tokens logits processor): what the policy verifies."""
-        if not self.stop_ids or len(self.token_ids) >= self.sampling.min_tokens:  # no row is early
-            return block
-        depths = tree.depths if tree is not None else torch.arange(block.logits.shape[0])  # [rows]
-        early = (len(self.token_ids) + depths < self.sampling.min_tokens).to(block.logits.device)  # [rows]
-        logits = block.logits.clone()  # [rows, V]
-        stops = torch.tensor(sorted(self.stop_ids), device=logits.device)
-        logits[early.nonzero()[:, :1], stops] = float("-inf")
-        return block.with_logits(logits)
+        """`block` with the stop tokens masked in the rows that decide one of the first
+        `min_tokens` tokens (`early_stops_masked`): what the policy verifies."""
+        return early_stops_masked(block, tree, len(self.token_ids), self.sampling.min_tokens, self.stop_ids)
 
     def append(self, new_tokens: Sequence[int], log_probs: Optional[list] = None) -> StreamChunk:
         """`log_probs`: logprobs.emitted_log_probs of `new_tokens`, when the request asks."""
@@ -137,3 +130,19 @@ class OutputTracker:
         delta = self.text[self.emitted_chars : safe_end]
         self.emitted_chars = max(self.emitted_chars, safe_end)
         return delta
+
+
+def early_stops_masked(
+    block: TargetBlock, tree: Optional[Topology], generated: int, min_tokens: int, stop_ids: Collection[int]
+) -> TargetBlock:
+    """`block` with `stop_ids` at -inf in the rows that decide one of the first `min_tokens`
+    tokens, `generated` being made already (vLLM's min-tokens logits processor). One rule for the
+    server's loop and a target worker that decides verdicts itself (target/verdicts.py)."""
+    if not stop_ids or generated >= min_tokens:  # no row is early
+        return block
+    depths = tree.depths if tree is not None else torch.arange(block.logits.shape[0])  # [rows]
+    early = (generated + depths < min_tokens).to(block.logits.device)  # [rows]
+    logits = block.logits.clone()  # [rows, V]
+    stops = torch.tensor(sorted(stop_ids), device=logits.device)
+    logits[early.nonzero()[:, :1], stops] = float("-inf")
+    return block.with_logits(logits)

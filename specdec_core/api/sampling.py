@@ -136,20 +136,36 @@ NUCLEUS_CANDIDATES = (256, 4096)
 def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """`logits [..., V]` with each token outside its row's top-p nucleus at -inf: a token is dropped
     when the mass strictly before it, in descending order, already reaches top_p (keeps >= 1). On
-    the CPU the first candidate count whose last entry every row drops decides: the same prefix
-    sums as a full sort's, so the same tokens kept; else a full sort. On a device, a full sort (a
-    check would read back)."""
+    the CPU each row is decided by the first candidate count whose last entry it drops (the same
+    prefix sums as a full sort's, so the same tokens kept), the rows left by a full sort: a step's
+    many rows do not all pay for one wide nucleus. On a device, a full sort (a check would read back)."""
     vocab_size = logits.shape[-1]
-    log_total = logits.logsumexp(-1, keepdim=True)  # [..., 1]
+    rows = logits.reshape(-1, vocab_size)  # [R, V]
+    log_total = rows.logsumexp(-1, keepdim=True)  # [R, 1]
+    keep = torch.zeros_like(rows, dtype=torch.bool)  # [R, V]
+
+    def mark(indices: Optional[torch.Tensor], order: torch.Tensor, kept: torch.Tensor) -> None:
+        """Rows `indices` (None: all) keep their entries `order [r, count]` where `kept [r, count]`."""
+        if indices is None:
+            keep.scatter_(-1, order, kept)
+        else:
+            keep[indices] = keep[indices].scatter_(-1, order, kept)
+
     counts = [count for count in NUCLEUS_CANDIDATES if count < vocab_size] if logits.device.type == "cpu" else []
+    left = None  # [r] the rows not decided yet (None: all R)
     for count in (*counts, vocab_size):
-        top, order = torch.topk(logits, count, dim=-1)  # [..., count] descending (count = V: sorted)
-        probs = (top - log_total).exp()
-        before = probs.cumsum(-1) - probs  # [..., count] the mass strictly before each
-        if count < vocab_size and not bool((before[..., -1] >= top_p).all()):
-            continue  # a row keeps its last candidate: its nucleus may reach past them
-        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, before < top_p)
-        return logits.masked_fill(~keep, float("-inf"))
+        part, part_total = (rows, log_total) if left is None else (rows[left], log_total[left])
+        top, order = torch.topk(part, count, dim=-1)  # [r, count] descending (count = V: sorted)
+        probs = (top - part_total).exp()
+        before = probs.cumsum(-1) - probs  # [r, count] the mass strictly before each
+        if count == vocab_size or bool((decided := before[:, -1] >= top_p).all()):  # [r]
+            mark(left, order, before < top_p)
+            break
+        # a row that keeps its last candidate may reach past them: it goes on to the next count
+        done = decided.nonzero()[:, 0]  # [d] among the r
+        mark(done if left is None else left[done], order[done], before[done] < top_p)
+        left = (~decided).nonzero()[:, 0] if left is None else left[~decided]
+    return logits.masked_fill(~keep.view_as(logits), float("-inf"))
 
 
 def sampling_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

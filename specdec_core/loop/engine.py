@@ -64,32 +64,37 @@ async def speculative_loop(
         metrics.draft_ms.append((time.perf_counter() - clock) * 1e3)
         clock = time.perf_counter()
         scored = [last_token, *draft.token_ids]
-        block = await (target.score(scored) if draft.tree is None else target.score_tree(scored, draft.tree))
+        if draft.tree is None:
+            block = await target.score(scored, draft)
+        else:
+            block = await target.score_tree(scored, draft.tree, draft)
         metrics.target_ms.append((time.perf_counter() - clock) * 1e3)
         metrics.preemptions = block.preemptions
         batch_rows = block.batch_rows if follows_load else 1
         clock = time.perf_counter()
-        on_device = draft.to(block.logits.device)
-        processed = processed_block(block, on_device, sampling, request.prompt_ids, output.token_ids)
-        if request.grammar is not None:
-            processed = request.grammar.masked(processed, draft)
-        processed = output.suppress_early_stops(processed, draft.tree)
-        verdict = await decide(Check(policy, on_device, processed, sampling, verify_rng))
+        verdict = block.verdict  # decided by the target beside its rows, by this rule (target/verdicts.py)
+        if verdict is None:
+            on_device = draft.to(block.logits.device)
+            processed = processed_block(block, on_device, sampling, request.prompt_ids, output.token_ids)
+            if request.grammar is not None:
+                processed = request.grammar.masked(processed, draft)
+            processed = output.suppress_early_stops(processed, draft.tree)
+            verdict = await decide(Check(policy, on_device, processed, sampling, verify_rng))
         metrics.verify_ms.append((time.perf_counter() - clock) * 1e3)
         new_tokens = [*verdict.kept_tokens(draft), verdict.next_token]
         if verdict.path is None:
             target.commit(verdict.num_accepted + 1)
-        else:  # the accepted path goes on as the chain it is
+        else:
             target.commit_path(verdict.path)
-            block = block.along(verdict.path)
         drafter.commit(new_tokens)
         if request.grammar is not None:
             request.grammar.commit(new_tokens)
         metrics.record(draft, verdict)
         last_token = new_tokens[-1]
         log_probs = None
-        if sampling.logprobs is not None:
-            log_probs = emitted_log_probs(block, new_tokens, verdict.num_accepted, sampling.logprobs)
+        if sampling.logprobs is not None:  # a tree's accepted path goes on as the chain it is
+            scored_path = block if verdict.path is None else block.along(verdict.path)
+            log_probs = emitted_log_probs(scored_path, new_tokens, verdict.num_accepted, sampling.logprobs)
         chunk = output.append(new_tokens, log_probs)
         if output.finish_reason is None and (chunk.token_ids or chunk.text):
             yield chunk

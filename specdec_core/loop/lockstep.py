@@ -31,7 +31,7 @@ from ..target.scorer import Row, TargetScorer, forward_rows
 from ..trees.tree import Topology
 from .engine import SpeculativeEngine, speculative_loop
 from .kv_room import Admission, KVRoom, Need
-from .stage_types import Verdict
+from .stage_types import DraftBlock, Verdict
 
 
 @dataclass
@@ -177,10 +177,10 @@ class LockstepTarget:
         self.step.run_if_all_wait()
         return await future
 
-    async def score(self, tokens: Sequence[int]):
+    async def score(self, tokens: Sequence[int], draft: Optional[DraftBlock] = None):
         return await self.step.wait(self.step.rows, Row(self.scorer, tokens))
 
-    async def score_tree(self, tokens: Sequence[int], tree: Topology):
+    async def score_tree(self, tokens: Sequence[int], tree: Topology, draft: Optional[DraftBlock] = None):
         return await self.step.wait(self.step.rows, Row(self.scorer, tokens, tree=tree))
 
     def commit(self, num_keep: int) -> None:

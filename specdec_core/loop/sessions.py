@@ -31,10 +31,14 @@ class TargetSession(Protocol):
         that kind beside it, for `guess`. Returns the prompt's scores when `sampling.prompt_logprobs` asks
         for them, and its prefix cache use."""
 
-    async def score(self, tokens: Sequence[int]) -> TargetBlock:
-        """Target logits for `[last committed, d_1..d_K]` (plus the policy's target features)."""
+    async def score(self, tokens: Sequence[int], draft: Optional[DraftBlock] = None) -> TargetBlock:
+        """Target logits for `[last committed, d_1..d_K]` (plus the policy's target features).
+        `draft`: the block d_1..d_K came from, for a session that decides the verdict itself
+        (`TargetBlock.verdict`; a served target worker's, which reads the drafts' probabilities)."""
 
-    async def score_tree(self, tokens: Sequence[int], tree: Topology) -> TargetBlock:
+    async def score_tree(
+        self, tokens: Sequence[int], tree: Topology, draft: Optional[DraftBlock] = None
+    ) -> TargetBlock:
         """Target logits for `[last committed, nodes...]` of a candidate tree (logits only)."""
 
     def commit(self, num_keep: int) -> None:
@@ -80,10 +84,12 @@ class Immediate:
     async def reset(self, *args: Any, **kwargs: Any) -> Any:
         return self.session.reset(*args, **kwargs)
 
-    async def score(self, tokens: Sequence[int]) -> TargetBlock:
+    async def score(self, tokens: Sequence[int], draft: Optional[DraftBlock] = None) -> TargetBlock:
         return self.session.score(tokens)
 
-    async def score_tree(self, tokens: Sequence[int], tree: Topology) -> TargetBlock:
+    async def score_tree(
+        self, tokens: Sequence[int], tree: Topology, draft: Optional[DraftBlock] = None
+    ) -> TargetBlock:
         return self.session.score_tree(tokens, tree)
 
     def commit_path(self, nodes: Sequence[int]) -> None:

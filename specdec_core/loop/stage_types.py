@@ -89,6 +89,9 @@ class TargetBlock:
     # so (or were changed after)
     argmax_ids: Optional[list[int]] = None
     preemptions: int = 0  # times the session's KV was taken back and recomputed so far (kv_room.py)
+    # the verdict, where the target decided it beside its rows (target/verdicts.py): a served
+    # target worker's sampled sessions get it in place of the rows, and `logits` holds none
+    verdict: Optional["Verdict"] = None
 
     @property
     def vocab_size(self) -> int:
@@ -113,6 +116,7 @@ class Prefilled:
     prompt_scores: Optional["PromptScores"] = None
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    decides_verdicts: bool = False  # its scores come with their verdicts (`TargetBlock.verdict`)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from ..runtime.model_runner import runner_of
 from ..runtime.ragged_attention import on_device
 from ..trees.tree import Topology
 from .aux_states import aux_states
+from .verdicts import SessionVerdicts
 
 
 class TargetScorer:
@@ -50,6 +51,7 @@ class TargetScorer:
         self.scored_ids: list[int] = []  # the last score's tokens, of which `commit` keeps some
         self.heads_kind: Optional[str] = None
         self.preemptions = 0  # times its blocks were taken back (`preempt`) and recomputed
+        self.verdicts: Optional[SessionVerdicts] = None  # where the target decides its verdicts (verdicts.py)
 
     def start(
         self,
@@ -73,9 +75,8 @@ class TargetScorer:
         # blocks as its positions come (a fixed pool's sessions take what they hold, kv_room.py)
         self.cache = PagedKV(len(prompt_ids) + 1)
         self.committed_len = self.prefix_cache_queries = self.prefix_cache_hits = 0
-        self.scored_ids = []
+        self.scored_ids, self.heads_session = [], None
         self.scored_hidden = self.scored_tokens = self.scored_features = None
-        self.heads_session = None
         # only an EAGLE-3 layer reads the kept states of the target's forward (aux_states.py)
         self.reads_aux_states = heads_kind == "eagle3"
         if heads_kind is not None:
@@ -109,13 +110,13 @@ class TargetScorer:
             forward_rows([Row(self, tokens[begin : begin + PREFILL_CHUNK], prefill=True)])
 
     def prefilled(self) -> Prefilled:
-        """After the prefill: the prompt's scores (when the request asks) and its prefix cache use."""
-        return Prefilled(self.prompt_scores, self.prefix_cache_queries, self.prefix_cache_hits)
+        """After the prefill: the prompt's scores (when the request asks), its prefix cache use."""
+        decides = self.verdicts is not None
+        return Prefilled(self.prompt_scores, self.prefix_cache_queries, self.prefix_cache_hits, decides)
 
-    def within_min_tokens(self) -> bool:
-        """Whether the rows last scored decide any of its first `min_tokens` tokens (whose stop
-        tokens the loop masks, output.py: it needs the rows whole)."""
-        return self.committed_len - (len(self.prompt_ids) - 1) < self.sampling.min_tokens
+    def output_ids(self) -> list[int]:
+        """The tokens generated so far as the loop holds them while it verifies the last score."""
+        return (self.cached_ids[len(self.prompt_ids) - 1 :] + self.scored_ids[:1])[1:]  # the committed, the root
 
     def score_prefill(self, hidden: torch.Tensor) -> None:
         """A prompt chunk's final hidden states `[1, T, H]` (the positions after the committed
@@ -134,8 +135,7 @@ class TargetScorer:
         return forward_rows([Row(self, tokens)])[0]
 
     def score_tree(self, tokens: Sequence[int], tree: Topology) -> TargetBlock:
-        """Logits `[N + 1, V]` (fp32) of a candidate tree: `tokens` are its root (the last committed
-        token), then its N nodes in the tree's order."""
+        """Logits `[N + 1, V]` (fp32) of a tree: `tokens` are its root, then its nodes in its order."""
         if len(tokens) != tree.num_nodes + 1:
             raise ValueError(f"tree {tree.name!r} has {tree.num_nodes} nodes; got {len(tokens) - 1} node tokens")
         return forward_rows([Row(self, tokens, tree=tree)])[0]
@@ -218,7 +218,7 @@ class TargetScorer:
 
     def recompute(self) -> list[int]:
         """After `preempt`: a new cache, what the prefix cache still holds, and the tokens to prefill
-        for the rest (all again for the heads, and for a prompt's scores not all taken)."""
+        (all again for the heads, and for a prompt's scores not all taken)."""
         self.cache = PagedKV()
         self.prompt_parts = [] if self.prompt_parts is not None else None
         if self.heads_kind is not None:
@@ -233,8 +233,8 @@ class TargetScorer:
         return self.cache.reuse(runner_of(self.model.model).kv_pool(), self.cached_ids)
 
     def guess(self, root_token: int, tree: str) -> Optional[HeadGuesses]:
-        """The heads' node tokens of tree `tree` after `root_token` (the last committed token,
-        which the last committed position predicted); None before any position is committed."""
+        """The heads' node tokens of tree `tree` after `root_token` (the last committed token);
+        None before any position is committed."""
         if self.heads_session is None:
             raise ValueError("this session was not started with heads (heads_kind)")
         return self.heads_session.guess(root_token, tree)

@@ -500,9 +500,9 @@ def test_the_loop_runs_without_an_event_loop_only_over_sessions_that_never_wait(
     from specdec_core.loop.sessions import Immediate, run_immediately
 
     class Waits(Immediate):
-        async def score(self, tokens):
+        async def score(self, tokens, draft=None):
             await asyncio.sleep(0)
-            return await super().score(tokens)
+            return await super().score(tokens, draft)
 
     request = GenerationRequest(prompt_ids=repeating_prompt(3), drafter={"name": "none"}, sampling={"max_tokens": 4})
     prepared = tiny_engine.frontend.prepare(request)

@@ -21,7 +21,7 @@ from specdec_core.api.sampling import (
     warp_logits,
 )
 from specdec_core.loop.stage_types import DraftBlock, TargetBlock
-from specdec_core.policies import make_policy
+from specdec_core.policies import make_policy, step_verdicts
 from specdec_core.policies.sampled_chains import Check, decide_chains
 from specdec_core.policies.sampled_trees import decide_trees, stacked_rows
 from specdec_core.policies.step_verdicts import decide_together
@@ -258,3 +258,9 @@ def test_a_steps_chains_and_trees_are_read_back_at_once(monkeypatch):
     outcome = [(verdict.num_accepted, verdict.next_token, verdict.path) for verdict in together]
     assert outcome[0::2] == [(verdict.num_accepted, verdict.next_token, verdict.path) for verdict in alone[0]]
     assert outcome[1::2] == [(verdict.num_accepted, verdict.next_token, verdict.path) for verdict in alone[1]]
+    # on the CPU a step goes in parts of bounded rows (step_verdicts.CPU_ENTRIES): the same verdicts
+    monkeypatch.setattr(step_verdicts, "CPU_ENTRIES", 3 * 5 * 24)  # three chains' rows a part, a tree alone
+    reads.clear()
+    parted = decide_together(step())
+    assert len(reads) > 1
+    assert [(verdict.num_accepted, verdict.next_token, verdict.path) for verdict in parted] == outcome

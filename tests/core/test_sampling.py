@@ -37,14 +37,16 @@ def assert_the_same_up_to_rounding(kept: torch.Tensor, logits: torch.Tensor, top
     assert ((before[differ] - top_p).abs() < 1e-5).all()
 
 
-@pytest.mark.parametrize("scales", [[8.0, 8.0], [8.0, 2.0], [2.0, 2.0], [8.0, 0.5], [0.5]])
+@pytest.mark.parametrize("scales", [[8.0, 8.0], [8.0, 2.0], [2.0, 2.0], [8.0, 0.5], [0.5], [8.0, 2.0, 0.5, 8.0]])
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
 def test_the_nucleus_among_the_top_entries_is_the_whole_sorts(scales, top_p, monkeypatch):
-    """Whichever candidate count decides (the sharpest row's, or a full sort where one row is flat),
-    the kept tokens are the full sort's, bit for bit, and the rule's: the nucleus is minimal (its
-    mass reaches top_p, without its least likely token it does not)."""
+    """Whichever candidate count decides each row (its own: a row's nucleus does not widen another's
+    search), the kept tokens are the full sort's, bit for bit, in any batch shape, and the rule's:
+    the nucleus is minimal (its mass reaches top_p, without its least likely token it does not)."""
     logits = rows(scales)
     kept = nucleus(logits, top_p)
+    if len(scales) == 4:  # rows decided at 256, 4,096 and by the full sort, as [2, 2, V]
+        assert torch.equal(nucleus(logits.view(2, 2, VOCAB), top_p), kept.view(2, 2, VOCAB))
     monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", ())
     assert torch.equal(kept, nucleus(logits, top_p))
     assert_the_same_up_to_rounding(kept, logits, top_p)

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from helpers.reference_scores import target_rows
 from helpers.served import ADD, Workers, http_client, listening_addresses
@@ -25,7 +26,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from deployments.checks.hostile_inputs import GRPC_CASES, HttpCase, http_cases  # noqa: E402
 from deployments.config import AppConfig  # noqa: E402
-from deployments.coordination.wire import component_to_proto, sampling_to_proto  # noqa: E402
+from deployments.coordination.wire import component_to_proto, sampling_to_proto, tensor_to_proto  # noqa: E402
 from deployments.ingress.error_replies import WorkerUnavailable  # noqa: E402
 from deployments.ingress.http_ingress import build_http_app  # noqa: E402
 from deployments.ingress.remote_engine import RemoteEngine  # noqa: E402
@@ -76,6 +77,48 @@ def test_remote_output_equals_in_process_engine(cluster, tiny_engine, policy, te
         assert tokens == local.token_ids
         assert metrics["spec_decode_num_accepted_tokens"] == local.metrics["spec_decode_num_accepted_tokens"]
         assert not metrics["draft_fallback"]
+        # sampled rules that decide from rows and draws alone are decided on the target worker
+        assert metrics["verdicts_on_target"] == (temperature > 0 and policy in ("rejection", "typical"))
+
+
+@pytest.mark.parametrize(
+    ("policy", "drafter"), [("rejection", "model"), ("typical", "pld"), ("rejection", "model_tree")]
+)
+def test_sampled_verdicts_decided_on_the_target_apply_the_servers_rules(cluster, tiny_engine, policy, drafter):
+    """The target worker decides a sampled request's verdicts beside its rows, after the rules the
+    server's loop applies to them (penalties, logit_bias, min_tokens' stops): the in-process
+    engine's tokens, under a seed."""
+    free = tiny_engine.complete(request(policy, drafter, 0.8)).token_ids
+    sampling = {
+        "max_tokens": 32,
+        "temperature": 0.8,
+        "seed": 5,
+        "min_tokens": 12,
+        "stop_token_ids": free[2:4],  # tokens it would make early: held back within min_tokens
+        "presence_penalty": 0.5,
+        "repetition_penalty": 1.2,
+        "logit_bias": {free[6]: 3.0},
+    }
+    req = request(policy, drafter, 0.8).model_copy(update={"sampling": SamplingParams(**sampling)})
+    tokens, metrics = remote_complete(cluster, req)
+    assert metrics["verdicts_on_target"]
+    assert tokens == tiny_engine.complete(req).token_ids
+    assert not set(free[2:4]) & set(tokens[:12])
+
+
+def test_a_target_that_does_not_decide_verdicts_sends_its_rows(tiny_engine, monkeypatch):
+    """A target that does not say it decides (an older one, or one that declines) gets the server's
+    verdicts from its rows: the same tokens."""
+    monkeypatch.setattr("deployments.workers.target_service.decides_on_target", lambda policy, sampling: False)
+    workers = Workers(tiny_engine)
+    try:
+        req = request("rejection", "model", 0.8)
+        tokens, metrics = remote_complete(workers.engine, req)
+    finally:
+        workers.stop()
+    assert not metrics["verdicts_on_target"]
+    assert metrics["wire_bytes_per_step"] > metrics["full_logits_bytes_per_step"]  # the rows and the draft's
+    assert tokens == tiny_engine.complete(req).token_ids
 
 
 @pytest.mark.parametrize(
@@ -359,10 +402,15 @@ def test_draft_steps_wait_only_for_sessions_of_model_drafters(tiny_engine):
 def test_compact_wire_ships_a_fraction_of_the_full_logits(cluster):
     _, greedy = remote_complete(cluster, request("greedy", "model"))
     _, fly = remote_complete(cluster, request("fly", "model"))
-    _, sampled = remote_complete(cluster, request("rejection", "model", temperature=0.8))
+    _, sampled = remote_complete(cluster, request("rejection", "pld", temperature=0.8))
+    _, sampled_model = remote_complete(cluster, request("rejection", "model", temperature=0.8))
     assert greedy["wire_bytes_per_step"] < 0.05 * greedy["full_logits_bytes_per_step"]
     assert fly["wire_bytes_per_step"] < 0.1 * fly["full_logits_bytes_per_step"]
-    assert sampled["wire_bytes_per_step"] > sampled["full_logits_bytes_per_step"]  # rows + draft logits
+    # sampled verdicts are the target worker's: it sends a verdict, not its rows
+    assert sampled["verdicts_on_target"] and sampled_model["verdicts_on_target"]
+    assert sampled["wire_bytes_per_step"] < 0.05 * sampled["full_logits_bytes_per_step"]
+    # a sampled draft model's rows still come to the server (its residual reads them), the target's do not
+    assert sampled_model["wire_bytes_per_step"] < sampled_model["full_logits_bytes_per_step"]
 
 
 def test_sessions_are_freed_on_finish_and_on_abandoned_streams(cluster):
@@ -889,6 +937,38 @@ def test_workers_check_the_secret_and_everything_they_receive(tiny_engine):
             assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
         reply = stubs["target"].Score(pb.ScoreRequest(session_id="s", tokens=[3, 4]), metadata=secret, timeout=10)
         assert reply.vocab_size == tiny_engine.target_model.config.vocab_size
+        # a sampled session whose verdicts the target decides: what it reads of the drafts is checked
+        rejection = component_to_proto(ComponentSpec(name="rejection"))
+        hot = sampling_to_proto(SamplingParams(temperature=0.8, seed=3))
+        decided = pb.TargetReset(
+            session_id="v", prompt_ids=[1, 2, 3], sampling=hot, policy=rejection, decides_verdicts=True, stop_ids=[0]
+        )
+        assert stubs["target"].Reset(decided, metadata=secret, timeout=10).decides_verdicts
+        vocab_size = reply.vocab_size
+        rows = torch.zeros(2, vocab_size)
+        for score in (
+            pb.ScoreRequest(session_id="s", tokens=[4, 5, 6], draft_token_probs=[0.5, 0.5]),  # not a deciding session
+            pb.ScoreRequest(session_id="v", tokens=[3, 4, 5], draft_token_probs=[0.5]),  # one per draft
+            pb.ScoreRequest(session_id="v", tokens=[3, 4, 5], draft_token_probs=[0.5, 1.5]),
+            pb.ScoreRequest(session_id="v", tokens=[3, 4, 5], draft_token_probs=[0.5, 0.5]),  # rejection reads q rows
+            pb.ScoreRequest(
+                session_id="v", tokens=[3, 4, 5], draft_token_probs=[0.5, 0.5], draft_logits=tensor_to_proto(rows[:1])
+            ),
+            pb.ScoreRequest(
+                session_id="v",
+                tokens=[3, 4, 5],
+                draft_token_probs=[0.5, 0.5],
+                draft_logits=pb.Tensor(dtype="float32", shape=[2, vocab_size], data=b"\0" * 12),
+            ),
+        ):
+            with pytest.raises(grpc.RpcError) as failure:
+                stubs["target"].Score(score, metadata=secret, timeout=10)
+            assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
+        score = pb.ScoreRequest(
+            session_id="v", tokens=[3, 4, 5], draft_token_probs=[0.5, 0.5], draft_logits=tensor_to_proto(rows)
+        )
+        reply = stubs["target"].Score(score, metadata=secret, timeout=10)
+        assert reply.HasField("verdict") and not reply.HasField("logits") and 0 <= reply.verdict.num_accepted <= 2
         model = component_to_proto(ComponentSpec(name="model"))
         for session_id, drafter in (("lookup", pld), ("drafted", model)):
             draft_reset = pb.DraftReset(session_id=session_id, prompt_ids=[1, 2, 3], sampling=sampling, drafter=drafter)
