@@ -34,6 +34,7 @@ from specdec_core.trees.tree import Topology
 
 from ..ingress.error_replies import WorkerOverloaded, WorkerUnavailable
 from .wire import (
+    as_sent,
     component_to_proto,
     prompt_scores_from_proto,
     sampling_to_proto,
@@ -77,10 +78,9 @@ class RemoteTarget:
         self.pending_keep = 0  # a commit not yet sent: it rides on the next Score
         self.pending_path: list[int] = []  # likewise after a tree
         self.takes_forwarded = False  # the draft worker forwards ahead blocks here (run_ahead.py)
-        # set: the target is asked to decide the verdicts (target/verdicts.py), these the stops
-        # min_tokens holds back; `decides_verdicts`: whether its Reset said it will
+        # set: the target decides the verdicts (target/verdicts.py), these held back in min_tokens
         self.verdict_stop_ids: Optional[list[int]] = None
-        self.decides_verdicts = False
+        self.decides_verdicts = False  # whether its Reset said it will
         self.sends_draft_rows = False  # with decides_verdicts: the rule reads a sampled draft's rows
         self.forwarded_blocks = 0  # Scores answered from them
 
@@ -124,7 +124,7 @@ class RemoteTarget:
         if self.decides_verdicts and draft is not None and draft.sampled:  # what the rule reads of it
             request.draft_token_probs.extend(draft.token_probs.tolist())
             if self.sends_draft_rows:
-                request.draft_logits.CopyFrom(tensor_to_proto(draft.logits))
+                request.draft_logits.CopyFrom(tensor_to_proto(as_sent(draft.logits)))
         try:
             reply = await self.stub.Score(request, timeout=self.deadline_s)
             # Held: the session waits for KV blocks (preempted) and its stream pauses, for as long

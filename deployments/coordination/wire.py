@@ -37,6 +37,14 @@ def tensor_from_proto(message: pb.Tensor) -> torch.Tensor:
     return tensor.view(torch.bfloat16).float() if bf16 else tensor
 
 
+def as_sent(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor received and sent on (a draft's rows, relayed to the target) in the dtype it
+    came in: bf16 where every entry is one (`tensor_from_proto` widened it), so relaying costs no
+    more bytes than receiving."""
+    narrow = tensor.to(torch.bfloat16)
+    return narrow if tensor.dtype == torch.float32 and torch.equal(narrow.float(), tensor) else tensor
+
+
 def wire_tensor(message: pb.Tensor, field: str) -> torch.Tensor:
     """A tensor a caller sent: one that does not decode is the caller's error, named by its field."""
     try:

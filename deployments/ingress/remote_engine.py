@@ -183,7 +183,7 @@ class RemoteEngine:
                     remote_drafter.forward_to = self.addresses[target_stub]
         output = self.frontend.output(request)
         if decides_on_target(request.policy, request.sampling):  # the rows stay there: only verdicts travel
-            target.verdict_stop_ids = sorted(output.stop_ids)
+            target.verdict_stop_ids = sorted(output.stop_ids) if request.sampling.min_tokens else []
         timings, last_chunk_at = RequestTimings(), arrival
         loop = speculative_loop(request, drafter, target, output)
         try:

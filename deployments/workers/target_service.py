@@ -95,6 +95,7 @@ class TargetService(WorkerService):
         `takes_forwarded`: the draft worker forwards the session's ahead blocks (`forward`);
         `stop_ids` (those min_tokens holds back): decide its verdicts here where its rule allows."""
         policy_object = make_policy(policy.name, policy.params)
+        check_token_ids(list(sampling.logit_bias), self.vocab_size, "logit_bias")  # the target may apply it
         if stop_ids is not None:
             check_token_ids(stop_ids, self.vocab_size, "stop_ids")
             stop_ids = stop_ids if decides_on_target(policy_object, sampling) else None

@@ -61,23 +61,25 @@ def checked_draft(
 def settle_verdicts(rows: list[PendingRow], blocks: list, scorer_of: Callable[[str], TargetScorer]) -> None:
     """The verdicts of a step's rows whose sessions decide them (`row.attached`: their drafts), set
     on their blocks. A failed decision fails those rows alone: the step's other rows stand."""
-    deciding = [
-        (row, block, scorer_of(row.session_id))
-        for row, block in zip(rows, blocks)
-        if not row.prefill and row.attached is not None and not row.future.done()  # (done: answered by its plan)
-    ]
+    deciding, checks = [], []
+    for row, block in zip(rows, blocks):
+        if row.prefill or row.attached is None or row.future.done():  # (done: answered by its plan)
+            continue
+        try:  # before any draw: a row that fails here fails alone
+            scorer = scorer_of(row.session_id)
+            checks.append(scorer.verdicts.check(row.attached, block, scorer.prompt_ids, scorer.output_ids()))
+            deciding.append((row, block))
+        except Exception as error:  # noqa: BLE001 - logged; this row's caller gets it
+            logger.exception("session %s: its verdict's rows could not be laid out", row.session_id)
+            row.future.set_exception(error)
     if not deciding:
         return
     try:
-        checks = [
-            scorer.verdicts.check(row.attached, block, scorer.prompt_ids, scorer.output_ids())
-            for row, block, scorer in deciding
-        ]
-        for (_, block, _), verdict in zip(deciding, decide_together(checks)):
+        for (_, block), verdict in zip(deciding, decide_together(checks)):
             block.verdict = verdict
-    except Exception as error:  # noqa: BLE001 - logged; these rows' callers get it, the others' answers stand
+    except Exception as error:  # noqa: BLE001 - a bug: logged; these rows' callers get it, the others' stand
         logger.exception("deciding %d verdicts on the target failed", len(deciding))
-        for row, _, _ in deciding:
+        for row, _ in deciding:
             row.future.set_exception(error)
 
 

@@ -144,5 +144,5 @@ def early_stops_masked(
     early = (generated + depths < min_tokens).to(block.logits.device)  # [rows]
     logits = block.logits.clone()  # [rows, V]
     stops = torch.tensor(sorted(stop_ids), device=logits.device)
-    logits[early.nonzero()[:, :1], stops] = float("-inf")
+    logits[:, stops] = logits[:, stops].masked_fill(early[:, None], float("-inf"))  # no read back of `early`
     return block.with_logits(logits)

@@ -917,6 +917,8 @@ def test_workers_check_the_secret_and_everything_they_receive(tiny_engine):
             (stubs["target"].Reset, target_reset(prompt_ids=[999_999], sampling=sampling)),
             (stubs["target"].Reset, target_reset(prompt_ids=[], sampling=sampling)),
             (stubs["target"].Reset, target_reset(prompt_ids=[1], sampling=pb.Sampling())),
+            # a target that decides verdicts applies logit_bias itself: its ids are checked there too
+            (stubs["target"].Reset, target_reset(prompt_ids=[1], sampling=pb.Sampling(logit_bias={999_999: 1.0}))),
             (stubs["draft"].Reset, pb.DraftReset(session_id="a", prompt_ids=[-3], sampling=sampling, drafter=pld)),
         ]
         for call, message in bad_calls:

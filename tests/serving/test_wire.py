@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deployments.checks import served_rows
-from deployments.coordination.wire import tensor_from_proto, tensor_to_proto
+from deployments.coordination.wire import as_sent, tensor_from_proto, tensor_to_proto
 from protos import specdec_pb2 as pb
 
 
@@ -31,6 +31,17 @@ def test_bf16_rows_travel_in_two_bytes_and_arrive_as_their_float32_values():
     received, size = through_the_wire(rows)
     assert size == rows.numel() * 2
     assert received.dtype == torch.float32 and torch.equal(received, rows.float())
+
+
+def test_rows_relayed_go_on_in_the_dtype_they_came_in():
+    """The server relays a draft's rows to the target (`as_sent`): bf16 rows it received as float32
+    go on as bf16 (two bytes an entry), exactly; rows that were float32 stay float32."""
+    rows = torch.randn(8, 1000, generator=torch.Generator().manual_seed(2)).mul(30)
+    came_as_bf16, _ = through_the_wire(rows.to(torch.bfloat16))
+    relayed, size = through_the_wire(as_sent(came_as_bf16))
+    assert size == rows.numel() * 2 and torch.equal(relayed, came_as_bf16)
+    relayed, size = through_the_wire(as_sent(rows))
+    assert size == rows.numel() * 4 and torch.equal(relayed, rows)
 
 
 def test_an_unknown_dtype_is_refused():
