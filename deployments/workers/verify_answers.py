@@ -1,8 +1,9 @@
 """A verify row's answer on the target worker, built on the torch thread after its step's forward.
 
-- A session that decides its verdicts here (specdec_core/target/verdicts.py) sends what its rule
-  reads of each draft with its Score (`checked_draft`); the step's deciding sessions are decided
-  together, one read back for all (`settle_verdicts`), and each gets its verdict, not its rows.
+- For a session that decides its verdicts here (specdec_core/target/verdicts.py) the server sends
+  the sampled drafts' probabilities with each Score (`checked_draft`); the step's deciding
+  sessions are decided together (`settle_verdicts`; one read back on a device), and each gets its
+  verdict, not its rows.
 - Otherwise its rows travel, as top-k where the policy reads no more (compact.py), and a session
   that takes forwarded blocks has its verdict decided for the block scored ahead
   (forwarded_blocks.py)."""

@@ -128,8 +128,9 @@ def warp_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     return logits
 
 
-# on the CPU, where a server's host decides sampled verdicts over whole rows, the nucleus is looked
-# for among a row's top entries first: sorting 9 rows of a 128k vocabulary took 120 ms there
+# on the CPU, where a host decides sampled verdicts over whole rows (a CPU target worker's, or the
+# server's), the nucleus is looked for among a row's top entries first: sorting 9 rows of a 128k
+# vocabulary took 120 ms there
 NUCLEUS_CANDIDATES = (256, 4096)
 
 

@@ -26,8 +26,9 @@ rejection at T = 0: `decided_by_target_rows`), the draft worker also sends the a
 straight to the target worker, which decides block t's verdict itself (`target_outcome`, on the
 rows the server receives, so it is the server's verdict exactly) and, when it is the one the
 proposal assumed, scores block t+1 before the server asks (deployments/workers/forwarded_blocks.py).
-The lossy policies read the draft's rows or draw from the server's generator, so their verdicts
-stay with the server, and their ahead blocks go to the target from there."""
+Sampled verdicts and the lossy policies' stay with the server or are decided by the target only
+when the server's Score comes (target/verdicts.py), so their ahead blocks go to the target from
+the server."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """A step's sampled verdicts decided together (`Check.decided_together`): its chains by
 sampled_chains.py, its trees by sampled_trees.py, each kind in a fixed number of operations
 whatever the number of requests, and all of them read back at once. On the CPU, where there is
-no launch to save, a step's checks go in parts of at most `CPU_ENTRIES` row entries: one
-`[M, V]` over 64 sessions' rows makes every temporary a fresh allocation of 100 MB that the
-warp's operations stream through (its page faults made the whole 1.5x slower than the sessions
-decided one by one, `specdec served-rows`)."""
+no launch to save, a step's checks go in parts of at most `CPU_ENTRIES` row entries (a check
+larger than that alone): one `[M, V]` over 64 sessions' rows makes every temporary an allocation
+of 100 MB that the warp's operations stream through, which made the whole 1.5x slower than the
+sessions decided one by one (`specdec served-rows --sessions`)."""
 
 from __future__ import annotations
 

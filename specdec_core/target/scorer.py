@@ -110,7 +110,7 @@ class TargetScorer:
             forward_rows([Row(self, tokens[begin : begin + PREFILL_CHUNK], prefill=True)])
 
     def prefilled(self) -> Prefilled:
-        """After the prefill: the prompt's scores (when the request asks), its prefix cache use."""
+        """After the prefill: the prompt's scores (if asked), its prefix cache use, who decides."""
         decides = self.verdicts is not None
         return Prefilled(self.prompt_scores, self.prefix_cache_queries, self.prefix_cache_hits, decides)
 
