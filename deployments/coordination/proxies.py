@@ -81,7 +81,7 @@ class RemoteTarget:
         # set: the target decides the verdicts (target/verdicts.py), these held back in min_tokens
         self.verdict_stop_ids: Optional[list[int]] = None
         self.decides_verdicts = False  # whether its Reset said it will
-        self.sends_draft_rows = False  # with decides_verdicts: the rule reads a sampled draft's rows
+        self.sends_draft_probs = False  # with decides_verdicts: the rule reads a sampled draft's p_d, rows
         self.forwarded_blocks = 0  # Scores answered from them
 
     async def reset(
@@ -108,7 +108,7 @@ class RemoteTarget:
         scores = prompt_scores_from_proto(reply.prompt) if reply.HasField("prompt") else None
         # an older target leaves it unset: the server decides from the rows, as before
         self.decides_verdicts = reply.decides_verdicts
-        self.sends_draft_rows = policy.reads_draft_rows
+        self.sends_draft_probs = policy.reads_draft_probs
         return Prefilled(scores, reply.prefix_cache_queries, reply.prefix_cache_hits, reply.decides_verdicts)
 
     async def score(
@@ -121,10 +121,9 @@ class RemoteTarget:
             commit_path=self.pending_path,
             tree=tree.name if tree is not None else "",
         )
-        if self.decides_verdicts and draft is not None and draft.sampled:  # what the rule reads of it
+        if self.decides_verdicts and self.sends_draft_probs and draft is not None and draft.sampled:
             request.draft_token_probs.extend(draft.token_probs.tolist())
-            if self.sends_draft_rows:
-                request.draft_logits.CopyFrom(tensor_to_proto(as_sent(draft.logits)))
+            request.draft_logits.CopyFrom(tensor_to_proto(as_sent(draft.logits)))
         try:
             reply = await self.stub.Score(request, timeout=self.deadline_s)
             # Held: the session waits for KV blocks (preempted) and its stream pauses, for as long

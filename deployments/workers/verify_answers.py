@@ -53,7 +53,7 @@ def checked_draft(
         raise SpecdecError("draft_token_probs must lie in (0, 1]")
     if logits is not None and (not sampled or logits.shape != (num_drafts, vocab_size) or logits.isnan().any()):
         raise SpecdecError(f"draft_logits: [{num_drafts}, {vocab_size}] rows without NaN, of sampled drafts")
-    if sampled and logits is None and scorer.verdicts.policy.reads_draft_rows:
+    if sampled and logits is None and scorer.verdicts.policy.reads_draft_probs:
         raise SpecdecError(f"draft_logits: policy {scorer.verdicts.policy.name!r} reads a sampled draft's rows")
     drafts = torch.tensor(list(tokens[1:]), dtype=torch.long)  # [K]
     return DraftBlock(drafts, logits if sampled else None, probs, tree, ids=list(tokens[1:]))

@@ -56,7 +56,8 @@ class AcceptancePolicy(ABC):
     # a step decides many requests' at once (sampled_chains.py)
     decides_chains: ClassVar[bool] = False
     draws_per_draft: ClassVar[bool] = False  # its chain (tree) rule draws a uniform per draft (node)
-    reads_draft_rows: ClassVar[bool] = False  # its sampled chain rule reads a sampled draft's rows
+    # its sampled chain rule reads what a sampled draft was proposed by: p_d of its tokens, its rows
+    reads_draft_probs: ClassVar[bool] = False
     # True: a sampled tree's verdict follows from `tree_paths`, and a step decides many requests' at
     # once (sampled_trees.py)
     decides_trees: ClassVar[bool] = False

@@ -38,7 +38,7 @@ class RejectionPolicy(AcceptancePolicy):
     supports_trees = True
     decides_chains = True
     draws_per_draft = True
-    reads_draft_rows = True  # the residual after a rejection, max(0, p_t - p_d)
+    reads_draft_probs = True  # min(1, p_t / p_d), and the residual max(0, p_t - p_d) after a rejection
     decides_trees = True
 
     def decided_by_target_rows(self, sampling) -> bool:
