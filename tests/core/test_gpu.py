@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from specdec_core import GenerationRequest, SpeculativeEngine
+from specdec_core.api.sampling import SamplingParams
 from specdec_core.policies import POLICIES
 from specdec_core.runtime.model_runner import runner_of
 from specdec_core.target.scorer import TargetScorer
 
+from helpers.deciding_target import decided_beside_rows
 from helpers.tiny_models import repeating_prompt, tiny_llama, tiny_profile
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -47,6 +49,19 @@ def test_every_policy_decides_on_the_device(cuda_engine, policy):
     temperature = 0.8 if POLICIES[policy].supports_sampling else 0.0
     runs = [cuda_engine.complete(request(policy, "model", temperature, seed=3)).token_ids for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 32
+
+
+@pytest.mark.parametrize(
+    ("policy", "drafter"), [("rejection", "model"), ("typical", "pld"), ("rejection", "model_tree")]
+)
+def test_sampled_verdicts_decided_beside_cuda_rows_are_the_loops(cuda_engine, policy, drafter):
+    """A served target worker's way (target/verdicts.py) on the device: its rows processed there
+    (penalties, logit_bias, min_tokens' stops) and decided there give the loop's own tokens."""
+    free = cuda_engine.complete(request(policy, drafter, 0.8)).token_ids
+    sampling = {"max_tokens": 32, "temperature": 0.8, "seed": 0, "min_tokens": 10, "stop_token_ids": free[1:3]}
+    sampling.update(presence_penalty=0.6, repetition_penalty=1.3, logit_bias={free[5]: 2.0})
+    req = request(policy, drafter, 0.8).model_copy(update={"sampling": SamplingParams(**sampling)})
+    assert decided_beside_rows(cuda_engine, req) == cuda_engine.complete(req).token_ids
 
 
 def host_synchronizations(call):

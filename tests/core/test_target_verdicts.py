@@ -4,44 +4,14 @@ request's tokens do not depend on where it is decided."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
 import pytest
 
 from specdec_core import GenerationRequest
-from specdec_core.loop.engine import speculative_loop
-from specdec_core.loop.sessions import Immediate, run_immediately
-from specdec_core.loop.stage_types import DraftBlock, TargetBlock
 from specdec_core.policies import make_policy
-from specdec_core.policies.step_verdicts import decide_together
 from specdec_core.target.verdicts import SessionVerdicts, decides_on_target
 
+from helpers.deciding_target import decided_beside_rows
 from helpers.tiny_models import repeating_prompt
-
-
-class DecidingTarget(Immediate):
-    """A local target session that decides each verdict beside its rows, as a target worker does."""
-
-    def __init__(self, scorer, stop_ids):
-        super().__init__(scorer)
-        self.stop_ids = stop_ids
-
-    async def reset(self, prompt_ids, policy, sampling, heads_kind=None):
-        prefilled = self.session.reset(prompt_ids, policy, sampling, heads_kind)
-        self.session.verdicts = SessionVerdicts.of(policy, sampling, self.stop_ids)
-        return prefilled
-
-    async def score(self, tokens: Sequence[int], draft: Optional[DraftBlock] = None) -> TargetBlock:
-        return self.decided(self.session.score(tokens), draft)
-
-    async def score_tree(self, tokens, tree, draft: Optional[DraftBlock] = None) -> TargetBlock:
-        return self.decided(self.session.score_tree(tokens, tree), draft)
-
-    def decided(self, block: TargetBlock, draft: DraftBlock) -> TargetBlock:
-        scorer = self.session
-        check = scorer.verdicts.check(draft, block, scorer.prompt_ids, scorer.output_ids())
-        block.verdict = decide_together([check])[0]
-        return block
 
 
 @pytest.mark.parametrize(
@@ -53,13 +23,7 @@ def test_verdicts_decided_beside_the_rows_are_the_loops(tiny_engine, policy, dra
     sampling = {"min_tokens": 10, "stop_token_ids": free[1:3], "presence_penalty": 0.6, "logit_bias": {free[5]: 2.0}}
     for extra in ({}, sampling, {**sampling, "repetition_penalty": 1.3}):
         req = request(policy, drafter, **extra)
-        prepared = tiny_engine.frontend.prepare(req)
-        output = tiny_engine.frontend.output(prepared)
-        drafter_session, target = tiny_engine.sessions(
-            prepared, target_session=lambda scorer: DecidingTarget(scorer, output.stop_ids)
-        )
-        chunks = list(run_immediately(speculative_loop(prepared, drafter_session, target, output)))
-        tokens = [token for chunk in chunks for token in chunk.token_ids]
+        tokens = decided_beside_rows(tiny_engine, req)
         assert tokens == tiny_engine.complete(req).token_ids, extra
         if extra:
             assert not set(free[1:3]) & set(tokens[:10])
