@@ -21,6 +21,7 @@ import torch
 from pydantic import Field, field_validator
 
 from ..loop.stage_types import DraftBlock
+from ..models.kernels.chunked import kernels_by_chunk
 from ..runtime.batching import forward_ragged
 from ..runtime.kv_pool import PagedKV
 from ..trees.topologies import DEFAULT_DRAFT_TREE, default_bank
@@ -120,8 +121,10 @@ def draft_together(model: torch.nn.Module, draftings: Sequence[TreeDrafting]) ->
         )
         parts = hidden[0].split([len(call.row) for call in calls])  # [T_i, H] each
         kept = torch.cat([part[-call.keep :] for part, call in zip(parts, calls)])  # [sum of keep, H]
+        with kernels_by_chunk([call.keep for call in calls]):  # each drafting's rows on its own kernel
+            logits = model.lm_head(kept).float()  # [sum of keep, V]
         # the top-k of the widest tree holds each narrower one's first (topk sorts them)
-        top = model.lm_head(kept).float().softmax(-1).topk(max(call.top_k for call in calls), dim=-1)
+        top = logits.softmax(-1).topk(max(call.top_k for call in calls), dim=-1)
         top_ids, top_probs = top.indices.cpu(), top.values.cpu()  # the one read back
         sizes = [call.keep for call in calls]
         for index, call, ids, probs in zip(indices, calls, top_ids.split(sizes), top_probs.split(sizes)):
