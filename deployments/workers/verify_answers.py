@@ -90,7 +90,8 @@ def verify_answer(scorer: TargetScorer, row: TargetRow, forwarded: ForwardedBloc
         return ScoredRows(block)
     # the server changes these rows before its policy reads them (stop tokens masked within
     # min_tokens, penalties, logit_bias): a top-k row could miss what they promote, so ship it whole
-    whole = len(scorer.output_ids()) < scorer.sampling.min_tokens or scorer.sampling.processes_logits
+    sampling = scorer.sampling  # (the output's length is counted only where min_tokens asks: a copy a step)
+    whole = sampling.processes_logits or (sampling.min_tokens > 0 and len(scorer.output_ids()) < sampling.min_tokens)
     top_k = None if whole else wire_top_k(scorer.policy, scorer.sampling)
     scored = ScoredRows(block) if top_k is None else ScoredRows(block, *compact_rows(block.logits, top_k))
     if not whole and forwarded.takes(row.session_id):
