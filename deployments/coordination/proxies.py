@@ -77,11 +77,11 @@ class RemoteTarget:
         self.full_rows_bytes = 0  # what full fp32 rows would have cost
         self.pending_keep = 0  # a commit not yet sent: it rides on the next Score
         self.pending_path: list[int] = []  # likewise after a tree
-        self.takes_forwarded = False  # the draft worker forwards ahead blocks here (run_ahead.py)
+        self.takes_forwarded = False  # asked at Reset (run_ahead.py); after it, taken (deciding verdicts: unasked)
         # set: the target decides the verdicts (target/verdicts.py), these held back in min_tokens
         self.verdict_stop_ids: Optional[list[int]] = None
         self.decides_verdicts = False  # whether its Reset said it will
-        self.sends_draft_probs = False  # with decides_verdicts: the rule reads a sampled draft's p_d, rows
+        self.sends_draft_probs = False  # decides_verdicts by a rule that reads a sampled draft's p_d, rows
         self.forwarded_blocks = 0  # Scores answered from them
 
     async def reset(
@@ -108,7 +108,8 @@ class RemoteTarget:
         scores = prompt_scores_from_proto(reply.prompt) if reply.HasField("prompt") else None
         # an older target leaves it unset: the server decides from the rows, as before
         self.decides_verdicts = reply.decides_verdicts
-        self.sends_draft_probs = policy.reads_draft_probs
+        self.takes_forwarded = self.takes_forwarded or reply.decides_verdicts
+        self.sends_draft_probs = reply.decides_verdicts and policy.reads_draft_probs
         return Prefilled(scores, reply.prefix_cache_queries, reply.prefix_cache_hits, reply.decides_verdicts)
 
     async def score(
@@ -121,7 +122,7 @@ class RemoteTarget:
             commit_path=self.pending_path,
             tree=tree.name if tree is not None else "",
         )
-        if self.decides_verdicts and self.sends_draft_probs and draft is not None and draft.sampled:
+        if self.sends_draft_probs and draft is not None and draft.sampled:
             request.draft_token_probs.extend(draft.token_probs.tolist())
             request.draft_logits.CopyFrom(tensor_to_proto(as_sent(draft.logits)))
         try:
@@ -162,9 +163,7 @@ class RemoteTarget:
             preemptions=reply.preemptions,
         )
 
-    async def score_tree(
-        self, tokens: Sequence[int], tree: Topology, draft: Optional[DraftBlock] = None
-    ) -> TargetBlock:
+    async def score_tree(self, tokens: Sequence[int], tree: Topology, draft: Optional[DraftBlock] = None):
         return await self.score(tokens, draft, tree)
 
     def commit(self, num_keep: int) -> None:
@@ -225,7 +224,7 @@ class RemoteDrafter:
         self.remote = drafter_source(spec.name) is not DraftSource.NOTHING
         self.bytes_received = 0
         self.pending_tokens: list[int] = []  # committed, not yet sent: they ride on the next Propose
-        self.forward_to: Optional[str] = None  # run-ahead: the target replica its ahead blocks go to
+        self.forward_to: Optional[tuple[str, RemoteTarget]] = None  # run-ahead: where ahead blocks go, if taken
         self.length = 0  # the sequence's tokens: the prompt and those committed
 
     def _fall_back(self, error: grpc.RpcError) -> None:
@@ -267,8 +266,10 @@ class RemoteDrafter:
             batch_rows=batch_rows,
             after_tokens=list(after),
         )
-        if after and self.forward_to is not None:
-            request.forward.CopyFrom(pb.ForwardTo(address=self.forward_to, after_length=self.length))
+        if after and self.forward_to is not None and self.forward_to[1].takes_forwarded:
+            address, target = self.forward_to
+            forward = pb.ForwardTo(address=address, after_length=self.length, draft_probs=target.sends_draft_probs)
+            request.forward.CopyFrom(forward)
         try:
             reply = await self.stub.Propose(request, timeout=self.deadline_s)
         except grpc.RpcError as error:

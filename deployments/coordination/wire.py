@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -45,10 +46,13 @@ def as_sent(tensor: torch.Tensor) -> torch.Tensor:
     return narrow if tensor.dtype == torch.float32 and torch.equal(narrow.float(), tensor) else tensor
 
 
-def wire_tensor(message: pb.Tensor, field: str) -> torch.Tensor:
-    """A tensor a caller sent: one that does not decode is the caller's error, named by its field."""
+def wire_tensor(message: Any, field: str) -> Optional[torch.Tensor]:
+    """The tensor a caller sent in `message`'s `field` (None where unset): one that does not decode
+    is the caller's error, named by its field."""
+    if not message.HasField(field):
+        return None
     try:
-        return tensor_from_proto(message)
+        return tensor_from_proto(getattr(message, field))
     except ValueError as error:
         raise SpecdecError(f"{field}: {error}") from None
 

@@ -176,11 +176,12 @@ class RemoteEngine:
                     remote_drafter.fall_back(str(error))
             if request.run_ahead:  # the draft worker drafts while the target verifies
                 drafter = RunAhead(remote_drafter, asyncio.ensure_future)
-                # and sends its blocks on to the target, where the target can decide verdicts itself
-                # (not on rows the server processes: the target worker holds them raw)
-                if request.policy.decided_by_target_rows(request.sampling) and not request.sampling.processes_logits:
-                    target.takes_forwarded = True
-                    remote_drafter.forward_to = self.addresses[target_stub]
+                # and sends its blocks on to the target where the target decides verdicts itself: from
+                # the rows alone (not rows the server processes: the target holds them raw), asked at
+                # Reset; or a sampled session's, as its Reset says
+                rows_decide = request.policy.decided_by_target_rows(request.sampling)
+                target.takes_forwarded = rows_decide and not request.sampling.processes_logits
+                remote_drafter.forward_to = (self.addresses[target_stub], target)
         output = self.frontend.output(request)
         if decides_on_target(request.policy, request.sampling):  # the rows stay there: only verdicts travel
             target.verdict_stop_ids = sorted(output.stop_ids) if request.sampling.min_tokens else []

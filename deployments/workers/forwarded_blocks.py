@@ -13,30 +13,29 @@ Invariants (per session, all under one lock):
   the rows it receives, so the server's next Score commits exactly what the target committed
   (a Score that commits otherwise is a bug, and fails);
 - a block is known by the sequence length before it (`after_length`, the prompt and the tokens
-  generated): one for an older length is stale and dropped."""
+  generated): one for an older length is stale and dropped;
+- a session that decides its sampled verdicts here (specdec_core/target/verdicts.py) draws the
+  verdict of a block scored ahead from its verify stream; when that block goes unused, the stream
+  is set back to where it stood before, so the session draws exactly what the loop draws."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import grpc
 import torch
 
-from protos import specdec_pb2 as pb
-from protos import specdec_pb2_grpc as pb_grpc
 from specdec_core.api.errors import SpecdecError
 from specdec_core.loop.run_ahead import Outcome, target_outcome
-from specdec_core.loop.stage_types import TargetBlock
+from specdec_core.loop.stage_types import DraftBlock, TargetBlock
 from specdec_core.target.compact import expand_rows
 from specdec_core.target.scorer import TargetScorer
+from specdec_core.target.verdicts import SessionVerdicts
 from specdec_core.trees.topologies import default_bank
 
-from ..ingress.auth import SECRET_METADATA
 from .worker_ops import TargetRow
 from .worker_service import SessionMissing
 
@@ -49,6 +48,7 @@ class ForwardedBlock:
     assumed: list[int]  # the verdict on block t it assumes: its drafts kept, then the guess
     tokens: list[int]  # [guess, block t+1's drafts]: the next Score's tokens under that verdict
     tree: str = ""
+    draft: Optional[DraftBlock] = None  # block t+1's drafts as its Score's (verify_answers.checked_draft)
 
 
 @dataclass
@@ -66,6 +66,8 @@ class ScoredRows:
 class Prescored:
     row: TargetRow  # what was committed and scored, as a Score would ask it
     future: Future  # the row's answer (the ScoredRows a Score returns)
+    draft: Optional[DraftBlock] = None  # its drafts, where the session decides its verdict here
+    stream_state: Optional[torch.Tensor] = None  # the session's verify stream before that verdict's draws
 
 
 @dataclass
@@ -76,6 +78,7 @@ class SessionForwards:
     stale_below: int = 0  # forwarded blocks for shorter sequences come too late
     claiming: bool = False  # a Score is settling the block scored ahead
     paused: bool = False  # preempted: no block is scored ahead any more
+    verdicts: Optional[SessionVerdicts] = None  # a session deciding its sampled verdicts here
 
 
 class ForwardedBlocks:
@@ -90,9 +93,9 @@ class ForwardedBlocks:
         self.sessions: dict[str, SessionForwards] = {}
         self.scored = self.used = 0  # over all sessions: blocks scored ahead, and claimed
 
-    def open(self, session_id: str) -> None:
+    def open(self, session_id: str, verdicts: Optional[SessionVerdicts] = None) -> None:
         with self.lock:
-            self.sessions[session_id] = SessionForwards()
+            self.sessions[session_id] = SessionForwards(verdicts=verdicts)
 
     def close(self, session_id: str) -> None:
         with self.lock:
@@ -113,6 +116,9 @@ class ForwardedBlocks:
     def takes(self, session_id: str) -> bool:
         with self.lock:
             return session_id in self.sessions
+
+    def stats(self) -> dict:
+        return {"forwarded_scored": self.scored, "forwarded_used": self.used}
 
     def on_scored(self, session_id: str, after_length: int, outcome: Outcome) -> None:
         """The target's verdict on the block it just scored for `session_id` (on the torch thread,
@@ -167,7 +173,8 @@ class ForwardedBlocks:
             commit_path=list(outcome.commit_path),
             tree=block.tree,
         )
-        state.prescored, state.verdict = Prescored(row, Future()), None
+        stream_state = state.verdicts.generator.get_state() if state.verdicts is not None else None
+        state.prescored, state.verdict = Prescored(row, Future(), block.draft, stream_state), None
         self.scored += 1
         return state.prescored
 
@@ -176,16 +183,17 @@ class ForwardedBlocks:
         if prescored is None:
             return
         try:
-            answer = self.submit(prescored.row)
+            answer = self.submit(prescored.row, prescored.draft)
         except Exception as error:  # noqa: BLE001 - the claimant's to see (a stopping worker)
             prescored.future.set_exception(error)
             return
         answer.add_done_callback(lambda done: chain(done, prescored.future))
 
-    def claim(self, row: TargetRow) -> tuple[Optional[Future], TargetRow]:
-        """The server's Score `row` (on a gRPC handler thread): the future of the same row scored
-        ahead, else None and the row to run (without its commit where a block scored ahead and
-        unused already applied it). Waits for a block scored ahead to finish first."""
+    def claim(self, row: TargetRow, draft: Optional[DraftBlock] = None) -> tuple[Optional[Future], TargetRow]:
+        """The server's Score `row`, of `draft` where the session decides its verdicts (on a gRPC
+        handler thread): the future of the same row scored ahead, else None and the row to run
+        (without its commit where a block scored ahead and unused already applied it). Waits for a
+        block scored ahead to finish first."""
         with self.lock:
             state = self.sessions.get(row.session_id)
             if state is None:
@@ -206,6 +214,7 @@ class ForwardedBlocks:
             ):  # refused by its checks (or withdrawn): nothing applied
                 with self.lock:
                     state.verdict = None
+                restore_stream(state, prescored)
                 return None, row
             if error is not None:  # its forward failed: the session's state is the claimant's error
                 raise error
@@ -217,8 +226,9 @@ class ForwardedBlocks:
                 )
             with self.lock:
                 state.claiming = False
-                if (row.tokens, row.tree) != (ahead.tokens, ahead.tree):
+                if (row.tokens, row.tree) != (ahead.tokens, ahead.tree) or not same_probs(draft, prescored.draft):
                     state.verdict = None  # the verdict on the unused block is not the server's
+                    restore_stream(state, prescored)
                     return None, row.model_copy(update={"commit_keep": 0, "commit_path": []})
                 self.used += 1
                 started = self._start(row.session_id, state)  # the block after it may be waiting
@@ -229,50 +239,22 @@ class ForwardedBlocks:
                 state.claiming = False
 
 
+def restore_stream(state: SessionForwards, unused: Prescored) -> None:
+    """The verify stream as it stood before an unused block's verdict drew from it."""
+    if unused.stream_state is not None:
+        state.verdicts.generator.set_state(unused.stream_state)
+
+
+def same_probs(draft: Optional[DraftBlock], ahead: Optional[DraftBlock]) -> bool:
+    """Whether a Score's drafts were sampled with the probabilities of the block scored ahead."""
+    if draft is None or ahead is None or not draft.sampled or not ahead.sampled:
+        return (draft is not None and draft.sampled) == (ahead is not None and ahead.sampled)
+    return torch.equal(draft.token_probs, ahead.token_probs)
+
+
 def chain(source: Future, target: Future) -> None:
     error = source.exception()
     if error is not None:
         target.set_exception(error)
     else:
         target.set_result(source.result())
-
-
-MAX_TARGET_CHANNELS = 16  # target replicas a draft worker keeps a channel to, least recently used dropped
-
-
-class BlockForwarder:
-    """The draft worker's side: sends an ahead proposal to the target replica the server named,
-    beside the Propose answer, never holding it up. A failed send costs the target only its
-    head start (the server's Score still carries the block), so it is logged, not raised."""
-
-    def __init__(self, secret: Optional[str], deadline_s: float = 10.0):
-        self.metadata = [(SECRET_METADATA, secret)] if secret else None
-        self.deadline_s = deadline_s
-        self.stubs: OrderedDict[str, tuple[grpc.Channel, pb_grpc.TargetStub]] = OrderedDict()
-        self.lock = threading.Lock()
-
-    def stub(self, address: str) -> pb_grpc.TargetStub:
-        with self.lock:
-            if address not in self.stubs:
-                channel = grpc.insecure_channel(address)
-                self.stubs[address] = (channel, pb_grpc.TargetStub(channel))
-                while len(self.stubs) > MAX_TARGET_CHANNELS:
-                    self.stubs.popitem(last=False)[1][0].close()
-            self.stubs.move_to_end(address)
-            return self.stubs[address][1]
-
-    def send(self, address: str, block: pb.ForwardedBlock) -> None:
-        try:
-            call = self.stub(address).Forward.future(block, timeout=self.deadline_s, metadata=self.metadata)
-        except ValueError as error:  # its channel was closed meanwhile (evicted): the block is only lost
-            logger.warning("forwarding session %s's block to %s failed: %s", block.session_id, address, error)
-            return
-        call.add_done_callback(lambda done: self.check(done, block.session_id, address))
-
-    @staticmethod
-    def check(call: grpc.Future, session_id: str, address: str) -> None:
-        code = call.code()
-        if code == grpc.StatusCode.NOT_FOUND:  # the request ended first (its session released)
-            logger.debug("forwarded block of session %s came after its release", session_id)
-        elif code != grpc.StatusCode.OK:
-            logger.warning("forwarding session %s's block to %s failed: %s", session_id, address, code.name)

@@ -248,6 +248,15 @@ class PoolScheduler:
         self.forget(session_id)
         self.let_in()
 
+    def stats(self, kv_bytes_per_token: float) -> dict:
+        """What the sessions hold of the pool now, and the preemptions so far."""
+        pool = self.room.pool
+        return {
+            "kv_reserved_bytes": pool.num_used * pool.block_size * kv_bytes_per_token,
+            "kv_pool_positions": pool.num_blocks * pool.block_size,
+            "preemptions": self.room.preemptions,
+        }
+
     def forget(self, session_id: str) -> None:
         scorer = self.scorers.pop(session_id)
         self.session_ids.pop(scorer, None)

@@ -17,8 +17,6 @@ from pydantic import ValidationError
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec_core.api.errors import GroupBroken, SpecdecError
-from specdec_core.drafters.drafter_base import ahead_outcome
-from specdec_core.loop.run_ahead import next_block
 
 from ..coordination.wire import (
     component_from_proto,
@@ -30,8 +28,9 @@ from ..coordination.wire import (
 )
 from ..ingress.auth import RequireSecret
 from .admission import Overloaded
+from .block_forwarder import BlockForwarder, forwarded_block
 from .draft_service import DraftService
-from .forwarded_blocks import BlockForwarder, ForwardedBlock
+from .forwarded_blocks import ForwardedBlock
 from .steps import WorkerStopping
 from .target_service import TargetService
 from .worker_ops import Release
@@ -113,25 +112,12 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
         )
         reply = pb.DraftReply(tokens=block.tokens.tolist(), tree=block.tree.name if block.tree is not None else "")
         if request.HasField("forward") and request.after_tokens and block.num_tokens > 1:
-            self.forward(request, block)
+            self.forwarder.send(request.forward.address, forwarded_block(request, block))
         if block.sampled:
             reply.token_probs.extend(block.token_probs.tolist())
         if block.logits is not None and (with_logits or block.sampled):
             reply.logits.CopyFrom(tensor_to_proto(block.logits))
         return reply
-
-    def forward(self, request: pb.ProposeRequest, proposal) -> None:
-        """Send an ahead proposal on to the target (run_ahead.py), as the server would use it."""
-        tokens = proposal.tokens.tolist()
-        block = next_block(proposal, request.max_tokens)
-        forwarded = pb.ForwardedBlock(
-            session_id=request.session_id,
-            after_length=request.forward.after_length,
-            assumed=ahead_outcome(list(request.after_tokens), tokens),
-            tokens=[tokens[0], *block.tokens.tolist()],
-            tree=block.tree.name if block.tree is not None else "",
-        )
-        self.forwarder.send(request.forward.address, forwarded)
 
 
 class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
@@ -174,9 +160,6 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
             scored = self.service.score_held(request.session_id, wait_s)
         else:
             tokens, commit_path = list(request.tokens), list(request.commit_path)
-            draft_logits = (
-                wire_tensor(request.draft_logits, "draft_logits") if request.HasField("draft_logits") else None
-            )
             scored = self.service.score(
                 request.session_id,
                 tokens,
@@ -185,7 +168,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
                 request.tree,
                 wait_s,
                 list(request.draft_token_probs),
-                draft_logits,
+                wire_tensor(request, "draft_logits"),
             )
         if scored is None:
             return pb.ScoreReply(held=True)
@@ -212,7 +195,8 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
     @checked
     def Forward(self, request, context):
         block = ForwardedBlock(request.after_length, list(request.assumed), list(request.tokens), request.tree)
-        self.service.forward(request.session_id, block)
+        logits = wire_tensor(request, "draft_logits")
+        self.service.forward(request.session_id, block, list(request.draft_token_probs), logits)
         return pb.Empty()
 
     @checked

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -26,6 +26,7 @@ from specdec_core.target.scorer import PREFILL_CHUNK, Row, TargetScorer, forward
 from specdec_core.target.verdicts import SessionVerdicts, decides_on_target
 from specdec_core.trees.dynamic_tree import check_guess_tree
 from specdec_core.trees.topologies import default_bank
+from specdec_core.trees.tree import Topology
 
 from .admission import Admission
 from .forwarded_blocks import ForwardedBlock, ForwardedBlocks, ScoredRows
@@ -93,7 +94,8 @@ class TargetService(WorkerService):
     ) -> Prefilled:
         """Open a session and prefill its prompt (in steps); the prompt's scores when asked.
         `takes_forwarded`: the draft worker forwards the session's ahead blocks (`forward`);
-        `stop_ids` (those min_tokens holds back): decide its verdicts here where its rule allows."""
+        `stop_ids` (those min_tokens holds back): decide its verdicts here where its rule allows
+        (and take forwarded blocks, unasked)."""
         policy_object = make_policy(policy.name, policy.params)
         check_token_ids(list(sampling.logit_bias), self.vocab_size, "logit_bias")  # the target may apply it
         if stop_ids is not None:
@@ -122,9 +124,10 @@ class TargetService(WorkerService):
             prefill = self.wait_admitted(session_id, len(prompt_ids), op.sampling.max_tokens or self.max_positions)
         if prefill:
             self.batcher.submit(TargetRow(session_id=session_id, tokens=prefill, prefill=True)).result()
-        if takes_forwarded:
-            self.forwarded.open(session_id)
-        return self.session(session_id).prefilled()
+        scorer = self.session(session_id)
+        if takes_forwarded or scorer.verdicts is not None:  # a session deciding its verdicts takes them too
+            self.forwarded.open(session_id, scorer.verdicts)
+        return scorer.prefilled()
 
     def wait_admitted(self, session_id: str, num_prompt: int, max_tokens: int) -> list[int]:
         """Wait until the pool admits the opened session: the tokens to prefill. A session refused
@@ -170,14 +173,13 @@ class TargetService(WorkerService):
         `[last committed, drafts]` (or a tree's root and nodes) in the next step, and decide its
         verdict where its session does (by the drafts' probabilities, verify_answers.py). None where
         the answer is not ready within `wait_s` (its session waits for KV blocks): held for `score_held`."""
-        tokens = self.check_block(tokens, tree)
-        topology = default_bank().get(tree) if tree else None
+        tokens, topology = self.check_block(tokens, tree)
         scorer = self.session(session_id)
         draft = checked_draft(scorer, tokens, topology, draft_token_probs, draft_logits, self.vocab_size)
         row = TargetRow(
             session_id=session_id, tokens=tokens, commit_keep=commit_keep, commit_path=commit_path, tree=tree
         )
-        scored_ahead, row = self.forwarded.claim(row)
+        scored_ahead, row = self.forwarded.claim(row, draft)
         if scored_ahead is not None:
             return dataclasses.replace(scored_ahead.result(), forwarded=True)
         return self.answer(session_id, self.batcher.submit(row, draft), wait_s)
@@ -198,31 +200,28 @@ class TargetService(WorkerService):
             self.held.drop(session_id)
         return answer
 
-    def forward(self, session_id: str, block: ForwardedBlock) -> None:
-        """A block the draft worker sends ahead (run-ahead): scored before the server's Score for
-        it comes, when the target's verdict on the session's last block is the one it assumed."""
-        self.session(session_id)
+    def forward(self, session_id: str, block: ForwardedBlock, token_probs: Sequence[float] = (), logits: Any = None):
+        """A block the draft worker sends ahead (run-ahead), its drafts' probabilities as its Score's:
+        scored before that Score comes, when the target's verdict on the last block is the one it assumed."""
+        scorer = self.session(session_id)
         if not self.forwarded.takes(session_id):
             raise SpecdecError(f"session {session_id!r} was not reset to take forwarded blocks")
         self.check_tokens(block.assumed, "assumed", 1, MAX_DRAFT_TOKENS + 1)
-        self.check_block(block.tokens, block.tree)
-        self.forwarded.on_forwarded(session_id, block)
+        tokens, topology = self.check_block(block.tokens, block.tree)
+        draft = checked_draft(scorer, tokens, topology, token_probs, logits, self.vocab_size)
+        self.forwarded.on_forwarded(session_id, dataclasses.replace(block, draft=draft))
 
-    def check_block(self, tokens: list[int], tree: str) -> list[int]:
+    def check_block(self, tokens: list[int], tree: str) -> tuple[list[int], Optional[Topology]]:
         """A block to score: `[last committed, drafts]`, or a named tree's root and nodes."""
         tokens = self.check_tokens(tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)
-        if tree and len(tokens) != (wanted := default_bank().get(tree).num_nodes + 1):
-            raise SpecdecError(f"tree {tree!r} takes {wanted} tokens (root and nodes)")
-        return tokens
+        topology = default_bank().get(tree) if tree else None
+        if topology is not None and len(tokens) != topology.num_nodes + 1:
+            raise SpecdecError(f"tree {tree!r} takes {topology.num_nodes + 1} tokens (root and nodes)")
+        return tokens, topology
 
     def stats(self) -> dict:
-        stats = {**super().stats(), "forwarded_scored": self.forwarded.scored, "forwarded_used": self.forwarded.used}
-        if self.scheduler is not None:  # on demand: what the sessions hold now
-            pool = self.scheduler.room.pool
-            stats["kv_reserved_bytes"] = pool.num_used * pool.block_size * self.kv_bytes_per_token
-            stats["kv_pool_positions"] = pool.num_blocks * pool.block_size
-            stats["preemptions"] = self.scheduler.room.preemptions
-        return stats
+        on_demand = self.scheduler.stats(self.kv_bytes_per_token) if self.scheduler is not None else {}
+        return {**super().stats(), **self.forwarded.stats(), **on_demand}
 
     def release(self, op: Release) -> None:
         scorer = self.table.get(op.session_id)
@@ -259,7 +258,7 @@ class TargetService(WorkerService):
         reach = scorer.committed_len + step_row.commit_keep + len(step_row.commit_path) + len(step_row.tokens)
         if reach > self.max_positions:
             raise SpecdecError(f"the session would exceed {self.max_positions} positions")
-        row.reply = functools.partial(verify_answer, scorer, step_row, self.forwarded)
+        row.reply = functools.partial(verify_answer, scorer, step_row, self.forwarded, row.attached)
 
     def guess(
         self, session_id: str, commit_keep: int, commit_path: list[int], root_token: int, tree: str

@@ -1,9 +1,10 @@
 """A verify row's answer on the target worker, built on the torch thread after its step's forward.
 
 - For a session that decides its verdicts here (specdec_core/target/verdicts.py) the server sends
-  the sampled drafts' probabilities with each Score (`checked_draft`); the step's deciding
-  sessions are decided together (`settle_verdicts`; one read back on a device), and each gets its
-  verdict, not its rows.
+  the sampled drafts' probabilities with each Score (`checked_draft`), as the draft worker does
+  with a forwarded block; the step's deciding sessions are decided together (`settle_verdicts`;
+  one read back on a device), and each gets its verdict, not its rows, which may start the block
+  forwarded after it (forwarded_blocks.py).
 - Otherwise its rows travel, as top-k where the policy reads no more (compact.py), and a session
   that takes forwarded blocks has its verdict decided for the block scored ahead
   (forwarded_blocks.py)."""
@@ -16,6 +17,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from specdec_core.api.errors import SpecdecError
+from specdec_core.loop.run_ahead import verdict_outcome
 from specdec_core.loop.stage_types import DraftBlock, TargetBlock
 from specdec_core.policies.step_verdicts import decide_together
 from specdec_core.target.compact import compact_rows, wire_top_k
@@ -84,9 +86,14 @@ def settle_verdicts(rows: list[PendingRow], blocks: list, scorer_of: Callable[[s
             row.future.set_exception(error)
 
 
-def verify_answer(scorer: TargetScorer, row: TargetRow, forwarded: ForwardedBlocks, block: TargetBlock) -> ScoredRows:
-    """The answer to `row`'s Score, from its scored `block`."""
+def verify_answer(
+    scorer: TargetScorer, row: TargetRow, forwarded: ForwardedBlocks, draft: Optional[DraftBlock], block: TargetBlock
+) -> ScoredRows:
+    """The answer to `row`'s Score, from its scored `block` (of `draft`, where the session decides
+    its verdicts here)."""
     if block.verdict is not None:
+        if forwarded.takes(row.session_id):
+            forwarded.on_scored(row.session_id, scorer.committed_len + 1, verdict_outcome(block.verdict, draft))
         return ScoredRows(block)
     # the server changes these rows before its policy reads them (stop tokens masked within
     # min_tokens, penalties, logit_bias): a top-k row could miss what they promote, so ship it whole

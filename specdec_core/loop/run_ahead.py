@@ -21,14 +21,14 @@ the target's distribution; a request's draws follow its own tokens only (the ahe
 always runs, and is always awaited before the next call), so a seed reproduces its output,
 though not the output without run-ahead (the draft's generator is also drawn by dropped ones).
 
-Forwarded blocks: where the policy's verdict follows from the target's rows alone (greedy, and
-rejection at T = 0: `decided_by_target_rows`), the draft worker also sends the ahead proposal
-straight to the target worker, which decides block t's verdict itself (`target_outcome`, on the
-rows the server receives, so it is the server's verdict exactly) and, when it is the one the
-proposal assumed, scores block t+1 before the server asks (deployments/workers/forwarded_blocks.py).
-Sampled verdicts and the lossy policies' stay with the server or are decided by the target only
-when the server's Score comes (target/verdicts.py), so their ahead blocks go to the target from
-the server."""
+Forwarded blocks: where the target worker decides the verdict itself, the draft worker also sends
+the ahead proposal straight to it, which, when its verdict on block t is the one the proposal
+assumed, scores block t+1 before the server asks (deployments/workers/forwarded_blocks.py). The
+target decides where the policy's verdict follows from the target's rows alone (greedy, and
+rejection at T = 0: `decided_by_target_rows`; `target_outcome`, on the rows the server receives,
+so it is the server's verdict exactly), and where it decides a session's sampled verdicts
+(target/verdicts.py: the server takes its verdict). The lossy policies' verdicts stay with the
+server, so their ahead blocks go to the target from the server."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from ..policies import AcceptancePolicy
 from ..trees.topologies import default_bank
 from ..trees.tree import Topology
 from .sessions import DraftSession
-from .stage_types import DraftBlock, TargetBlock
+from .stage_types import DraftBlock, TargetBlock, Verdict
 
 
 @dataclass
@@ -165,7 +165,11 @@ def target_outcome(
     the server's own verdict, decided where the target runs."""
     draft = DraftBlock(torch.tensor(list(tokens[1:]), dtype=torch.long, device=rows.device), tree=tree)
     verify = policy.verify if tree is None else policy.verify_tree
-    verdict = verify(draft, TargetBlock(logits=rows), sampling, None)
+    return verdict_outcome(verify(draft, TargetBlock(logits=rows), sampling, None), draft)
+
+
+def verdict_outcome(verdict: Verdict, draft: DraftBlock) -> Outcome:
+    """A verdict on `draft` as the target worker applies it."""
     new_tokens = [*verdict.kept_tokens(draft), verdict.next_token]
     if verdict.path is None:
         return Outcome(new_tokens, commit_keep=verdict.num_accepted + 1)

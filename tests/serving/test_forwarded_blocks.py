@@ -1,7 +1,9 @@
 """Forwarded blocks on the target worker (deployments/workers/forwarded_blocks.py): a block the draft
 worker sends ahead is scored before the server's Score only on the verdict it assumed, and that
 Score gets exactly the rows a fresh forward would give; stale, wrong and cut blocks cost nothing
-but their own forward; a Score that commits otherwise than the target's verdict fails."""
+but their own forward; a Score that commits otherwise than the target's verdict fails. A session
+whose sampled verdicts the target decides takes them too, with their drafts' probabilities: its
+verdicts, and its verify stream where a block scored ahead goes unused, are a fresh session's."""
 
 from __future__ import annotations
 
@@ -121,6 +123,51 @@ def test_a_score_that_commits_otherwise_than_the_targets_verdict_fails(service):
         service.score("s", [new_tokens[-1], 9], len(new_tokens) + 1, [], "")
 
 
+def sampled_draft(tokens: list[int], seed: int, vocab: int) -> tuple[list[float], torch.Tensor]:
+    """Made-up sampled drafts `tokens`: their p_d `[K]` under made-up rows `[K, V]`, and the rows."""
+    logits = torch.randn(len(tokens), vocab, generator=torch.Generator().manual_seed(seed))
+    probs = (logits / 0.8).softmax(-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+    return probs.clamp(min=1e-6).tolist(), logits
+
+
+def score_sampled(service: TargetService, session: str, tokens: list[int], keep: int, seed: int):
+    return service.score(session, tokens, keep, [], "", None, *sampled_draft(tokens[1:], seed, service.vocab_size))
+
+
+def verdict_of(scored) -> tuple:
+    return scored.block.verdict.num_accepted, scored.block.verdict.next_token
+
+
+def test_a_session_deciding_sampled_verdicts_takes_forwarded_blocks_unasked(service):
+    """Rejection sampling at T 0.8 decided on the target: a forwarded block on the verdict's
+    outcome is scored and decided ahead, and the Score gets a fresh session's verdict; a block
+    scored ahead and unused (the Score cut it shorter) leaves the verify stream as it found it."""
+    sampling = SamplingParams(temperature=0.8, seed=11, max_tokens=64)
+    for session in ("ahead", "fresh"):
+        service.reset(session, PROMPT, ComponentSpec(name="rejection"), sampling, None, stop_ids=[])
+    first = [PROMPT[-1], 5, 6, 7]
+    decided = [score_sampled(service, session, first, 0, seed=1) for session in ("ahead", "fresh")]
+    assert verdict_of(decided[0]) == verdict_of(decided[1])
+    accepted, next_token = verdict_of(decided[0])
+    outcome, keep = [*first[1 : 1 + accepted], next_token], accepted + 1
+    for cut in (False, True):
+        after_length = len(PROMPT) + (0 if not cut else len(outcome))
+        block = [outcome[-1], 9, 10, 11]
+        steps = service.batcher.steps
+        probs, logits = sampled_draft(block[1:], seed=2, vocab=service.vocab_size)
+        service.forward("ahead", ForwardedBlock(after_length, outcome, block), probs, logits)
+        wait_for_steps(service, steps + 1)  # scored, and its verdict drawn, before the Score
+        asked = block[:-1] if cut else block  # the request's last tokens: the server cuts the block
+        scored = [score_sampled(service, session, asked, keep, seed=2) for session in ("ahead", "fresh")]
+        assert scored[0].forwarded is not cut and not scored[1].forwarded
+        assert verdict_of(scored[0]) == verdict_of(scored[1])
+        streams = [service.session(session).verdicts.generator.get_state() for session in ("ahead", "fresh")]
+        assert torch.equal(*streams)
+        accepted, next_token = verdict_of(scored[0])
+        outcome, keep = [*asked[1 : 1 + accepted], next_token], accepted + 1
+    assert service.forwarded.scored == 2 and service.forwarded.used == 1
+
+
 def test_only_sessions_of_target_decided_policies_take_forwarded_blocks(tiny_engine, service):
     with pytest.raises(SpecdecError, match="decides with the server"):
         service.reset("t", PROMPT, ComponentSpec(name="typical"), SamplingParams(temperature=0.7), None, True)
@@ -160,6 +207,37 @@ def served_request(drafter: str, k: int) -> GenerationRequest:
         run_ahead=True,
         sampling={"max_tokens": 40},
     )
+
+
+def served_sampled(policy: str, seed: int) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_ids=repeating_prompt(6),
+        policy={"name": policy},
+        drafter={"name": "model"},
+        num_draft_tokens=4,
+        run_ahead=True,
+        sampling={"max_tokens": 40, "temperature": 0.8, "seed": seed},
+    )
+
+
+@pytest.mark.parametrize("policy", ["rejection", "typical"])
+def test_served_sampled_with_forwarded_blocks_is_the_in_process_output(sharp_engine, policy):
+    """Over real gRPC workers, sampled verdicts decided on the target worker: the draft worker
+    forwards its ahead chains with their probabilities, the target decides the verdicts of those
+    it scores ahead, and every seed's tokens are the in-process engine's."""
+    workers = Workers(sharp_engine)
+    try:
+        forwarded = 0
+        for seed in range(3):
+            chunks = list(workers.engine.stream(served_sampled(policy, seed)))
+            assert [token for chunk in chunks for token in chunk.token_ids] == sharp_engine.complete(
+                served_sampled(policy, seed)
+            ).token_ids
+            assert chunks[-1].metrics["verdicts_on_target"]
+            forwarded += chunks[-1].metrics["run_ahead"]["forwarded"]
+        assert forwarded > 0
+    finally:
+        workers.stop()
 
 
 @pytest.mark.parametrize("drafter", ["model", "mla", "model_tree", "mla_tree"])

@@ -147,11 +147,10 @@ def test_run_ahead_serves_the_in_process_tokens(cluster, tiny_engine, policy, te
         # a tree's top-1 path is seldom the branch kept on these near-flat logits (the sharp
         # target of tests/core/test_run_ahead.py uses tree proposals)
         assert metrics["run_ahead"]["used"] > 0 or drafter.endswith("tree")
-    # greedy verdicts are the target's to decide: the draft worker forwards its ahead blocks there
-    # (whether each is scored before its Score is a race: test_forwarded_blocks.py counts them)
+    # these verdicts are the target's to decide (greedy from its rows, sampled beside them): the
+    # draft worker forwards its ahead blocks there (whether each is scored before its Score is a
+    # race: test_forwarded_blocks.py counts them)
     assert metrics["run_ahead"]["forwarded"] <= metrics["run_ahead"]["used"]
-    if policy != "greedy":  # sampled verdicts draw from the server's generator: they stay there
-        assert metrics["run_ahead"]["forwarded"] == 0
 
 
 @pytest.mark.parametrize(
