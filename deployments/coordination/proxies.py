@@ -77,7 +77,8 @@ class RemoteTarget:
         self.full_rows_bytes = 0  # what full fp32 rows would have cost
         self.pending_keep = 0  # a commit not yet sent: it rides on the next Score
         self.pending_path: list[int] = []  # likewise after a tree
-        self.takes_forwarded = False  # asked at Reset (run_ahead.py); after it, taken (deciding verdicts: unasked)
+        self.asks_forwarded = False  # at Reset: the draft worker forwards ahead blocks here (run_ahead.py)
+        self.takes_forwarded = False  # the target's Reset reply: it takes them (asked, or deciding verdicts)
         # set: the target decides the verdicts (target/verdicts.py), these held back in min_tokens
         self.verdict_stop_ids: Optional[list[int]] = None
         self.decides_verdicts = False  # whether its Reset said it will
@@ -97,7 +98,7 @@ class RemoteTarget:
             sampling=sampling_to_proto(sampling),
             policy=component_to_proto(ComponentSpec(name=policy.name, params=policy.params.model_dump())),
             heads_kind=heads_kind or "",
-            takes_forwarded=self.takes_forwarded,
+            takes_forwarded=self.asks_forwarded,
             decides_verdicts=self.verdict_stop_ids is not None,
             stop_ids=self.verdict_stop_ids or [],
         )
@@ -108,13 +109,11 @@ class RemoteTarget:
         scores = prompt_scores_from_proto(reply.prompt) if reply.HasField("prompt") else None
         # an older target leaves it unset: the server decides from the rows, as before
         self.decides_verdicts = reply.decides_verdicts
-        self.takes_forwarded = self.takes_forwarded or reply.decides_verdicts
+        self.takes_forwarded = self.asks_forwarded or reply.takes_forwarded  # (an older target's reply: unset)
         self.sends_draft_probs = reply.decides_verdicts and policy.reads_draft_probs
         return Prefilled(scores, reply.prefix_cache_queries, reply.prefix_cache_hits, reply.decides_verdicts)
 
-    async def score(
-        self, tokens: Sequence[int], draft: Optional[DraftBlock] = None, tree: Optional[Topology] = None
-    ) -> TargetBlock:
+    async def score(self, tokens: Sequence[int], draft: Optional[DraftBlock] = None, tree: Optional[Topology] = None):
         request = pb.ScoreRequest(
             session_id=self.session_id,
             tokens=list(tokens),

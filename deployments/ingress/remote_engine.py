@@ -180,7 +180,7 @@ class RemoteEngine:
                 # the rows alone (not rows the server processes: the target holds them raw), asked at
                 # Reset; or a sampled session's, as its Reset says
                 rows_decide = request.policy.decided_by_target_rows(request.sampling)
-                target.takes_forwarded = rows_decide and not request.sampling.processes_logits
+                target.asks_forwarded = rows_decide and not request.sampling.processes_logits
                 remote_drafter.forward_to = (self.addresses[target_stub], target)
         output = self.frontend.output(request)
         if decides_on_target(request.policy, request.sampling):  # the rows stay there: only verdicts travel

@@ -35,6 +35,7 @@ def forwarded_block(request: pb.ProposeRequest, proposal: DraftBlock) -> pb.Forw
         assumed=ahead_outcome(list(request.after_tokens), tokens),
         tokens=[tokens[0], *block.tokens.tolist()],
         tree=block.tree.name if block.tree is not None else "",
+        drafts_as_scored=True,
     )
     if block.sampled and request.forward.draft_probs:
         forwarded.draft_token_probs.extend(block.token_probs.tolist())
@@ -65,6 +66,16 @@ class BlockForwarder:
                     self.stubs.popitem(last=False)[1][0].close()
             self.stubs.move_to_end(address)
             return self.stubs[address][1]
+
+    def forward(self, request: pb.ProposeRequest, proposal: DraftBlock) -> None:
+        """Send the ahead `proposal` of a Propose that asks it (`forwarded_block`); a failure here is
+        logged with its traceback and costs the target only its head start, not the Propose."""
+        try:
+            block = forwarded_block(request, proposal)
+        except Exception:  # noqa: BLE001 - a bug: logged; the server's Score still carries the block
+            logger.exception("session %s: its ahead block could not be laid out to forward", request.session_id)
+            return
+        self.send(request.forward.address, block)
 
     def send(self, address: str, block: pb.ForwardedBlock) -> None:
         """Send `block` to the target at `address`, not waiting for its answer."""

@@ -49,6 +49,7 @@ class ForwardedBlock:
     tokens: list[int]  # [guess, block t+1's drafts]: the next Score's tokens under that verdict
     tree: str = ""
     draft: Optional[DraftBlock] = None  # block t+1's drafts as its Score's (verify_answers.checked_draft)
+    drafts_as_scored: bool = True  # their probabilities sent as its Score's (False: a draft worker from before)
 
 
 @dataclass

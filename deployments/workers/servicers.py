@@ -28,7 +28,7 @@ from ..coordination.wire import (
 )
 from ..ingress.auth import RequireSecret
 from .admission import Overloaded
-from .block_forwarder import BlockForwarder, forwarded_block
+from .block_forwarder import BlockForwarder
 from .draft_service import DraftService
 from .forwarded_blocks import ForwardedBlock
 from .steps import WorkerStopping
@@ -112,7 +112,7 @@ class DraftServicer(SessionServicer, pb_grpc.DrafterServicer):
         )
         reply = pb.DraftReply(tokens=block.tokens.tolist(), tree=block.tree.name if block.tree is not None else "")
         if request.HasField("forward") and request.after_tokens and block.num_tokens > 1:
-            self.forwarder.send(request.forward.address, forwarded_block(request, block))
+            self.forwarder.forward(request, block)
         if block.sampled:
             reply.token_probs.extend(block.token_probs.tolist())
         if block.logits is not None and (with_logits or block.sampled):
@@ -150,6 +150,7 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
             prefix_cache_queries=prefilled.prefix_cache_queries,
             prefix_cache_hits=prefilled.prefix_cache_hits,
             decides_verdicts=prefilled.decides_verdicts,
+            takes_forwarded=self.service.forwarded.takes(request.session_id),
         )
 
     @checked
@@ -194,7 +195,8 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
 
     @checked
     def Forward(self, request, context):
-        block = ForwardedBlock(request.after_length, list(request.assumed), list(request.tokens), request.tree)
+        assumed, tokens = list(request.assumed), list(request.tokens)
+        block = ForwardedBlock(request.after_length, assumed, tokens, request.tree, None, request.drafts_as_scored)
         logits = wire_tensor(request, "draft_logits")
         self.service.forward(request.session_id, block, list(request.draft_token_probs), logits)
         return pb.Empty()

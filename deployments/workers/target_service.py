@@ -207,6 +207,8 @@ class TargetService(WorkerService):
         if not self.forwarded.takes(session_id):
             raise SpecdecError(f"session {session_id!r} was not reset to take forwarded blocks")
         self.check_tokens(block.assumed, "assumed", 1, MAX_DRAFT_TOKENS + 1)
+        if scorer.verdicts is not None and not block.drafts_as_scored:  # (it would be decided as unsampled)
+            raise SpecdecError("drafts_as_scored: this session's forwarded blocks carry their drafts' probabilities")
         tokens, topology = self.check_block(block.tokens, block.tree)
         draft = checked_draft(scorer, tokens, topology, token_probs, logits, self.vocab_size)
         self.forwarded.on_forwarded(session_id, dataclasses.replace(block, draft=draft))

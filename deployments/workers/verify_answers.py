@@ -1,8 +1,8 @@
 """A verify row's answer on the target worker, built on the torch thread after its step's forward.
 
 - For a session that decides its verdicts here (specdec_core/target/verdicts.py) the server sends
-  the sampled drafts' probabilities with each Score (`checked_draft`), as the draft worker does
-  with a forwarded block; the step's deciding sessions are decided together (`settle_verdicts`;
+  what the session's rule reads of the sampled drafts with each Score (`checked_draft`), as the
+  draft worker does with a forwarded block; the step's deciding sessions are decided together (`settle_verdicts`;
   one read back on a device), and each gets its verdict, not its rows, which may start the block
   forwarded after it (forwarded_blocks.py).
 - Otherwise its rows travel, as top-k where the policy reads no more (compact.py), and a session

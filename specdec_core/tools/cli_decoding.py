@@ -130,6 +130,11 @@ def bench(
     concurrency: str = typer.Option(
         "", "--concurrency", help="with --endpoint: a load sweep, e.g. 1,4,16 concurrent streaming clients"
     ),
+    run_ahead: Optional[bool] = typer.Option(
+        None,
+        "--run-ahead/--no-run-ahead",
+        help="a draft model drafts ahead while the target verifies; unset: the default",
+    ),
     target: str = TargetOpt,
     target_dtype: str = TargetDtypeOpt,
     draft: str = DraftOpt,
@@ -166,6 +171,7 @@ def bench(
         sampling_params=parse_params(sampling_param),
         endpoint=endpoint,
         skip=skip,
+        run_ahead=run_ahead,
     )
     connect = (cli_context.obj or {}).get("endpoint_client")
     if endpoint and connect is None:

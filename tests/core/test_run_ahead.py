@@ -123,3 +123,15 @@ def test_tokens_verified_from_ahead_proposals_follow_the_target(engine):
             transforms.append(float(probs[:third].sum() + torch.rand((), generator=generator) * probs[third]))
     counts = torch.histc(torch.tensor(transforms), bins=10, min=0.0, max=1.0)
     assert chisquare(counts.numpy()).pvalue > 1e-3, counts
+
+
+@pytest.mark.parametrize("run_ahead", [None, True, False])
+def test_the_bench_asks_each_request_to_run_ahead_as_told(run_ahead):
+    """`specdec bench --run-ahead` (or `--no-run-ahead`) sets every request's; unset, the engine's
+    or the service's default holds."""
+    from specdec_core.tools.benchmarks.bench import Runner, parse_specdec_method
+    from specdec_core.tools.benchmarks.bench_records import BenchConfig
+
+    config = BenchConfig("q", [], ["all"], 1, 8, 0.0, 0, 4, {}, run_ahead=run_ahead)
+    request = Runner(None, config).request([1, 2], parse_specdec_method("endpoint:rejection+model"))
+    assert request.run_ahead is run_ahead

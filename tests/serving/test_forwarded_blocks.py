@@ -141,31 +141,36 @@ def verdict_of(scored) -> tuple:
 def test_a_session_deciding_sampled_verdicts_takes_forwarded_blocks_unasked(service):
     """Rejection sampling at T 0.8 decided on the target: a forwarded block on the verdict's
     outcome is scored and decided ahead, and the Score gets a fresh session's verdict; a block
-    scored ahead and unused (the Score cut it shorter) leaves the verify stream as it found it."""
+    scored ahead and unused (the Score cut it shorter, or its drafts came with other
+    probabilities) leaves the verify stream as it found it."""
     sampling = SamplingParams(temperature=0.8, seed=11, max_tokens=64)
     for session in ("ahead", "fresh"):
         service.reset(session, PROMPT, ComponentSpec(name="rejection"), sampling, None, stop_ids=[])
+    assert service.forwarded.takes("ahead")  # unasked
     first = [PROMPT[-1], 5, 6, 7]
+    with pytest.raises(SpecdecError, match="drafts_as_scored"):  # from a draft worker that sends no p_d
+        service.forward("ahead", ForwardedBlock(len(PROMPT), [1], [1, 2], drafts_as_scored=False))
     decided = [score_sampled(service, session, first, 0, seed=1) for session in ("ahead", "fresh")]
     assert verdict_of(decided[0]) == verdict_of(decided[1])
     accepted, next_token = verdict_of(decided[0])
-    outcome, keep = [*first[1 : 1 + accepted], next_token], accepted + 1
-    for cut in (False, True):
-        after_length = len(PROMPT) + (0 if not cut else len(outcome))
+    outcome, keep, after_length = [*first[1 : 1 + accepted], next_token], accepted + 1, len(PROMPT)
+    for asked_otherwise in (None, "cut", "other probabilities"):
         block = [outcome[-1], 9, 10, 11]
         steps = service.batcher.steps
         probs, logits = sampled_draft(block[1:], seed=2, vocab=service.vocab_size)
         service.forward("ahead", ForwardedBlock(after_length, outcome, block), probs, logits)
         wait_for_steps(service, steps + 1)  # scored, and its verdict drawn, before the Score
-        asked = block[:-1] if cut else block  # the request's last tokens: the server cuts the block
-        scored = [score_sampled(service, session, asked, keep, seed=2) for session in ("ahead", "fresh")]
-        assert scored[0].forwarded is not cut and not scored[1].forwarded
+        asked = block[:-1] if asked_otherwise == "cut" else block  # the request's last tokens
+        seed = 3 if asked_otherwise == "other probabilities" else 2
+        scored = [score_sampled(service, session, asked, keep, seed) for session in ("ahead", "fresh")]
+        assert scored[0].forwarded is (asked_otherwise is None) and not scored[1].forwarded
         assert verdict_of(scored[0]) == verdict_of(scored[1])
         streams = [service.session(session).verdicts.generator.get_state() for session in ("ahead", "fresh")]
         assert torch.equal(*streams)
+        after_length += len(outcome)
         accepted, next_token = verdict_of(scored[0])
         outcome, keep = [*asked[1 : 1 + accepted], next_token], accepted + 1
-    assert service.forwarded.scored == 2 and service.forwarded.used == 1
+    assert service.forwarded.scored == 3 and service.forwarded.used == 1
 
 
 def test_only_sessions_of_target_decided_policies_take_forwarded_blocks(tiny_engine, service):
@@ -183,7 +188,7 @@ def test_only_sessions_of_target_decided_policies_take_forwarded_blocks(tiny_eng
             sampling=sampling_to_proto(SamplingParams()),
             policy=component_to_proto(GREEDY),
         )
-        stub.Reset(reset)
+        assert not stub.Reset(reset).takes_forwarded
         for fields, code, message in [
             ({"session_id": "s"}, grpc.StatusCode.INVALID_ARGUMENT, "not reset to take forwarded blocks"),
             ({"session_id": "gone"}, grpc.StatusCode.NOT_FOUND, "no session"),
@@ -192,7 +197,7 @@ def test_only_sessions_of_target_decided_policies_take_forwarded_blocks(tiny_eng
                 stub.Forward(pb.ForwardedBlock(after_length=len(PROMPT), assumed=[1], tokens=[1, 2], **fields))
             assert failure.value.code() == code and message in failure.value.details()
         reset.session_id, reset.takes_forwarded = "f", True
-        stub.Reset(reset)
+        assert stub.Reset(reset).takes_forwarded
         with pytest.raises(grpc.RpcError, match="tokens must hold"):
             stub.Forward(pb.ForwardedBlock(session_id="f", after_length=len(PROMPT), assumed=[1], tokens=[]))
     finally:

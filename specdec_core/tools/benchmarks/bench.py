@@ -129,6 +129,7 @@ class Runner:
             policy=policy,
             drafter=ComponentSpec(name=drafter, params=drafter_params),
             num_draft_tokens=(method and method.num_draft_tokens) or self.config.num_draft_tokens,
+            run_ahead=self.config.run_ahead,
         )
 
     def scope_of(self, method: SpeculativeMethod, scope: str) -> str:

@@ -33,6 +33,7 @@ class BenchConfig:
     sampling_params: dict[str, Any] = field(default_factory=dict)  # every method's (penalties, logit_bias, ...)
     endpoint: Optional[str] = None
     skip: int = 0  # questions passed over at the start of each category (e.g. to tune on others)
+    run_ahead: Optional[bool] = None  # every request's (run_ahead.py); None: the engine's or service's default
     pld_max_ngram: int = PromptLookupParams().max_ngram
     pld_min_ngram: int = PromptLookupParams().min_ngram
     pld_tokens: int = PromptLookupParams().num_pred_tokens
