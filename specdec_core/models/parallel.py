@@ -56,6 +56,11 @@ def join_group(rank: int, world_size: int, store_host: str, store_port: int, tim
     if store is None:
         store = dist.TCPStore(store_host, store_port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # transformers' own tensor parallelism sizes its mesh and binds its device from the launcher's
+    # variables (some versions from WORLD_SIZE alone): this rank's, its device the one it runs on
+    local_rank = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world_size), ("LOCAL_RANK", local_rank)):
+        os.environ[name] = str(value)  # not a default: a process may join a group again, or spawn ranks
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
@@ -139,7 +144,9 @@ def load_sharded_model(spec: ModelSpec, backend: TpBackend, pp_size: int = 1) ->
             make_stage(model, stage, pp_size, tp)
     else:
         if backend == "transformers":
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, tp_plan="auto")
+            # a group of one shards nothing: loaded onto its device as a single model
+            placement = {"tp_plan": "auto"} if tp > 1 else {"device_map": spec.torch_device}
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **placement)
         else:
             model = deepspeed_autotp(AutoModelForCausalLM.from_pretrained(source, dtype=dtype), tp, dtype)
         if spec.num_layers is not None:
