@@ -1,8 +1,9 @@
 """Forwarded blocks on the target worker (run-ahead, specdec_core/loop/run_ahead.py): the draft worker
 sends an ahead proposal for block t+1 straight here, with the verdict on block t it assumes; the
-target decides block t's verdict itself (`target_outcome`) and, when they agree, commits block t
-and scores block t+1 at once, before the server's next Score asks for it. That Score then gets
-the scored rows without waiting for a forward, so the target never waits for the server's
+target decides block t's verdict itself (from the rows alone, `target_outcome`; or a session's
+sampled verdict, verify_answers.py) and, when they agree, commits block t and scores block t+1
+at once, before the server's next Score asks for it. That Score then gets the scored rows (or
+their verdict) without waiting for a forward, so the target never waits for the server's
 verdict and round trip between two blocks.
 
 Invariants (per session, all under one lock):
@@ -10,8 +11,8 @@ Invariants (per session, all under one lock):
   session never has two rows in one step, and a claim that does not match undoes nothing but
   the rows of that one block;
 - a forwarded block is scored only on the verdict it assumed, reached by the server's own rule on
-  the rows it receives, so the server's next Score commits exactly what the target committed
-  (a Score that commits otherwise is a bug, and fails);
+  the rows it receives, or the verdict the server takes from here, so the server's next Score
+  commits exactly what the target committed (a Score that commits otherwise is a bug, and fails);
 - a block is known by the sequence length before it (`after_length`, the prompt and the tokens
   generated): one for an older length is stale and dropped;
 - a session that decides its sampled verdicts here (specdec_core/target/verdicts.py) draws the
@@ -83,12 +84,13 @@ class SessionForwards:
 
 
 class ForwardedBlocks:
-    """The forwarded blocks of a target worker's sessions that take them (`open`); `submit(row)`
-    runs a row in the worker's next step and returns its future (the step batcher's). The lock is
+    """The forwarded blocks of a target worker's sessions that take them (`open`); `submit(row,
+    draft)` runs a row (of that draft, where its session decides verdicts here) in the worker's
+    next step and returns its future (the step batcher's). The lock is
     never held while submitting: the batcher's own lock is taken before this one where a step
     expires idle sessions (`close`)."""
 
-    def __init__(self, submit: Callable[[TargetRow], Future]):
+    def __init__(self, submit: Callable[[TargetRow, Optional[DraftBlock]], Future]):
         self.submit = submit
         self.lock = threading.Lock()
         self.sessions: dict[str, SessionForwards] = {}

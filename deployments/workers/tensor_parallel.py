@@ -7,6 +7,7 @@ travel as JSON (nothing is pickled): a length, then the bytes, each a broadcast 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,15 @@ from specdec_core.api.errors import GroupBroken
 from .worker_ops import Message, operation_from_json
 
 logger = logging.getLogger(__name__)
+
+
+def group_gone(error: RuntimeError) -> Optional[GroupBroken]:
+    """What a failed collective inside an operation stands for where a peer rank is gone (killed
+    mid-forward: its all-reduce breaks, not the operation's send): torch.distributed's own errors,
+    and the RuntimeErrors of gloo's transport. None for any other error (a bug, raised as it is)."""
+    if isinstance(error, dist.DistError) or "gloo/transport" in str(error):
+        return GroupBroken(f"a rank of the group is gone: {error}")
+    return None
 
 
 class ControlChannel:

@@ -22,7 +22,7 @@ from specdec_core.target.scorer import PREFILL_CHUNK
 from .admission import Admission
 from .session_table import SessionTable
 from .steps import PendingRow, StepBatcher, schedule
-from .tensor_parallel import ControlChannel
+from .tensor_parallel import ControlChannel, group_gone
 from .worker_ops import Message, Release
 
 # All torch work of a worker process runs on this one thread: every operation on the model
@@ -133,9 +133,16 @@ class WorkerService:
         return on_torch_thread(self.run, op)
 
     def run(self, op: Message) -> Any:
-        if self.channel is not None:
-            self.channel.send(op)
-        return self.apply(op)
+        if self.channel is None:
+            return self.apply(op)
+        self.channel.send(op)
+        try:
+            return self.apply(op)
+        except RuntimeError as error:  # (DistError is one) a collective inside it, where a peer died meanwhile
+            broken = group_gone(error)
+            if broken is None:
+                raise
+            raise broken from None
 
     def apply(self, op: Message) -> Any:
         """Carry out an operation on this rank's model (on the torch thread)."""

@@ -27,8 +27,8 @@ assumed, scores block t+1 before the server asks (deployments/workers/forwarded_
 target decides where the policy's verdict follows from the target's rows alone (greedy, and
 rejection at T = 0: `decided_by_target_rows`; `target_outcome`, on the rows the server receives,
 so it is the server's verdict exactly), and where it decides a session's sampled verdicts
-(target/verdicts.py: the server takes its verdict). The lossy policies' verdicts stay with the
-server, so their ahead blocks go to the target from the server."""
+(target/verdicts.py: the server takes its verdict). The other lossy policies' verdicts (easd,
+ears, dropmatch, fly) stay with the server, so their ahead blocks go to the target from it."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ def best_path(
 ) -> tuple[list[int], int]:
     """`node_accepted` [N] bool and `node_log_probs` [N] (each node's token under the target at
     its parent); returns the root (0) and the best path's kept nodes, and the token after its last
-    node (`next_token` of that node's index, a `[1]` tensor), read back together once."""
+    node (`next_token` of that node's index, a 0-d tensor), read back together once."""
     retrieve = tree.retrieve_indices.to(node_accepted.device)  # [L, D + 1], -1 past a leaf
     nodes = retrieve[:, 1:].clamp(min=0)
     present = retrieve[:, 1:] >= 0
@@ -32,8 +32,8 @@ def best_path(
     # where, not a product: a compact row gives unlisted tokens -inf, and -inf * 0 is nan
     scores = torch.where(kept, node_log_probs[(nodes - 1).clamp(min=0)], 0.0).sum(-1)
     scores = torch.where(num_kept == num_kept.max(), scores, torch.full_like(scores, -torch.inf))
-    best = scores.argmax().reshape(1)  # [1]: indexing by a 0-d tensor would read it back (a sync)
-    row, length = retrieve[best][0], num_kept[best]  # [D + 1], [1] its kept nodes
+    best = scores.argmax()
+    row, length = retrieve[best], num_kept[best]  # [D + 1], its kept nodes
     path = torch.where(torch.arange(len(row), device=row.device) <= length, row, -1)  # -1 past the kept
     read = torch.cat([path, next_token(row[length]).reshape(1)]).tolist()
     return [node for node in read[:-1] if node >= 0], read[-1]

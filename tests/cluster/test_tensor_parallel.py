@@ -170,3 +170,33 @@ def test_a_model_splits_only_over_a_divisor_of_its_heads():
     smollm2_like = type("Config", (), {"num_attention_heads": 9, "num_key_value_heads": 3})
     assert shard_problem(smollm2_like, 3) is None
     assert "valid: 1, 3" in shard_problem(smollm2_like, 2)
+
+
+def all_reduce_after_a_peer_left(rank: int, world_size: int, store_port: int) -> str:
+    """Rank 1 leaves (its process ends); rank 0 then all-reduces, as a forward's collective would:
+    what `group_gone` makes of the error."""
+    import time
+
+    import torch.distributed as dist
+
+    from deployments.workers.tensor_parallel import group_gone
+
+    join_group(rank, world_size, "127.0.0.1", store_port, 60)
+    if rank == 1:
+        return ""
+    time.sleep(2)  # rank 1's process has ended: its connections are closed
+    try:
+        dist.all_reduce(torch.ones(1))
+    except RuntimeError as error:
+        return type(group_gone(error)).__name__
+    return "no error"
+
+
+def test_a_collective_that_breaks_on_a_gone_peer_is_the_group_broken_not_a_bug():
+    """A rank killed mid-forward breaks rank 0's all-reduce inside the operation, not its send:
+    that failure is GroupBroken too (a 503 and Serve's restart of the group), and another
+    RuntimeError stays what it is."""
+    from deployments.workers.tensor_parallel import group_gone
+
+    assert run_local_ranks(2, all_reduce_after_a_peer_left, timeout_s=120)[0] == "GroupBroken"
+    assert group_gone(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
