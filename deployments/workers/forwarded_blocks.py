@@ -250,9 +250,8 @@ def restore_stream(state: SessionForwards, unused: Prescored) -> None:
 
 def same_probs(draft: Optional[DraftBlock], ahead: Optional[DraftBlock]) -> bool:
     """Whether a Score's drafts were sampled with the probabilities of the block scored ahead."""
-    if draft is None or ahead is None or not draft.sampled or not ahead.sampled:
-        return (draft is not None and draft.sampled) == (ahead is not None and ahead.sampled)
-    return torch.equal(draft.token_probs, ahead.token_probs)
+    sent, scored = (block.token_probs if block is not None else None for block in (draft, ahead))
+    return sent is scored if sent is None or scored is None else torch.equal(sent, scored)
 
 
 def chain(source: Future, target: Future) -> None:

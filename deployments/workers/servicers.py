@@ -195,8 +195,13 @@ class TargetServicer(SessionServicer, pb_grpc.TargetServicer):
 
     @checked
     def Forward(self, request, context):
-        assumed, tokens = list(request.assumed), list(request.tokens)
-        block = ForwardedBlock(request.after_length, assumed, tokens, request.tree, None, request.drafts_as_scored)
+        block = ForwardedBlock(
+            request.after_length,
+            list(request.assumed),
+            list(request.tokens),
+            request.tree,
+            drafts_as_scored=request.drafts_as_scored,
+        )
         logits = wire_tensor(request, "draft_logits")
         self.service.forward(request.session_id, block, list(request.draft_token_probs), logits)
         return pb.Empty()

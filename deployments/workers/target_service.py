@@ -18,7 +18,7 @@ from specdec_core.calibration.profile_types import CalibrationSettings, TargetPr
 from specdec_core.calibration.target_profile import calibration_progress, measure_profile
 from specdec_core.heads.contract import HeadGuesses, Heads
 from specdec_core.loop.frontend import Frontend
-from specdec_core.loop.stage_types import Prefilled, TargetBlock
+from specdec_core.loop.stage_types import DraftBlock, Prefilled, TargetBlock
 from specdec_core.models.loader import ModelSpec
 from specdec_core.policies import make_policy
 from specdec_core.runtime.model_runner import runner_of
@@ -26,7 +26,6 @@ from specdec_core.target.scorer import PREFILL_CHUNK, Row, TargetScorer, forward
 from specdec_core.target.verdicts import SessionVerdicts, decides_on_target
 from specdec_core.trees.dynamic_tree import check_guess_tree
 from specdec_core.trees.topologies import default_bank
-from specdec_core.trees.tree import Topology
 
 from .admission import Admission
 from .forwarded_blocks import ForwardedBlock, ForwardedBlocks, ScoredRows
@@ -173,9 +172,7 @@ class TargetService(WorkerService):
         `[last committed, drafts]` (or a tree's root and nodes) in the next step, and decide its
         verdict where its session does (by the drafts' probabilities, verify_answers.py). None where
         the answer is not ready within `wait_s` (its session waits for KV blocks): held for `score_held`."""
-        tokens, topology = self.check_block(tokens, tree)
-        scorer = self.session(session_id)
-        draft = checked_draft(scorer, tokens, topology, draft_token_probs, draft_logits, self.vocab_size)
+        tokens, draft = self.check_block(self.session(session_id), tokens, tree, draft_token_probs, draft_logits)
         row = TargetRow(
             session_id=session_id, tokens=tokens, commit_keep=commit_keep, commit_path=commit_path, tree=tree
         )
@@ -209,17 +206,19 @@ class TargetService(WorkerService):
         self.check_tokens(block.assumed, "assumed", 1, MAX_DRAFT_TOKENS + 1)
         if scorer.verdicts is not None and not block.drafts_as_scored:  # (it would be decided as unsampled)
             raise SpecdecError("drafts_as_scored: this session's forwarded blocks carry their drafts' probabilities")
-        tokens, topology = self.check_block(block.tokens, block.tree)
-        draft = checked_draft(scorer, tokens, topology, token_probs, logits, self.vocab_size)
+        _, draft = self.check_block(scorer, block.tokens, block.tree, token_probs, logits)
         self.forwarded.on_forwarded(session_id, dataclasses.replace(block, draft=draft))
 
-    def check_block(self, tokens: list[int], tree: str) -> tuple[list[int], Optional[Topology]]:
-        """A block to score: `[last committed, drafts]`, or a named tree's root and nodes."""
+    def check_block(
+        self, scorer: TargetScorer, tokens: list[int], tree: str, token_probs: Sequence[float], logits: Any
+    ) -> tuple[list[int], Optional[DraftBlock]]:
+        """A block to score (`[last committed, drafts]`, or a named tree's root and nodes), and its
+        drafts as `scorer`'s rule reads them, by what was sent of their probabilities."""
         tokens = self.check_tokens(tokens, "tokens", 1, MAX_DRAFT_TOKENS + 1)
         topology = default_bank().get(tree) if tree else None
         if topology is not None and len(tokens) != topology.num_nodes + 1:
             raise SpecdecError(f"tree {tree!r} takes {topology.num_nodes + 1} tokens (root and nodes)")
-        return tokens, topology
+        return tokens, checked_draft(scorer, tokens, topology, token_probs, logits, self.vocab_size)
 
     def stats(self) -> dict:
         on_demand = self.scheduler.stats(self.kv_bytes_per_token) if self.scheduler is not None else {}
