@@ -2,11 +2,11 @@
 the gRPC service and, before each operation that touches the model (open a session, score or
 propose, release), sends it to the other ranks over a gloo group, so every rank runs the same
 forwards in the same order and keeps the same sessions and KV caches. Operations (worker_ops.py)
-travel as JSON (nothing is pickled): a length, then the bytes, each a broadcast from rank 0."""
+travel as JSON (nothing is pickled): a length, then the bytes, each a broadcast from rank 0. The
+other ranks follow them in `WorkerService.follow`."""
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -16,14 +16,14 @@ from specdec_core.api.errors import GroupBroken
 
 from .worker_ops import Message, operation_from_json
 
-logger = logging.getLogger(__name__)
 
-
-def group_gone(error: RuntimeError) -> Optional[GroupBroken]:
+def group_gone(error: BaseException) -> Optional[GroupBroken]:
     """What a failed collective inside an operation stands for where a peer rank is gone (killed
     mid-forward: its all-reduce breaks, not the operation's send): torch.distributed's own errors,
-    and the RuntimeErrors of gloo's transport. None for any other error (a bug, raised as it is)."""
-    if isinstance(error, dist.DistError) or "gloo/transport" in str(error):
+    and the RuntimeErrors of gloo's transport (or GroupBroken itself). None for any other error."""
+    if isinstance(error, GroupBroken):
+        return error
+    if isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/transport" in str(error)):
         return GroupBroken(f"a rank of the group is gone: {error}")
     return None
 
@@ -55,18 +55,3 @@ class ControlChannel:
         payload = torch.empty(int(size), dtype=torch.uint8)
         dist.broadcast(payload, src=0, group=self.group)
         return operation_from_json(payload.numpy().tobytes())
-
-
-def follow(channel: ControlChannel, apply) -> None:
-    """A rank other than 0: apply every operation rank 0 sends until the group breaks (rank 0 is
-    gone: the group is being rebuilt)."""
-    while True:
-        try:
-            op = channel.receive()
-        except (RuntimeError, dist.DistError) as error:
-            logger.warning("the group broke: %s", error)
-            return
-        try:
-            apply(op)
-        except Exception:  # noqa: BLE001 - rank 0 met the same error on the same op and answered it
-            logger.exception("operation %s failed on this rank as on rank 0", op.op)

@@ -2,8 +2,9 @@
 are `WorkerGroup`s: a group starts its ranks, `WorkerRank` actors that each load the model, or
 their shard of it over a tensor-parallel group (specdec_core/models/parallel.py), in the replica's
 placement group (one bundle per rank). Rank 0 serves the worker's gRPC service (servicers.py)
-on a port of its own; the others follow it (tensor_parallel.py). A worker's ranks are pp_size
-pipeline stages of tp_size ranks; with one of each the group is one rank holding the whole model."""
+on a port of its own; the others follow it (tensor_parallel.py, `WorkerService.follow`). A
+worker's ranks are pp_size pipeline stages of tp_size ranks; with one of each the group is one
+rank holding the whole model."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class WorkerRank:
     def __init__(self, role: Role, config: dict, rank: int):
         self.role, self.config, self.rank = role, AppConfig(**config), rank
         self.store = None
+        self.service = None  # once started
         self.prioritized = may_raise_priority_to(SERVING_NICENESS)
         if self.prioritized:
             set_priority(STARTING_NICENESS)  # until `start` has loaded the model
@@ -90,7 +92,7 @@ class WorkerRank:
         from .draft_service import DraftService
         from .servicers import DraftServicer, TargetServicer, start_server
         from .target_service import TargetService
-        from .tensor_parallel import ControlChannel, follow
+        from .tensor_parallel import ControlChannel
         from .worker_service import TORCH_THREAD, on_torch_thread
 
         config, worker = self.config, worker_config(self.role, self.config)
@@ -158,7 +160,7 @@ class WorkerRank:
             set_priority(SERVING_NICENESS)
         self.service = service
         if self.rank > 0:
-            TORCH_THREAD.submit(follow, channel, service.apply)
+            TORCH_THREAD.submit(service.follow, channel)
             return None
         if self.role == "target" and config.calibration is not None:
             self.load_target_profile(service, spec)
@@ -191,6 +193,10 @@ class WorkerRank:
         return "127.0.0.1" if self.config.host in LOOPBACK else ray.util.get_node_ip_address()
 
     def ping(self) -> int:
+        """This rank's process id; raises where its group is broken (worker_service.py: its ranks
+        may hold different sessions, or a rank is gone), which fails the group's health check."""
+        if self.service is not None:
+            self.service.check_unbroken()
         return os.getpid()
 
     def stats(self) -> dict:

@@ -2,21 +2,26 @@
 checks of everything a caller sends, KV admission, and the operations (worker_ops.py) that touch
 the model, run on the one torch thread. The gRPC servicers (servicers.py) convert protos to and
 from these calls; a tensor-parallel group's rank 0 sends each operation to its other ranks first,
-which `apply` it too (tensor_parallel.py)."""
+which `apply` it too (tensor_parallel.py). An operation that fails on one rank but may not have on
+another leaves the ranks' sessions and caches apart: that group is broken, and Serve rebuilds it."""
 
 from __future__ import annotations
 
+import logging
+import os
 from concurrent import futures
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+from pydantic import ValidationError
 
-from specdec_core.api.errors import SpecdecError, check_token_ids
+from specdec_core.api.errors import GroupBroken, SpecdecError, check_token_ids
 from specdec_core.api.request import session_positions
 from specdec_core.api.sampling import SamplingParams
 from specdec_core.planning.memory import kv_bytes_per_token
 from specdec_core.runtime.batching import fix_pool, kv_cache_dtype
-from specdec_core.runtime.kv_pool import BLOCK_SIZE, blocks_for
+from specdec_core.runtime.kv_pool import BLOCK_SIZE, KVPoolExhausted, blocks_for
 from specdec_core.target.scorer import PREFILL_CHUNK
 
 from .admission import Admission
@@ -25,6 +30,7 @@ from .steps import PendingRow, StepBatcher, schedule
 from .tensor_parallel import ControlChannel, group_gone
 from .worker_ops import Message, Release
 
+logger = logging.getLogger(__name__)
 # All torch work of a worker process runs on this one thread: every operation on the model
 # (the handlers, on gRPC's pool, check their input and hand the work over) and model loading. It
 # keeps one forward at a time on the shared model (the target's steps batch sessions), and it
@@ -45,6 +51,14 @@ class SessionMissing(LookupError):
 
     def __init__(self, session_id: str):
         super().__init__(f"no session {session_id!r} (released or expired)")
+
+
+# What an operation raises alike on every rank of a group: errors that follow from the operation
+# and from what every rank holds alike (its sessions, its pool), so its ranks stay in step. Any
+# other failure (out of memory, a graph that failed to record, a bug) may have struck one rank
+# only, after which the ranks' sessions and caches may differ.
+ALIKE_ON_EVERY_RANK = (SpecdecError, SessionMissing, KVPoolExhausted, ValidationError)
+FAILED_ALONE_EXIT = 70  # a follower's exit status after such a failure (EX_SOFTWARE)
 
 
 class WorkerService:
@@ -73,6 +87,9 @@ class WorkerService:
         self.max_positions = getattr(target_config, "max_position_embeddings", 1 << 20)
         self.channel = channel
         self.admission = admission
+        self.model = model
+        # set: why this rank's group can serve no more (its health check fails: Serve rebuilds it)
+        self.broken: Optional[str] = None
         self.kv_bytes_per_token = 0.0
         if model is not None:
             # this rank's share of the KV heads: its stage's tp ranks (transformers' tp_size), or the group's
@@ -133,16 +150,51 @@ class WorkerService:
         return on_torch_thread(self.run, op)
 
     def run(self, op: Message) -> Any:
+        """Carry out `op` here and, first, have the group's other ranks carry it out (rank 0). An
+        operation that fails as it would on every rank (`ALIKE_ON_EVERY_RANK`) is the caller's
+        error; any other failure breaks the group: its ranks may no longer hold the same state,
+        so it runs nothing more (the operation's caller gets the error, later ones GroupBroken)."""
         if self.channel is None:
             return self.apply(op)
-        self.channel.send(op)
+        self.check_unbroken()
         try:
+            self.channel.send(op)
             return self.apply(op)
-        except RuntimeError as error:  # (DistError is one) a collective inside it, where a peer died meanwhile
-            broken = group_gone(error)
-            if broken is None:
-                raise
-            raise broken from None
+        except ALIKE_ON_EVERY_RANK:
+            raise
+        except Exception as error:
+            gone = group_gone(error)
+            self.broken = str(gone or f"operation {op.op} failed on rank 0, maybe alone: {error!r}")
+            if gone is not None:  # a collective inside it, where a peer died or left meanwhile
+                raise gone from None
+            raise
+
+    def check_unbroken(self) -> None:
+        """Raises GroupBroken where this rank's group can serve no more (its health check's test)."""
+        if self.broken is not None:
+            raise GroupBroken(self.broken)
+
+    def follow(self, channel: ControlChannel) -> None:
+        """A rank other than 0: apply every operation rank 0 sends until the group breaks (rank 0
+        is gone). One that fails here as it may not have on rank 0 ends this rank's process
+        (`FAILED_ALONE_EXIT`): rank 0 may wait on it in a collective, which only the end of its
+        connections breaks (a group's are held by the model's device mesh: destroying or aborting
+        the group leaves them open), and Serve's health check finds the rank gone."""
+        while True:
+            try:
+                op = channel.receive()
+            except (RuntimeError, dist.DistError) as error:
+                logger.warning("the group broke: %s", error)
+                self.broken = f"the group broke: {error}"
+                return
+            try:
+                self.apply(op)
+            except ALIKE_ON_EVERY_RANK as error:  # rank 0 met the same error on the same op and answered it
+                logger.info("operation %s failed on this rank as on rank 0: %s", op.op, error)
+            except Exception:  # noqa: BLE001 - this rank's state may differ from rank 0's now
+                logger.exception("operation %s failed on this rank, maybe alone: the rank ends", op.op)
+                logging.shutdown()
+                os._exit(FAILED_ALONE_EXIT)
 
     def apply(self, op: Message) -> Any:
         """Carry out an operation on this rank's model (on the torch thread)."""

@@ -200,3 +200,88 @@ def test_a_collective_that_breaks_on_a_gone_peer_is_the_group_broken_not_a_bug()
 
     assert run_local_ranks(2, all_reduce_after_a_peer_left, timeout_s=120)[0] == "GroupBroken"
     assert group_gone(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+
+
+def group_after_failures(rank: int, world_size: int, store_port: int, checkpoint: str) -> dict:
+    """Two ranks' target services over the sharded target, rank 0 sending each operation and rank 1
+    following (as a served worker's ranks): an operation that fails alike on both (a step of a
+    missing session), then a step that both score, then one that fails on rank 1 alone (a CUDA
+    error, as a graph's capture may meet on one rank) while rank 0 runs its forward. Rank 0's
+    outcomes, by name; rank 1 answers nothing (its process ends). The group's collectives time
+    out after the test's cap."""
+    from deployments.workers.target_service import TargetService
+    from deployments.workers.worker_ops import Release, TargetRow, TargetStep
+    from deployments.workers.worker_service import SessionMissing
+    from specdec_core.api.errors import GroupBroken
+    from specdec_core.api.request import ComponentSpec
+
+    torch.set_num_threads(1)
+    group = join_group(rank, world_size, "127.0.0.1", store_port, 600)
+    model = load_sharded_model(ModelSpec(source=checkpoint), "transformers", 1)
+    channel = ControlChannel(group)
+    service = TargetService(model, channel=channel if rank == 0 else None, rank=rank)
+    if rank == 1:
+        step = service.operations[TargetStep]
+
+        def failing_on_this_rank(op: TargetStep):
+            if op.rows[0].tokens == SECOND_BLOCK:
+                raise RuntimeError("CUDA error: out of memory (injected on rank 1)")
+            return step(op)
+
+        service.operations[TargetStep] = failing_on_this_rank
+        service.follow(channel)
+        return {"followed": "to the group's end"}
+    outcomes = {}
+    service.reset("a", PROMPT, ComponentSpec(name="greedy"), SAMPLING, None)
+    try:
+        service.run(TargetStep(rows=[TargetRow(session_id="missing", tokens=[1])]))
+    except SessionMissing:
+        outcomes["alike"] = "SessionMissing"
+    block = service.run(TargetStep(rows=[TargetRow(session_id="a", tokens=FIRST_BLOCK)]))[0]
+    outcomes["scored"] = list(block.logits.shape)
+    for name, op in (
+        ("alone", TargetStep(rows=[TargetRow(session_id="a", tokens=SECOND_BLOCK, commit_keep=KEEP)])),
+        ("after", Release(session_id="a")),
+    ):
+        try:
+            service.run(op)
+        except GroupBroken:
+            outcomes[name] = "GroupBroken"
+    outcomes["broken"] = service.broken
+    return outcomes
+
+
+def test_a_rank_that_fails_an_operation_alone_ends_and_rank_0_does_not_wait_on_it(checkpoint):
+    """A failure every rank meets alike (the operation's own error) keeps the group serving. One
+    that strikes a rank alone may leave the ranks' sessions apart: that rank's process ends, so rank
+    0's forward, waiting on it in an all-reduce, fails as GroupBroken (a 503, not a hang); rank 0
+    then refuses every operation and fails its health check (WorkerRank.ping), and Serve rebuilds
+    the group."""
+    import multiprocessing
+    import queue
+
+    from deployments.workers.worker_service import FAILED_ALONE_EXIT
+    from specdec_core.models.parallel import open_store, report_rank
+
+    store = open_store("127.0.0.1", 2, 600)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    ranks = [
+        context.Process(target=report_rank, args=(results, group_after_failures, rank, 2, store.port, checkpoint))
+        for rank in range(2)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        rank, outcomes = results.get(timeout=240)
+        ranks[1].join(timeout=30)
+    except queue.Empty:
+        pytest.fail("rank 0 is still waiting on rank 1")
+    finally:
+        for process in ranks:
+            process.kill()
+    assert rank == 0, outcomes  # rank 1 went on following
+    assert outcomes["alike"] == "SessionMissing" and outcomes["scored"] == [len(FIRST_BLOCK), TINY_VOCAB]
+    assert outcomes["alone"] == "GroupBroken" and outcomes["after"] == "GroupBroken"
+    assert "gone" in outcomes["broken"]
+    assert ranks[1].exitcode == FAILED_ALONE_EXIT
