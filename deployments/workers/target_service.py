@@ -241,7 +241,7 @@ class TargetService(WorkerService):
 
     def expired(self, session_id: str) -> None:
         super().expired(session_id)
-        if self.scheduler is not None:
+        if self.scheduler is not None and self.broken is None:
             self.scheduler.leave(session_id)
 
     def pool_operation(self, op: Union[Admit, Preempt, Resume]) -> Optional[list[int]]:

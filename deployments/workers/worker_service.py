@@ -13,7 +13,6 @@ from concurrent import futures
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from pydantic import ValidationError
 
 from specdec_core.api.errors import GroupBroken, SpecdecError, check_token_ids
@@ -22,6 +21,7 @@ from specdec_core.api.sampling import SamplingParams
 from specdec_core.planning.memory import kv_bytes_per_token
 from specdec_core.runtime.batching import fix_pool, kv_cache_dtype
 from specdec_core.runtime.kv_pool import BLOCK_SIZE, KVPoolExhausted, blocks_for
+from specdec_core.runtime.model_runner import runner_of
 from specdec_core.target.scorer import PREFILL_CHUNK
 
 from .admission import Admission
@@ -87,15 +87,14 @@ class WorkerService:
         self.max_positions = getattr(target_config, "max_position_embeddings", 1 << 20)
         self.channel = channel
         self.admission = admission
-        self.model = model
         # set: why this rank's group can serve no more (its health check fails: Serve rebuilds it)
         self.broken: Optional[str] = None
         self.kv_bytes_per_token = 0.0
         if model is not None:
-            # this rank's share of the KV heads: its stage's tp ranks (transformers' tp_size), or the group's
-            tp_size = model.tp_size or (channel.size if channel is not None else 1)
+            # this rank's share of the KV heads: its stage's tp ranks, alike on every rank of the group
+            # (every rank's pool then holds as many blocks, so a full pool is full on all of them)
             width = kv_cache_dtype(model).itemsize
-            self.kv_bytes_per_token = kv_bytes_per_token(model.config, tp_size, width)
+            self.kv_bytes_per_token = kv_bytes_per_token(model.config, runner_of(model.model).tp_ranks, width)
             if admission is not None and admission.budget_bytes is not None:
                 fix_pool(model, admission.budget_bytes, self.kv_bytes_per_token)
         self.table = SessionTable(idle_timeout_s, self.on_expire)
@@ -120,14 +119,16 @@ class WorkerService:
         TORCH_THREAD.submit(self.expired, session_id)
 
     def expired(self, session_id: str) -> None:
-        """On the torch thread, in order with the operations: the other ranks release it too."""
-        if self.channel is not None:
+        """On the torch thread, in order with the operations: the other ranks release it too
+        (unless the group is broken: they may be waiting in another operation's collective)."""
+        if self.channel is not None and self.broken is None:
             self.channel.send(Release(session_id=session_id))
 
     def open_session(self, op: Message, extra_bytes_per_token: float = 0.0) -> Any:
         """Admit the session `op` opens (reserving KV memory for the most it can reach, plus what
         it keeps per position beside the model's cache), then `run` `op`; a failed open frees
-        its reservation."""
+        its reservation. A broken group opens none (GroupBroken, not a full budget)."""
+        self.check_unbroken()
         max_len = self.max_len(op.prompt_ids, op.sampling)
         if self.admission is not None:
             self.admission.admit(op.session_id, max_len * (self.kv_bytes_per_token + extra_bytes_per_token))
@@ -164,7 +165,8 @@ class WorkerService:
             raise
         except Exception as error:
             gone = group_gone(error)
-            self.broken = str(gone or f"operation {op.op} failed on rank 0, maybe alone: {error!r}")
+            if self.broken is None:  # the first cause (an operation inside this one may have set it)
+                self.broken = str(gone or f"operation {op.op} failed on rank 0, maybe alone: {error!r}")
             if gone is not None:  # a collective inside it, where a peer died or left meanwhile
                 raise gone from None
             raise
@@ -182,19 +184,27 @@ class WorkerService:
         the group leaves them open), and Serve's health check finds the rank gone."""
         while True:
             try:
-                op = channel.receive()
-            except (RuntimeError, dist.DistError) as error:
-                logger.warning("the group broke: %s", error)
-                self.broken = f"the group broke: {error}"
-                return
+                op = channel.receive()  # one this rank cannot read leaves it out of step
+            except Exception as error:  # noqa: BLE001 - stop_following logs it
+                return self.stop_following(error)
             try:
                 self.apply(op)
             except ALIKE_ON_EVERY_RANK as error:  # rank 0 met the same error on the same op and answered it
                 logger.info("operation %s failed on this rank as on rank 0: %s", op.op, error)
-            except Exception:  # noqa: BLE001 - this rank's state may differ from rank 0's now
-                logger.exception("operation %s failed on this rank, maybe alone: the rank ends", op.op)
-                logging.shutdown()
-                os._exit(FAILED_ALONE_EXIT)
+            except Exception as error:  # noqa: BLE001 - stop_following logs it
+                return self.stop_following(error)
+
+    def stop_following(self, error: Exception) -> None:
+        """A follower's end: where the group is gone (rank 0 or a peer), marked broken (its health
+        check fails, and Serve rebuilds the group); else it is out of step, and its process ends."""
+        gone = group_gone(error)
+        if gone is not None:
+            logger.warning("the group broke: %s", error)
+            self.broken = str(gone)
+            return
+        logger.error("this rank failed alone, maybe: it ends", exc_info=error)
+        logging.shutdown()
+        os._exit(FAILED_ALONE_EXIT)
 
     def apply(self, op: Message) -> Any:
         """Carry out an operation on this rank's model (on the torch thread)."""
