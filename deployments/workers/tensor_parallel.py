@@ -17,6 +17,11 @@ from specdec_core.api.errors import GroupBroken
 from .worker_ops import Message, operation_from_json
 
 
+def peer_gone(error: BaseException) -> GroupBroken:
+    """The group broken by `error`, a collective's failure on a rank that is gone."""
+    return GroupBroken(f"a rank of the group is gone: {error}")
+
+
 def group_gone(error: BaseException) -> Optional[GroupBroken]:
     """What a failed collective inside an operation stands for where a peer rank is gone (killed
     mid-forward: its all-reduce breaks, not the operation's send): torch.distributed's own errors,
@@ -24,7 +29,7 @@ def group_gone(error: BaseException) -> Optional[GroupBroken]:
     if isinstance(error, GroupBroken):
         return error
     if isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/transport" in str(error)):
-        return GroupBroken(f"a rank of the group is gone: {error}")
+        return peer_gone(error)
     return None
 
 
@@ -41,7 +46,7 @@ class ControlChannel:
             dist.broadcast(torch.tensor([payload.numel()]), src=0, group=self.group)
             dist.broadcast(payload, src=0, group=self.group)
         except (RuntimeError, dist.DistError) as error:
-            raise GroupBroken(f"a rank of the group is gone: {error}") from None
+            raise peer_gone(error) from None  # a broadcast of rank 0's fails only on a gone peer
 
     def smallest(self, value: float) -> float:
         """The smallest of every rank's `value` (every rank calls it at the same point)."""

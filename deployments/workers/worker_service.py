@@ -31,6 +31,7 @@ from .tensor_parallel import ControlChannel, group_gone
 from .worker_ops import Message, Release
 
 logger = logging.getLogger(__name__)
+
 # All torch work of a worker process runs on this one thread: every operation on the model
 # (the handlers, on gRPC's pool, check their input and hand the work over) and model loading. It
 # keeps one forward at a time on the shared model (the target's steps batch sessions), and it
